@@ -1,0 +1,73 @@
+"""onceonly: make the side-effecting tool calls of AI agents happen exactly once.
+
+A timeout is not a failure: the outcome is unknown. onceonly settles every unknown with an
+idempotency key or by asking the other side, never by guessing.
+
+    import onceonly
+
+    ledger = onceonly.Ledger.open("sqlite:///onceonly.db")
+
+    @ledger.tool(key=("session_id", "title"), on_unknown="probe", probe=find_ticket)
+    def create_ticket(session_id: str, title: str, body: str, *, idempotency_key: str) -> dict: ...
+"""
+
+from __future__ import annotations
+
+from onceonly.errors import (
+    AttemptsExhausted,
+    InProgress,
+    InvalidKey,
+    KeyConflict,
+    NotSerializable,
+    OnceOnlyError,
+    OutcomeUnknown,
+    StoreCorrupt,
+    StoreError,
+    StoreUnavailable,
+)
+from onceonly.events import TransitionEvent
+from onceonly.guard import NOT_FOUND, Outcome
+from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
+from onceonly.ledger import AsyncTool, CallInfo, Ledger, Tool, amark_sent, current_call, mark_sent
+from onceonly.policy import Classification, Retry, Verdict, classify
+from onceonly.states import Record, State
+from onceonly.stores import Query, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NOT_FOUND",
+    "AsyncTool",
+    "AttemptsExhausted",
+    "CallInfo",
+    "Classification",
+    "InProgress",
+    "InvalidKey",
+    "KeyConflict",
+    "Ledger",
+    "NotSerializable",
+    "OnceOnlyError",
+    "Outcome",
+    "OutcomeUnknown",
+    "Query",
+    "Record",
+    "Retry",
+    "State",
+    "Store",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreUnavailable",
+    "Tool",
+    "TransitionEvent",
+    "Verdict",
+    "__version__",
+    "amark_sent",
+    "canonical_json",
+    "classify",
+    "current_call",
+    "mark_sent",
+    "normalize_number",
+    "normalize_text",
+    "normalize_whitespace",
+    "open_store",
+]

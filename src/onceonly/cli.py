@@ -1,0 +1,179 @@
+"""The ``onceonly`` command: the demo and the operations on a ledger (ls, show, resolve, stats, purge)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+try:
+    import click
+    from rich.console import Console
+    from rich.table import Table
+except ImportError as exc:  # pragma: no cover - the cli extra is not installed
+    _MISSING_CLI: ImportError | None = exc
+else:
+    _MISSING_CLI = None
+
+from onceonly.errors import OnceOnlyError
+from onceonly.ledger import DEFAULT_URL, Ledger
+from onceonly.states import State
+
+
+def main() -> None:
+    """Entry point of the ``onceonly`` script."""
+    if _MISSING_CLI is not None:  # pragma: no cover
+        sys.stderr.write(f"the onceonly command needs its extra: pip install 'onceonly[cli]' ({_MISSING_CLI})\n")
+        sys.exit(2)
+    cli()
+
+
+if _MISSING_CLI is None:
+    _url_option = click.option(
+        "--url",
+        envvar="ONCEONLY_URL",
+        default=DEFAULT_URL,
+        show_default=True,
+        help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
+    )
+
+    def _open(url: str) -> Ledger:
+        try:
+            return Ledger.open(url)
+        except (OnceOnlyError, ValueError, ImportError) as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    def _when(ts: float | None) -> str:
+        return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+    @click.group()
+    @click.version_option(package_name="onceonly")
+    def cli() -> None:
+        """onceonly: make the side-effecting tool calls of AI agents happen exactly once."""
+
+    @cli.command()
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+    def demo(as_json: bool) -> None:
+        """A timed-out tool call, settled without a duplicate (embedded: no servers needed)."""
+        from onceonly._demo_basic import run_basic_demo
+
+        result = run_basic_demo()
+        if as_json:
+            click.echo(json.dumps(result, indent=2))
+            return
+        console = Console()
+        console.print(
+            "[bold]A tool creates a ticket, then its answer is lost[/bold] (the call times out after the "
+            "ticket was written). The agent calls again."
+        )
+        table = Table(title="what happened")
+        for col in ("strategy", "calls made", "tickets created", "duplicates", "result returned"):
+            table.add_column(col)
+        for row in result["strategies"]:
+            table.add_row(
+                row["name"], str(row["calls"]), str(row["created"]), str(row["duplicates"]), str(row["returned"])
+            )
+        console.print(table)
+        console.print(f"ledger history of the onceonly call: {result['history']}")
+
+    @cli.command("ls")
+    @_url_option
+    @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]))
+    @click.option("--tool", default=None)
+    @click.option("--scope", default=None)
+    @click.option("--limit", default=50, show_default=True)
+    @click.option("--json", "as_json", is_flag=True)
+    def ls(url: str, states: tuple[str, ...], tool: str | None, scope: str | None, limit: int, as_json: bool) -> None:
+        """List records."""
+        ledger = _open(url)
+        try:
+            records = ledger.list(state=list(states) or None, tool=tool, scope=scope, limit=limit)
+        finally:
+            ledger.close()
+        if as_json:
+            click.echo(json.dumps([r.to_dict() for r in records], indent=2))
+            return
+        table = Table(title=f"{len(records)} record(s) in {url}")
+        for col in ("key", "state", "tool", "attempts", "updated", "via / error"):
+            table.add_column(col, overflow="fold")
+        for r in records:
+            table.add_row(r.key, r.state.value, r.tool, str(r.attempts), _when(r.updated_at), r.via or r.error or "")
+        Console().print(table)
+
+    @cli.command()
+    @_url_option
+    @click.argument("key")
+    def show(url: str, key: str) -> None:
+        """Show one record with its history, as JSON."""
+        ledger = _open(url)
+        try:
+            rec = ledger.get(key)
+        finally:
+            ledger.close()
+        if rec is None:
+            raise click.ClickException(f"no record with key {key!r}")
+        click.echo(json.dumps(rec.to_dict(), indent=2, ensure_ascii=False))
+
+    @cli.command()
+    @_url_option
+    @click.argument("key")
+    @click.option("--confirmed", "confirmed", default=None, help="It happened: its result, as JSON.")
+    @click.option("--failed", "failed", default=None, help="It did not happen: the reason.")
+    @click.option("--reset", is_flag=True, help="With --failed: set attempts back to 0 so it may run again.")
+    @click.option("--by", default=None, help="Who resolves it (default: $USER).")
+    @click.option("--why", default=None, help="Why: kept in the record's history.")
+    def resolve(
+        url: str, key: str, confirmed: str | None, failed: str | None, reset: bool, by: str | None, why: str | None
+    ) -> None:
+        """Settle a record by hand: --confirmed JSON or --failed REASON."""
+        if (confirmed is None) == (failed is None):
+            raise click.UsageError("give exactly one of --confirmed JSON or --failed REASON")
+        kwargs: dict[str, Any] = {"by": by, "why": why}
+        if confirmed is not None:
+            try:
+                kwargs["confirmed"] = json.loads(confirmed)
+            except json.JSONDecodeError as exc:
+                raise click.UsageError(f"--confirmed takes JSON ({exc}); quote a string as '\"text\"'") from exc
+        else:
+            kwargs["failed"] = failed
+            kwargs["reset"] = reset
+        ledger = _open(url)
+        try:
+            rec = ledger.resolve(key, **kwargs)
+        except (OnceOnlyError, KeyError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        finally:
+            ledger.close()
+        click.echo(f"{key}: {rec.state.value}")
+
+    @cli.command()
+    @_url_option
+    @click.option("--json", "as_json", is_flag=True)
+    def stats(url: str, as_json: bool) -> None:
+        """How many records are in each state."""
+        ledger = _open(url)
+        try:
+            counts = ledger.stats()
+        finally:
+            ledger.close()
+        if as_json:
+            click.echo(json.dumps(counts))
+            return
+        table = Table(title=url)
+        table.add_column("state")
+        table.add_column("records", justify="right")
+        for state, n in counts.items():
+            table.add_row(state, str(n))
+        Console().print(table)
+
+    @cli.command()
+    @_url_option
+    def purge(url: str) -> None:
+        """Delete settled records whose ttl passed (unknown and needs_review are kept)."""
+        ledger = _open(url)
+        try:
+            removed = ledger.purge()
+        finally:
+            ledger.close()
+        click.echo(f"removed {removed} expired record(s)")

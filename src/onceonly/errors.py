@@ -1,0 +1,152 @@
+"""The error tree. Every error onceonly raises is an ``OnceOnlyError``.
+
+    OnceOnlyError
+    ├── InProgress             another caller holds the operation; its outcome is not known yet
+    ├── OutcomeUnknown         the operation may have happened; a probe or a person must settle it
+    ├── KeyConflict            the same key was used with other arguments
+    ├── AttemptsExhausted      the persisted attempt limit was reached
+    ├── InvalidKey             a key, scope or tool name that cannot be stored (also ValueError)
+    ├── NotSerializable        an argument or result that has no canonical JSON form (also TypeError)
+    └── StoreError             the ledger's store failed (infrastructure, not an outcome)
+        ├── StoreUnavailable   the store could not be reached; what was written is unknown
+        └── StoreCorrupt       the store's data is not an onceonly ledger, or is damaged
+
+The first four are outcomes a caller must handle; ``StoreError`` is infrastructure. A tool's own
+exception for a definite failure is re-raised unchanged, never wrapped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from onceonly.states import Record
+
+__all__ = [
+    "AttemptsExhausted",
+    "InProgress",
+    "InvalidKey",
+    "KeyConflict",
+    "NotSerializable",
+    "OnceOnlyError",
+    "OutcomeUnknown",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreUnavailable",
+]
+
+
+class OnceOnlyError(Exception):
+    """Root of every onceonly error.
+
+    .. versionadded:: 0.1
+    """
+
+
+class _RecordError(OnceOnlyError):
+    """An outcome error about one ledger record; carries the record as it was read."""
+
+    def __init__(self, message: str, *, key: str, record: Record | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.record = record
+
+    @property
+    def state(self) -> str | None:
+        return self.record.state.value if self.record is not None else None
+
+
+class InProgress(_RecordError):
+    """Another caller holds the lease on this key and did not finish within ``wait`` seconds.
+
+    .. versionadded:: 0.1
+    """
+
+
+class OutcomeUnknown(_RecordError):
+    """The operation may or may not have happened and could not be settled automatically.
+
+    The record is ``unknown`` (a probe failed; the reconciler will retry) or ``needs_review``
+    (parked for a person: ``onceonly resolve KEY --confirmed JSON | --failed REASON``).
+
+    .. versionadded:: 0.1
+    """
+
+
+class KeyConflict(_RecordError):
+    """The key matches an earlier call whose other arguments differ.
+
+    Attributes:
+        fingerprint: the fingerprint of the arguments of this call.
+        conflicting_record: the earlier record (the same as ``record``).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, message: str, *, key: str, record: Record | None, fingerprint: str) -> None:
+        super().__init__(message, key=key, record=record)
+        self.fingerprint = fingerprint
+        self.conflicting_record = record
+
+
+class AttemptsExhausted(_RecordError):
+    """The persisted attempt limit for this key was reached without a definite outcome.
+
+    Attributes:
+        last_exception: the exception of the last attempt, when this caller saw it.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str,
+        record: Record | None = None,
+        last_exception: BaseException | None = None,
+    ) -> None:
+        super().__init__(message, key=key, record=record)
+        self.last_exception = last_exception
+
+
+class InvalidKey(OnceOnlyError, ValueError):
+    """A key, scope or tool name that is empty, too long, or has whitespace or control characters.
+
+    .. versionadded:: 0.1
+    """
+
+
+class NotSerializable(OnceOnlyError, TypeError):
+    """A value with no canonical JSON form. ``path`` names the field, as ``args.order.items[2]``.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, message: str, *, path: str, value: Any = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.value_type = type(value).__name__
+
+
+class StoreError(OnceOnlyError):
+    """The ledger's store failed. Not an outcome of the operation.
+
+    .. versionadded:: 0.1
+    """
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached, or timed out; whether the last write landed is unknown.
+
+    .. versionadded:: 0.1
+    """
+
+
+class StoreCorrupt(StoreError):
+    """The store holds data that is not an onceonly ledger of a known schema, or is damaged.
+
+    Nothing is changed in it: open another path, or move the file away.
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,625 @@
+"""The guard's decisions, as a generator of actions. No I/O: the drivers in ``ledger.py`` do it.
+
+``plan()`` yields what it needs done (read a record, compare-and-set one, run the tool, run the
+probe, sleep) and receives each answer; it returns the ``Outcome`` or raises. The sync driver and
+the async driver are two short loops over the same plan, so both have exactly one semantics.
+
+The shape of one call:
+
+    read ──absent──▶ claim (insert) ──▶ run ──ok──▶ confirm ──▶ result
+      │                                  │
+      ├─confirmed──▶ replay              ├─not sent / not executed ─▶ failed, backoff ─▶ read…
+      ├─held───────▶ wait ─lease gone─▶ unknown    ├─definite failure ─▶ failed, re-raise
+      ├─unknown────▶ settle: probe | resend | retry | review     └─unknown ─▶ unknown ─▶ settle…
+      ├─failed─────▶ reclaim while attempts remain, else abandoned
+      └─needs_review / abandoned ─▶ raise
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from onceonly import states as st
+from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, NotSerializable, OutcomeUnknown, StoreError
+from onceonly.keys import canonical_json
+from onceonly.policy import Classification, Classifier, Retry, Verdict, classify
+from onceonly.states import HELD, Record, State
+
+__all__ = [
+    "NOT_FOUND",
+    "Call",
+    "Execute",
+    "Executed",
+    "Get",
+    "Insert",
+    "Outcome",
+    "Policy",
+    "Probe",
+    "Probed",
+    "Sleep",
+    "Swap",
+    "WaitChange",
+    "late_outcome",
+    "plan",
+]
+
+log = logging.getLogger("onceonly")
+
+OnUnknown = Literal["resend", "probe", "review", "retry"]
+OnConflict = Literal["raise", "replay"]
+
+
+class _NotFound:
+    """The probe's answer when the operation did not happen."""
+
+    _instance: _NotFound | None = None
+
+    def __new__(cls) -> _NotFound:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "onceonly.NOT_FOUND"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+#: What a probe returns when it finds no trace of the operation.
+NOT_FOUND: Any = _NotFound()
+
+
+# --- actions the plan yields, and what the drivers send back ----------------------------------
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Get:
+    key: str
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Insert:
+    record: Record
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Swap:
+    record: Record
+    expected: Record  # written only if the stored version is still expected.version
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Execute:
+    """Run the tool while holding ``record``'s lease; answered with ``Executed``."""
+
+    record: Record
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Executed:
+    value: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    record: Record | None = None  # the held record as the driver last wrote it (heartbeats)
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Probe:
+    record: Record
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Probed:
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Sleep:
+    seconds: float
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class WaitChange:
+    key: str
+    version: int
+    seconds: float
+
+
+Action = Get | Insert | Swap | Execute | Probe | Sleep | WaitChange
+Plan = Generator[Action, Any, "Outcome"]
+
+
+@dataclass(slots=True)  # not frozen: one per call; treat it as immutable
+class Outcome:
+    """What a guarded call returns with ``.outcome(...)``.
+
+    Attributes:
+        result: the tool's result (on a replay: the recorded one, decoded from JSON).
+        key: the ledger key of the operation.
+        state: the record's state (``confirmed``).
+        replayed: ``True`` when this call did not run the tool itself.
+        attempts: attempts recorded for the operation.
+        via: how the outcome was settled: ``run``, ``probe``, ``resolve``, ``late:N``.
+        fence: the fencing token of the attempt that produced it.
+        conflict: ``True`` when other arguments were replayed (``on_conflict="replay"``).
+
+    .. versionadded:: 0.1
+    """
+
+    result: Any
+    key: str
+    state: State
+    replayed: bool
+    attempts: int
+    via: str | None = None
+    fence: int = 0
+    conflict: bool = False
+    settled_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A tool's settings that shape its decisions (the decorator's keyword arguments)."""
+
+    retry: Retry = field(default_factory=Retry)
+    on_unknown: OnUnknown = "review"
+    on_conflict: OnConflict = "raise"
+    has_probe: bool = False
+    settle: float = 0.0
+    ttl: float | None = 86400.0
+    lease: float = 30.0
+    wait: float = 10.0
+    reports_dispatch: bool = False
+    classify: Classifier | None = None
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Call:
+    """One guarded call: who asks, for which key, with which arguments."""
+
+    key: str
+    scope: str
+    tool: str
+    fingerprint: str
+    args_json: str
+    owner: str
+    policy: Policy
+    clock: Callable[[], float]
+    rng: random.Random
+
+
+def encode_result(value: Any, key: str) -> str:
+    """The stored form of a result. One that has no JSON form is kept as a described marker, since the
+    side effect happened: losing the record would be worse than losing the value's type."""
+    try:
+        return canonical_json(value, path="result")
+    except NotSerializable as exc:
+        log.warning("onceonly %s: result is not JSON-serialisable (%s); a description is recorded", key, exc)
+        return canonical_json({"$unserializable": type(value).__name__, "repr": repr(value)[:2000]})
+
+
+def _err_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Record | None]]:
+    """Compare-and-set ``old`` → ``new``. Returns (written, the record as it now is).
+
+    If the store fails mid-write the write may or may not have landed: re-read, never guess. Our
+    write landed exactly when the stored record is ours (same version and history).
+    """
+    try:
+        ok = yield Swap(new, old)
+    except StoreError:
+        now_rec = yield Get(new.key)
+        landed = (
+            now_rec is not None and now_rec.version == new.version and now_rec.history_json == new.history_json
+        )
+        return landed, now_rec
+    if ok:
+        return True, new
+    current = yield Get(new.key)
+    return False, current
+
+
+def _outcome(rec: Record, *, replayed: bool, value: Any = None, use_value: bool = False, conflict: bool = False) -> Outcome:
+    return Outcome(
+        result=value if use_value else rec.result,
+        key=rec.key,
+        state=rec.state,
+        replayed=replayed,
+        attempts=rec.attempts,
+        via=rec.via,
+        fence=rec.fence,
+        conflict=conflict,
+        settled_at=rec.updated_at,
+    )
+
+
+def _message(rec: Record, what: str, nxt: str) -> str:
+    return f"{what} (key {rec.key!r}, state {rec.state.value}, attempt {rec.attempts}): {nxt}"
+
+
+def plan(call: Call) -> Plan:
+    """Decide one guarded call. Yields actions; returns an ``Outcome`` or raises.
+
+    .. versionadded:: 0.1
+    """
+    p = call.policy
+    key = call.key
+    owner = call.owner
+    deadline = call.clock() + p.wait
+    poll = 0.002
+    last_exc: BaseException | None = None
+    waited_version: int | None = None  # the unknown record whose settle/backoff wait we already did
+    conflict = False
+    held_state = State.PENDING if p.reports_dispatch else State.IN_FLIGHT
+
+    rec: Record | None = yield Get(key)
+    while True:
+        now = call.clock()
+
+        # --- claim a key nobody holds --------------------------------------------------------
+        if rec is None:
+            new = st.new_record(
+                key=key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
+                args_json=call.args_json, state=held_state, owner=owner, now=now, lease_seconds=p.lease,
+            )  # fmt: skip
+            try:
+                inserted = yield Insert(new)
+            except StoreError:
+                # Did the insert land before the store failed? Only the record can say.
+                cur = yield Get(key)
+                inserted = cur is not None and cur.lease_owner == owner and cur.history_json == new.history_json
+            if not inserted:
+                rec = yield Get(key)
+                continue
+            rec = new
+        elif rec.state is State.CONFIRMED and rec.is_expired(now):
+            new = st.renew(rec, owner=owner, now=now, lease_seconds=p.lease, reason="expired record claimed again")
+            new = st.replace_args(new, fingerprint=call.fingerprint, args_json=call.args_json)
+            ok, rec = yield from _write(rec, new)
+            if not ok:
+                continue
+        else:
+            # --- an existing record: same operation? -------------------------------------------
+            if rec.fingerprint != call.fingerprint:
+                if p.on_conflict == "raise":
+                    raise KeyConflict(
+                        _message(
+                            rec,
+                            "this key was used before with other arguments",
+                            "the earlier arguments are in the record's args; if the new call is a "
+                            "different operation, give it another key or occurrence; if it is the same "
+                            "operation re-worded, use on_conflict='replay' or a normaliser",
+                        ),
+                        key=key,
+                        record=rec,
+                        fingerprint=call.fingerprint,
+                    )
+                conflict = True
+                if rec.state is State.CONFIRMED:
+                    noted = st.transition(
+                        rec, rec.state, now=now, reason=f"replayed for other arguments: {call.args_json[:500]}",
+                        by=owner,
+                    )  # fmt: skip
+                    ok, cur = yield from _write(rec, noted)
+                    if not ok:
+                        rec = cur
+                        continue
+                    return _outcome(rec, replayed=True, conflict=True)
+
+            state = rec.state
+            if state is State.CONFIRMED:
+                return _outcome(rec, replayed=True, conflict=conflict)
+
+            if state in HELD:
+                if not rec.lease_expired(now):
+                    if now >= deadline:
+                        raise InProgress(
+                            _message(
+                                rec,
+                                f"another caller ({rec.lease_owner}) is running this operation",
+                                f"its lease runs {max(0.0, (rec.lease_until or now) - now):.1f}s more; call "
+                                "again later to get its result (it will not run twice)",
+                            ),
+                            key=key,
+                            record=rec,
+                        )
+                    pause = min(poll, (rec.lease_until or now) - now, max(deadline - now, 0.0)) + 0.0005
+                    poll = min(poll * 2, 0.1)
+                    yield WaitChange(key, rec.version, pause)
+                    rec = yield Get(key)
+                    continue
+                if state is State.PENDING:
+                    # Nothing was sent: the holder died before dispatch. Safe to run again.
+                    if rec.attempts >= p.retry.attempts:
+                        yield from _give_up(rec, owner, now, "attempts exhausted before dispatch", last_exc)
+                    new = _reclaim(rec, call, held_state, now, f"lease of {rec.lease_owner} expired before dispatch")
+                    ok, rec = yield from _write(rec, new)
+                    if not ok:
+                        continue
+                else:
+                    # The holder may have sent it and died: the outcome is unknown now, and this
+                    # caller settles it rather than waiting on a dead holder.
+                    new = st.mark_unknown(rec, now=now, reason=f"lease of {rec.lease_owner} expired", by=owner)
+                    _, rec = yield from _write(rec, new)
+                    continue
+
+            elif state is State.UNKNOWN:
+                settled = yield from _settle(rec, call, now, waited_version, last_exc, held_state)
+                if isinstance(settled, Outcome):
+                    return settled
+                if isinstance(settled, int):  # we waited; read again and settle this version
+                    waited_version = settled
+                    rec = yield Get(key)
+                    continue
+                ok, rec = settled
+                if not ok:
+                    continue
+
+            elif state is State.FAILED:
+                if rec.attempts >= p.retry.attempts:
+                    yield from _give_up(rec, owner, now, "attempts exhausted", last_exc)
+                if rec.next_attempt_at is not None and rec.next_attempt_at > now:
+                    yield Sleep(rec.next_attempt_at - now)
+                    rec = yield Get(key)
+                    continue
+                new = _reclaim(rec, call, held_state, now, "retry after failure")
+                ok, rec = yield from _write(rec, new)
+                if not ok:
+                    continue
+
+            elif state is State.NEEDS_REVIEW:
+                raise OutcomeUnknown(
+                    _message(
+                        rec,
+                        "this operation is waiting for a person to settle it",
+                        f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON "
+                        "| --failed REASON",
+                    ),
+                    key=key,
+                    record=rec,
+                ) from last_exc
+
+            else:  # ABANDONED
+                raise AttemptsExhausted(
+                    _message(
+                        rec,
+                        "this operation used all its attempts",
+                        f"fix the cause ({rec.error or 'see the history'}), then reset it: "
+                        f"onceonly resolve '{key}' --failed REASON --reset",
+                    ),
+                    key=key,
+                    record=rec,
+                    last_exception=last_exc,
+                )
+
+        # --- we hold the lease on rec: run one attempt ----------------------------------------
+        assert rec is not None and rec.state in HELD and rec.lease_owner == owner
+        ran = yield Execute(rec)
+        rec = ran.record or rec
+        if ran.error is None and not ran.timed_out:
+            return (yield from _settle_success(rec, call, ran.value))
+
+        now = call.clock()
+        if ran.timed_out:
+            verdict = Classification(Verdict.UNKNOWN, None, "attempt timed out (it runs on; a late result counts)")
+            last_exc = TimeoutError(verdict.reason)
+        else:
+            assert ran.error is not None
+            last_exc = ran.error
+            verdict = classify(ran.error, p.classify)
+            if rec.state is State.PENDING and verdict.verdict is Verdict.UNKNOWN:
+                # The tool said it had not dispatched yet: nothing can have happened.
+                verdict = Classification(Verdict.NOT_SENT, None, f"{verdict.reason} before dispatch")
+
+        if verdict.verdict is Verdict.UNKNOWN:
+            new = st.mark_unknown(rec, now=now, reason=verdict.reason or _err_text(last_exc), by=owner)
+            _, rec = yield from _write(rec, new)
+            continue
+
+        error = _err_text(last_exc)
+        if verdict.verdict is Verdict.FAILED:
+            new = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner)
+            yield from _write(rec, new)
+            raise last_exc
+
+        # Not sent, or refused before execution: safe to try again after a backoff, while attempts last.
+        if rec.attempts >= p.retry.attempts:
+            failed = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner)
+            ok, cur = yield from _write(rec, failed)
+            if ok:
+                yield from _give_up(failed, owner, now, f"attempts exhausted: {error}", last_exc)
+            rec = cur
+            continue
+        wait = p.retry.backoff(rec.attempts, call.rng, floor=verdict.retry_after)
+        new = st.fail(rec, error=error, now=now, retry_at=now + wait, ttl=p.ttl, by=owner)
+        ok, rec = yield from _write(rec, new)
+        if ok:
+            yield Sleep(wait)
+            rec = yield Get(key)
+
+
+def _reclaim(rec: Record, call: Call, state: State, now: float, reason: str) -> Record:
+    new = st.claim_again(rec, state=state, owner=call.owner, now=now, lease_seconds=call.policy.lease, reason=reason)
+    if new.fingerprint != call.fingerprint:
+        new = st.replace_args(new, fingerprint=call.fingerprint, args_json=call.args_json)
+    return new
+
+
+def _give_up(
+    rec: Record | None, owner: str, now: float, reason: str, last_exc: BaseException | None
+) -> Generator[Action, Any, None]:
+    """Move a failed (or never-dispatched) record to ``abandoned`` and raise ``AttemptsExhausted``."""
+    if rec is not None and rec.state in (State.FAILED, State.PENDING):
+        new = st.abandon(rec, now=now, reason=reason, by=owner)
+        ok, cur = yield from _write(rec, new)
+        rec = new if ok else cur
+    assert rec is not None
+    raise AttemptsExhausted(
+        _message(
+            rec,
+            f"gave up after {rec.attempts} attempts",
+            f"the last error was {last_exc!r}; fix the cause, then reset it: "
+            f"onceonly resolve '{rec.key}' --failed REASON --reset",
+        ),
+        key=rec.key,
+        record=rec,
+        last_exception=last_exc,
+    ) from last_exc
+
+
+def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, Any, Outcome]:
+    """Record the result of our attempt. A record that moved on meanwhile takes it as a late outcome."""
+    result_json = encode_result(value, rec.key)
+    now = call.clock()
+    new = st.confirm(rec, result_json=result_json, now=now, ttl=call.policy.ttl, via="run", by=call.owner)
+    try:
+        ok = yield Swap(new, rec)  # the happy path's second write, without _write's extra generator
+    except StoreError:
+        ok = False
+    if ok:
+        return _outcome(new, replayed=False, value=value, use_value=True)
+    cur = yield Get(rec.key)
+    if cur is not None and cur.version == new.version and cur.history_json == new.history_json:
+        return _outcome(cur, replayed=False, value=value, use_value=True)  # it landed before the error
+    while cur is not None:
+        # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
+        # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
+        new = st.late_success(cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner)
+        ok, again = yield from _write(cur, new)
+        if ok:
+            mine = new.result_json == result_json and new.state is State.CONFIRMED
+            return _outcome(new, replayed=not mine, value=value, use_value=mine)
+        cur = again
+    raise OutcomeUnknown(
+        f"the tool ran (key {rec.key!r}) but its record was deleted before the result was written; "
+        "the side effect happened: check it before calling again",
+        key=rec.key,
+        record=None,
+    )
+
+
+def _settle(
+    rec: Record,
+    call: Call,
+    now: float,
+    waited_version: int | None,
+    last_exc: BaseException | None,
+    held_state: State,
+) -> Generator[Action, Any, Outcome | int | tuple[bool, Record | None]]:
+    """Settle an ``unknown`` record per ``on_unknown``. Returns an Outcome, a version we waited on
+    (read again), or the result of writing a reclaim (then run the attempt)."""
+    p = call.policy
+    owner = call.owner
+    strategy = p.on_unknown
+
+    if strategy == "review":
+        parked = st.park(rec, now=now, reason="outcome unknown; on_unknown='review'", by=owner)
+        ok, cur = yield from _write(rec, parked)
+        if not ok:
+            return (False, cur)  # someone else moved it: look again
+        raise OutcomeUnknown(
+            _message(
+                parked,
+                "the outcome is unknown and this tool settles unknowns by review",
+                f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
+            ),
+            key=rec.key,
+            record=parked,
+        ) from last_exc
+
+    if strategy == "probe":
+        if waited_version != rec.version and rec.updated_at + p.settle > now:
+            # Give the other side time to finish what it may still be doing before asking it.
+            yield Sleep(rec.updated_at + p.settle - now)
+            return rec.version
+        probed = yield Probe(rec)
+        now = call.clock()
+        if probed.error is not None:
+            raise OutcomeUnknown(
+                _message(
+                    rec,
+                    f"the outcome is unknown and the probe failed ({_err_text(probed.error)})",
+                    "the record stays unknown; the reconciler (onceonly reconcile) will probe it again",
+                ),
+                key=rec.key,
+                record=rec,
+            ) from probed.error
+        if probed.value is not NOT_FOUND:
+            done = st.confirm(
+                rec, result_json=encode_result(probed.value, rec.key), now=now, ttl=p.ttl, via="probe", by=owner
+            )
+            ok, cur = yield from _write(rec, done)
+            if ok:
+                return _outcome(done, replayed=True)
+            return (False, cur)
+        # Not found: it did not happen. Run it again while attempts remain.
+        if rec.attempts >= p.retry.attempts:
+            failed = st.fail(rec, error="probe: not found", now=now, retry_at=None, ttl=p.ttl, by=owner)
+            ok, cur = yield from _write(rec, failed)
+            if not ok:
+                return (False, cur)
+            yield from _give_up(failed, owner, now, "attempts exhausted; the probe found nothing", last_exc)
+        new = _reclaim(rec, call, held_state, now, "probe: not found")
+        return (yield from _write(rec, new))
+
+    # resend (the other side honours the key) or retry (the tool is idempotent by nature).
+    if rec.attempts >= p.retry.attempts:
+        parked = st.park(rec, now=now, reason=f"attempts exhausted with the outcome unknown ({strategy})", by=owner)
+        ok, cur = yield from _write(rec, parked)
+        if not ok:
+            return (False, cur)
+        raise OutcomeUnknown(
+            _message(
+                parked,
+                "all attempts ended with an unknown outcome",
+                f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
+            ),
+            key=rec.key,
+            record=parked,
+        ) from last_exc
+    if waited_version != rec.version:
+        wait = rec.updated_at + p.retry.backoff(rec.attempts, call.rng) - now
+        if wait > 0:
+            yield Sleep(wait)
+            return rec.version
+    new = _reclaim(rec, call, held_state, now, f"{strategy} after unknown outcome")
+    return (yield from _write(rec, new))
+
+
+def late_outcome(
+    call: Call, fence: int, value: Any = None, error: BaseException | None = None
+) -> Generator[Action, Any, Record | None]:
+    """The outcome of attempt ``fence`` that arrived after its caller stopped waiting (a timeout, a
+    cancelled caller). A success is never dropped: it confirms the record, or is counted as a
+    conflict on a record settled otherwise. A definite failure settles the record only while it is
+    still the unknown of that very attempt.
+
+    .. versionadded:: 0.1
+    """
+    result_json = None if error is not None else encode_result(value, call.key)
+    while True:
+        rec = yield Get(call.key)
+        if rec is None:
+            log.warning("onceonly %s: late outcome of attempt %d for a record that is gone", call.key, fence)
+            return None
+        now = call.clock()
+        if error is None:
+            new = st.late_success(rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner)
+        else:
+            verdict = classify(error, call.policy.classify)
+            same_attempt = rec.fence == fence and rec.state in (State.UNKNOWN, *HELD)
+            if verdict.verdict is Verdict.UNKNOWN or not same_attempt:
+                return rec
+            new = st.fail(rec, error=_err_text(error), now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner)
+        ok = yield Swap(new, rec)
+        if ok:
+            return new

@@ -1,0 +1,384 @@
+"""Ledger records, their states and every transition between them. Pure, no I/O.
+
+A store applies a transition as a compare-and-set on ``version``: read a record, compute the next one
+here, write it only if nobody wrote in between. Each function returns a new ``Record``; none mutates.
+DESIGN.md section 3 is the contract; ``ALLOWED`` below is that table in code.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from json.encoder import encode_basestring as _quote  # type: ignore[attr-defined]
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "ALLOWED",
+    "HISTORY_LIMIT",
+    "SETTLED",
+    "UNSETTLED",
+    "IllegalTransition",
+    "Record",
+    "State",
+    "new_record",
+    "transition",
+]
+
+
+class State(enum.Enum):
+    """The state of one ledger record.
+
+    .. versionadded:: 0.1
+    """
+
+    PENDING = "pending"  # claimed; the tool said nothing was sent yet: a crash here is safe to retry
+    IN_FLIGHT = "in_flight"  # claimed; the side effect may have started
+    CONFIRMED = "confirmed"  # done, result recorded
+    FAILED = "failed"  # definitely did not happen
+    UNKNOWN = "unknown"  # sent, outcome unknown: must be settled, never re-run blindly
+    NEEDS_REVIEW = "needs_review"  # parked for a person
+    ABANDONED = "abandoned"  # attempts exhausted
+
+
+#: States in which a caller holds a lease.
+HELD = frozenset({State.PENDING, State.IN_FLIGHT})
+#: States whose side effect may have happened without a recorded outcome.
+UNSETTLED = frozenset({State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEEDS_REVIEW})
+SETTLED = frozenset({State.CONFIRMED, State.FAILED, State.ABANDONED})
+
+# from → the states it may move to. A claim of a new key has no "from". CONFIRMED → IN_FLIGHT/PENDING
+# only happens once the record expired (its ttl passed): a fresh claim replaces it.
+ALLOWED: Mapping[State, frozenset[State]] = {
+    State.PENDING: frozenset(
+        {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.UNKNOWN, State.ABANDONED}
+    ),
+    State.IN_FLIGHT: frozenset({State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.UNKNOWN}),
+    State.UNKNOWN: frozenset(
+        {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.NEEDS_REVIEW, State.ABANDONED}
+    ),
+    State.NEEDS_REVIEW: frozenset({State.CONFIRMED, State.FAILED}),
+    State.FAILED: frozenset({State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.ABANDONED}),
+    State.ABANDONED: frozenset({State.CONFIRMED, State.FAILED}),
+    State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT}),
+}
+
+#: How many transitions a record keeps in its history; older ones are dropped.
+HISTORY_LIMIT = 32
+
+
+class IllegalTransition(ValueError):
+    """A transition the state table does not allow: a bug in the caller, never an outcome."""
+
+
+@dataclass(slots=True)
+class Record:
+    """One ledger record: one logical operation.
+
+    ``result_json``, ``args_json`` and ``history_json`` hold JSON text as stored, so the hot path never
+    decodes what it does not read. ``result``, ``args`` and ``history`` decode them.
+
+    Treat a record as immutable: every transition returns a new one. (Not ``frozen=True`` only
+    because a frozen dataclass costs several microseconds per construction on the hot path.)
+
+    .. versionadded:: 0.1
+    """
+
+    key: str
+    scope: str
+    tool: str
+    fingerprint: str
+    state: State
+    attempts: int = 0
+    fence: int = 0
+    version: int = 1
+    lease_owner: str | None = None
+    lease_until: float | None = None
+    next_attempt_at: float | None = None
+    expires_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    result_json: str | None = None
+    error: str | None = None
+    args_json: str = "{}"
+    history_json: str = "[]"
+    via: str | None = None
+    conflicts: int = 0
+
+    @property
+    def result(self) -> Any:
+        return None if self.result_json is None else json.loads(self.result_json)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(self.args_json)
+        return loaded
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        loaded: list[dict[str, Any]] = json.loads(self.history_json)
+        return loaded
+
+    def is_expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+    def lease_expired(self, now: float) -> bool:
+        return self.state in HELD and (self.lease_until is None or self.lease_until <= now)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view, for the CLI, the dashboard and logs."""
+        return {
+            "key": self.key,
+            "scope": self.scope,
+            "tool": self.tool,
+            "fingerprint": self.fingerprint,
+            "state": self.state.value,
+            "attempts": self.attempts,
+            "fence": self.fence,
+            "version": self.version,
+            "lease_owner": self.lease_owner,
+            "lease_until": self.lease_until,
+            "next_attempt_at": self.next_attempt_at,
+            "expires_at": self.expires_at,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "result": self.result,
+            "error": self.error,
+            "args": self.args,
+            "history": self.history,
+            "via": self.via,
+            "conflicts": self.conflicts,
+        }
+
+
+def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None) -> str:
+    # Built by hand: this runs twice per guarded call. Floats print as valid JSON via repr; strings
+    # are escaped by the json module's C helper.
+    frm_json = f'"{frm.value}"' if frm else "null"
+    text = f'{{"at":{now!r},"from":{frm_json},"to":"{to.value}","fence":{fence}'
+    if reason:
+        text += f',"reason":{_quote(reason)}'
+    if by:
+        text += f',"by":{_quote(by)}'
+    return text + "}"
+
+
+_FIELDS = tuple(f.name for f in fields(Record))
+
+
+def _make_replace() -> Callable[..., Record]:
+    # dataclasses.replace() inspects the class on every call; this runs on every transition of every
+    # guarded call, so it is generated once, as plain code: Record(c.get("key", r.key), ...).
+    args = ", ".join(f'c["{n}"] if "{n}" in c else r.{n}' for n in _FIELDS)
+    namespace: dict[str, Any] = {"Record": Record}
+    exec(f"def replace(r, c):\n    return Record({args})", namespace)  # noqa: S102 - fixed code, no input
+    fn: Callable[..., Record] = namespace["replace"]
+    return fn
+
+
+_replace = _make_replace()
+
+
+def replace(rec: Record, **changes: Any) -> Record:
+    """A copy of ``rec`` with ``changes`` (``dataclasses.replace``, without its per-call introspection)."""
+    return _replace(rec, changes)
+
+
+def _append(history_json: str, entry: str, version: int) -> str:
+    # String append keeps the hot path free of a decode; only long histories are decoded and trimmed.
+    if version < HISTORY_LIMIT:
+        return f"[{entry}]" if history_json == "[]" else f"{history_json[:-1]},{entry}]"
+    items = json.loads(history_json)
+    items.append(json.loads(entry))
+    return json.dumps(items[-HISTORY_LIMIT:], separators=(",", ":"), ensure_ascii=False)
+
+
+def new_record(
+    *,
+    key: str,
+    scope: str,
+    tool: str,
+    fingerprint: str,
+    args_json: str,
+    state: State,
+    owner: str,
+    now: float,
+    lease_seconds: float,
+    reason: str = "claim",
+) -> Record:
+    """The first claim of a key: attempt 1, fence 1, version 1, held by ``owner``.
+
+    .. versionadded:: 0.1
+    """
+    if state not in HELD:
+        raise IllegalTransition(f"a new record is claimed into pending or in_flight, not {state.value}")
+    return Record(
+        key=key,
+        scope=scope,
+        tool=tool,
+        fingerprint=fingerprint,
+        state=state,
+        attempts=1,
+        fence=1,
+        version=1,
+        lease_owner=owner,
+        lease_until=now + lease_seconds,
+        created_at=now,
+        updated_at=now,
+        args_json=args_json,
+        history_json=f"[{_entry(None, state, now, reason, 1, owner)}]",
+    )
+
+
+def transition(
+    rec: Record,
+    to: State,
+    *,
+    now: float,
+    reason: str = "",
+    by: str | None = None,
+    **changes: Any,
+) -> Record:
+    """Move ``rec`` to ``to``: checks the table, bumps ``version``, appends one history entry.
+
+    ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…).
+
+    Raises:
+        IllegalTransition: the table in ``ALLOWED`` does not allow it.
+
+    .. versionadded:: 0.1
+    """
+    if to not in ALLOWED[rec.state]:
+        raise IllegalTransition(f"{rec.key}: {rec.state.value} → {to.value} is not a transition of the ledger")
+    version = rec.version + 1
+    fence = changes.get("fence", rec.fence)
+    return replace(
+        rec,
+        state=to,
+        version=version,
+        updated_at=now,
+        history_json=_append(rec.history_json, _entry(rec.state, to, now, reason, fence, by), version),
+        **changes,
+    )
+
+
+# --- the transitions the ledger uses, named -----------------------------------------------------
+
+
+def claim_again(
+    rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str
+) -> Record:
+    """Reclaim an existing record for a new attempt: fence and attempts go up by one."""
+    if state not in HELD:
+        raise IllegalTransition(f"a claim is into pending or in_flight, not {state.value}")
+    return transition(
+        rec,
+        state,
+        now=now,
+        reason=reason,
+        by=owner,
+        fence=rec.fence + 1,
+        attempts=rec.attempts + 1,
+        lease_owner=owner,
+        lease_until=now + lease_seconds,
+        next_attempt_at=None,
+        error=None,
+    )
+
+
+def renew(rec: Record, *, owner: str, now: float, lease_seconds: float, reason: str) -> Record:
+    """An expired confirmed record is claimed as new: attempts start again at 1, fence keeps rising."""
+    if not rec.is_expired(now):
+        raise IllegalTransition(f"{rec.key}: a confirmed record is only claimed again after it expired")
+    fresh = replace(rec, attempts=0, result_json=None, via=None, expires_at=None, conflicts=0)
+    return claim_again(fresh, state=State.IN_FLIGHT, owner=owner, now=now, lease_seconds=lease_seconds, reason=reason)
+
+
+def replace_args(rec: Record, *, fingerprint: str, args_json: str) -> Record:
+    """A reclaim by a call with other arguments (``on_conflict="replay"``): the record takes them."""
+    return replace(rec, fingerprint=fingerprint, args_json=args_json)
+
+
+def confirm(rec: Record, *, result_json: str | None, now: float, ttl: float | None, via: str, by: str | None) -> Record:
+    """The outcome is known and happened: record the result, release the lease."""
+    return transition(
+        rec,
+        State.CONFIRMED,
+        now=now,
+        reason=f"confirmed via {via}",
+        by=by,
+        result_json=result_json,
+        via=via,
+        lease_owner=None,
+        lease_until=None,
+        next_attempt_at=None,
+        expires_at=None if ttl is None else now + ttl,
+        error=None,
+    )
+
+
+def fail(
+    rec: Record, *, error: str, now: float, retry_at: float | None, ttl: float | None, by: str | None
+) -> Record:
+    """It definitely did not happen. ``retry_at`` schedules the next attempt (persisted)."""
+    return transition(
+        rec,
+        State.FAILED,
+        now=now,
+        reason=error[:200],
+        by=by,
+        error=error,
+        lease_owner=None,
+        lease_until=None,
+        next_attempt_at=retry_at,
+        expires_at=None if ttl is None else now + ttl,
+    )
+
+
+def mark_unknown(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
+    """It may have happened: keep the fence (a late outcome of that attempt still counts)."""
+    return transition(rec, State.UNKNOWN, now=now, reason=reason, by=by, lease_owner=None, lease_until=None)
+
+
+def park(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
+    """Hand the record to a person."""
+    return transition(rec, State.NEEDS_REVIEW, now=now, reason=reason, by=by, lease_owner=None, lease_until=None)
+
+
+def abandon(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
+    """No attempts left."""
+    return transition(
+        rec, State.ABANDONED, now=now, reason=reason, by=by, lease_owner=None, lease_until=None, next_attempt_at=None
+    )
+
+
+def extend_lease(rec: Record, *, now: float, lease_seconds: float) -> Record:
+    """A heartbeat: same state, same fence, a later ``lease_until``. Not written to the history."""
+    if rec.state not in HELD:
+        raise IllegalTransition(f"{rec.key}: only a held record has a lease to extend, not {rec.state.value}")
+    return replace(rec, version=rec.version + 1, updated_at=now, lease_until=now + lease_seconds)
+
+
+def note_conflict(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
+    """A late outcome arrived for a record already settled otherwise: a duplicate, counted and kept."""
+    return transition(rec, rec.state, now=now, reason=reason, by=by, conflicts=rec.conflicts + 1)
+
+
+def late_success(rec: Record, *, fence: int, result_json: str | None, now: float, ttl: float | None, by: str | None) -> Record:
+    """The outcome of attempt ``fence`` arrived after the record moved on.
+
+    On a record whose outcome is still open it is the truth and confirms it. On a record that was
+    confirmed by another attempt, or failed definitely, it means the side effect happened twice (or
+    once, where the record said none): it is kept as a counted conflict, never dropped silently.
+    """
+    if rec.state in HELD and rec.fence == fence:
+        return confirm(rec, result_json=result_json, now=now, ttl=ttl, via="run", by=by)
+    if rec.state in (State.UNKNOWN, State.NEEDS_REVIEW, State.PENDING, State.IN_FLIGHT, State.ABANDONED):
+        return confirm(rec, result_json=result_json, now=now, ttl=ttl, via=f"late:{fence}", by=by)
+    if rec.state is State.FAILED:
+        return replace(
+            confirm(rec, result_json=result_json, now=now, ttl=ttl, via=f"late:{fence}", by=by),
+            conflicts=rec.conflicts + 1,
+        )
+    return note_conflict(rec, now=now, reason=f"late outcome of attempt {fence}: possible duplicate", by=by)

@@ -1,0 +1,36 @@
+"""Stores: one file per backend; Redis and PostgreSQL are imported only when their URL is opened."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from onceonly.stores.base import AsyncStore, Query, Store
+
+__all__ = ["AsyncStore", "Query", "Store", "open_store"]
+
+
+def open_store(url: str) -> Store:
+    """The store for ``url``: ``sqlite:///…``, ``redis://…`` / ``rediss://…``, ``postgresql://…``.
+
+    .. versionadded:: 0.1
+    """
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "sqlite":
+        from onceonly.stores.sqlite import SQLiteStore
+
+        return SQLiteStore(url)
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            from onceonly.stores.redis import RedisStore
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ImportError(f"{url!r} needs the redis extra: pip install 'onceonly[redis]' ({exc})") from exc
+        return RedisStore(url)
+    if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
+        try:
+            from onceonly.stores.postgres import PostgresStore
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ImportError(f"{url!r} needs the postgres extra: pip install 'onceonly[postgres]' ({exc})") from exc
+        return PostgresStore(url)
+    raise ValueError(
+        f"no onceonly store for {url!r}: use sqlite:///path.db, redis://host:6379/0 or postgresql://host/db"
+    )

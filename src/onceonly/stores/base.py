@@ -1,0 +1,103 @@
+"""The store contract: a few atomic primitives over records. Policy lives in the ledger, not here.
+
+Every store offers the same operations twice, sync and async (``aget``…), with the same semantics,
+proven by one conformance suite (``tests/stores/``):
+
+- ``get(key)``: the record, or ``None``.
+- ``insert(record)``: write it only if the key is absent; ``True`` when this call wrote it.
+- ``swap(record, expected)``: replace the record only if its stored ``version`` is still
+  ``expected.version``: the compare-and-set every transition goes through. ``expected`` is the
+  record as the caller read it, so a store may write only the fields that differ.
+- ``delete(key, expected_version)``: remove it only at that version (purge).
+- ``scan(...)``: records by state, tool, scope and due time, in key order, paged by ``after``.
+- ``wait_for_change(key, version, timeout)``: return when the record may have changed, or after
+  ``timeout``; a store without notifications just sleeps.
+
+Driver errors are translated at this boundary: ``StoreUnavailable`` when the store could not be
+reached (whether the write landed is then unknown: the ledger re-reads), ``StoreCorrupt`` for data
+that is not a ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from onceonly.states import Record, State
+
+__all__ = ["AsyncStore", "Query", "Store"]
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What ``scan`` returns: every given condition must hold.
+
+    Args:
+        states: only these states (``None``: all).
+        tool: only this tool.
+        scope: only this scope.
+        lease_expired_before: only held records whose lease ended before this time, plus records of
+            the other given states (the reconciler's query: unknown, or in flight and abandoned).
+        expires_before: only records whose ``expires_at`` is before this time (purge).
+        after: only keys greater than this (paging).
+        limit: at most this many.
+    """
+
+    states: Sequence[State] | None = None
+    tool: str | None = None
+    scope: str | None = None
+    lease_expired_before: float | None = None
+    expires_before: float | None = None
+    after: str | None = None
+    limit: int = 100
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A ledger store, sync face.
+
+    .. versionadded:: 0.1
+    """
+
+    url: str
+
+    def get(self, key: str) -> Record | None: ...
+
+    def insert(self, record: Record) -> bool: ...
+
+    def swap(self, record: Record, expected: Record) -> bool: ...
+
+    def delete(self, key: str, expected_version: int) -> bool: ...
+
+    def scan(self, query: Query) -> list[Record]: ...
+
+    def count_by_state(self) -> dict[State, int]: ...
+
+    def wait_for_change(self, key: str, version: int, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """A ledger store, async face: the same operations as ``Store``, awaited.
+
+    .. versionadded:: 0.1
+    """
+
+    url: str
+
+    async def aget(self, key: str) -> Record | None: ...
+
+    async def ainsert(self, record: Record) -> bool: ...
+
+    async def aswap(self, record: Record, expected: Record) -> bool: ...
+
+    async def adelete(self, key: str, expected_version: int) -> bool: ...
+
+    async def ascan(self, query: Query) -> list[Record]: ...
+
+    async def await_for_change(self, key: str, version: int, timeout: float) -> None: ...
+
+    async def aclose(self) -> None: ...

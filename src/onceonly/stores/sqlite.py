@@ -1,0 +1,409 @@
+"""The SQLite store: embedded, the default; safe for several threads and processes on one host.
+
+One connection per thread (sqlite3 connections must not be shared while in use), autocommit, WAL, a
+busy timeout. Every write is one statement, so every write is one transaction: ``INSERT OR IGNORE``
+is the claim, ``UPDATE … WHERE version = ?`` the compare-and-set.
+
+Durability: ``synchronous=NORMAL`` by default. In WAL mode that survives any crash of the process
+(SIGKILL included) but may lose the last transactions on power loss or an OS crash; pass
+``?synchronous=full`` in the URL to fsync every commit, at the price of a disk flush per write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.states import HELD, Record, State
+from onceonly.stores.base import Query
+
+__all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
+
+T = TypeVar("T")
+
+#: ``PRAGMA application_id`` of an onceonly ledger file: "once" in ASCII.
+APPLICATION_ID = 0x6F6E6365
+#: ``PRAGMA user_version``: bumped with every schema change; ``_MIGRATIONS`` brings older files up.
+SCHEMA_VERSION = 1
+
+_COLUMNS = (
+    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
+    "next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts"
+)
+
+_SCHEMA_V1 = """
+CREATE TABLE IF NOT EXISTS onceonly_records (
+    key             TEXT PRIMARY KEY,
+    scope           TEXT NOT NULL,
+    tool            TEXT NOT NULL,
+    fingerprint     TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    attempts        INTEGER NOT NULL,
+    fence           INTEGER NOT NULL,
+    version         INTEGER NOT NULL,
+    lease_owner     TEXT,
+    lease_until     REAL,
+    next_attempt_at REAL,
+    expires_at      REAL,
+    created_at      REAL NOT NULL,
+    updated_at      REAL NOT NULL,
+    result          TEXT,
+    error           TEXT,
+    args            TEXT NOT NULL,
+    history         TEXT NOT NULL,
+    via             TEXT,
+    conflicts       INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID
+"""
+# No secondary index: a partial index on the open states cost ~15 µs on each of the two writes of every
+# guarded call (about a quarter of the floor, docs/benchmarks.md), while the reconciler and purge that
+# would use it run every few seconds at most, over one host's records.
+
+# version reached → the statements that reach it from the one before.
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
+
+_SELECT = f"SELECT {_COLUMNS} FROM onceonly_records WHERE key = ?"
+_INSERT = f"INSERT OR IGNORE INTO onceonly_records ({_COLUMNS}) VALUES ({','.join('?' * 20)})"
+_STATES = {s.value: s for s in State}
+# Record fields a swap may change (key never changes; version is always written) → their column.
+_SWAP_FIELDS = tuple(
+    f for f in Record.__dataclass_fields__ if f not in ("key", "version")
+)
+_COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+_UPDATES: dict[tuple[str, ...], str] = {}
+
+
+def _row_to_record(row: tuple[Any, ...]) -> Record:
+    return Record(
+        row[0], row[1], row[2], row[3], _STATES[row[4]], row[5], row[6], row[7], row[8], row[9],
+        row[10], row[11], row[12], row[13], row[14], row[15], row[16], row[17], row[18], row[19],
+    )  # fmt: skip
+
+
+def _record_values(r: Record) -> tuple[Any, ...]:
+    return (
+        r.key, r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
+        r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json, r.error,
+        r.args_json, r.history_json, r.via, r.conflicts,
+    )  # fmt: skip
+
+
+def _is_locked(exc: sqlite3.Error) -> bool:
+    msg = str(exc).lower()
+    return "locked" in msg or "busy" in msg
+
+
+def parse_sqlite_url(url: str) -> tuple[Path, dict[str, str]]:
+    """``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (SQLAlchemy's habit) → path, options."""
+    parts = urlsplit(url)
+    if parts.scheme != "sqlite":
+        raise ValueError(f"not a sqlite URL: {url!r}")
+    raw = unquote(parts.path)
+    if parts.netloc:
+        raise ValueError(
+            f"sqlite URL {url!r} has a host part {parts.netloc!r}: use sqlite:///relative.db or sqlite:////abs/path.db"
+        )
+    # urlsplit keeps the leading slash of the path: "sqlite:///a.db" → "/a.db" means relative "a.db".
+    path = raw[1:] if raw.startswith("/") else raw
+    if not path or path == ":memory:":
+        raise ValueError(
+            f"sqlite URL {url!r} names no file: the ledger must outlive the process, "
+            "give a file such as sqlite:///.onceonly/ledger.db"
+        )
+    opts = {k.lower(): v[-1] for k, v in parse_qs(parts.query).items()}
+    return Path(path), opts
+
+
+class SQLiteStore:
+    """An onceonly ledger in one SQLite file.
+
+    Args:
+        url: ``sqlite:///relative.db`` or ``sqlite:////absolute/path.db``; options in the query:
+            ``timeout`` (busy timeout, seconds, default 30), ``synchronous`` (``normal`` or ``full``).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.path, opts = parse_sqlite_url(url)
+        self.busy_timeout = float(opts.get("timeout", "30"))
+        sync = opts.get("synchronous", "normal").upper()
+        if sync not in ("NORMAL", "FULL", "EXTRA", "OFF"):
+            raise ValueError(f"synchronous={sync.lower()!r} in {url!r}: use normal or full")
+        self.synchronous = sync
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn()  # open (and create or check the schema) now, so a bad file fails at open
+
+    # --- connections --------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise StoreUnavailable(f"the ledger {self.url} was closed")
+        conn = self._connect()
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"cannot open the ledger file {self.path}: {exc}") from exc
+        try:
+            self._retry_locked(lambda: self._setup(conn))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _retry_locked(self, fn: Callable[[], T]) -> T:
+        """Retry what SQLite refuses with "database is locked" before its busy handler applies.
+
+        Several processes opening a new file at once race on ``journal_mode=WAL`` and on the schema;
+        those statements can fail at once instead of waiting. Retry them within the busy timeout.
+        """
+        deadline = time.monotonic() + self.busy_timeout
+        delay = 0.002
+        while True:
+            try:
+                return fn()
+            except sqlite3.OperationalError as exc:
+                if not _is_locked(exc) or time.monotonic() > deadline:
+                    raise StoreUnavailable(f"the ledger file {self.path} stays locked: {exc}") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+
+    def _setup(self, conn: sqlite3.Connection) -> None:
+        try:
+            app_id, version = self._identify(conn)
+            if app_id == APPLICATION_ID and version == SCHEMA_VERSION:
+                self._pragmas(conn)
+                return
+            self._pragmas(conn)
+            self._create_or_migrate(conn)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                raise
+            raise StoreCorrupt(
+                f"{self.path} is not a readable SQLite database ({exc}). Nothing was changed in it: "
+                "move it away or open a ledger at another path"
+            ) from exc
+
+    def _pragmas(self, conn: sqlite3.Connection) -> None:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreUnavailable(f"{self.path}: cannot switch to WAL journal mode (got {mode!r})")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+
+    @staticmethod
+    def _identify(conn: sqlite3.Connection) -> tuple[int, int]:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        return int(app_id), int(version)
+
+    def _create_or_migrate(self, conn: sqlite3.Connection) -> None:
+        # IMMEDIATE takes the write lock first, so two processes creating one file serialise here and
+        # the second sees the first's finished schema.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            app_id, version = self._identify(conn)
+            if app_id not in (0, APPLICATION_ID):
+                raise StoreCorrupt(
+                    f"{self.path} belongs to another application (application_id {app_id:#x}). "
+                    "Nothing was changed in it: open the ledger at another path"
+                )
+            if app_id == 0:
+                tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+                if tables:
+                    raise StoreCorrupt(
+                        f"{self.path} is a SQLite database of another application (tables: "
+                        f"{', '.join(sorted(tables)[:5])}). Nothing was changed in it: "
+                        "open the ledger at another path"
+                    )
+            if version > SCHEMA_VERSION:
+                raise StoreCorrupt(
+                    f"{self.path} has ledger schema {version}, newer than this onceonly knows "
+                    f"({SCHEMA_VERSION}): upgrade onceonly"
+                )
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _translate(self, exc: sqlite3.Error) -> Exception:
+        """The store error for a sqlite3 error: busy or I/O → unavailable, anything else → corrupt."""
+        if isinstance(exc, sqlite3.OperationalError):
+            return StoreUnavailable(f"the ledger file {self.path} failed: {exc}")
+        return StoreCorrupt(f"the ledger file {self.path} is damaged: {exc}")
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Translate sqlite3 errors into the store's error tree."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    # --- the primitives -------------------------------------------------------------------------
+
+    # The three hot primitives translate errors with a plain try (free in 3.11) rather than the
+    # _errors() context manager, which costs a generator per call.
+
+    def get(self, key: str) -> Record | None:
+        try:
+            # fetchall, not fetchone: the statement runs to its end and releases its read snapshot now.
+            rows = self._conn().execute(_SELECT, (key,)).fetchall()
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        return _row_to_record(rows[0]) if rows else None
+
+    def insert(self, record: Record) -> bool:
+        try:
+            cur = self._conn().execute(_INSERT, _record_values(record))
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        return cur.rowcount == 1
+
+    def swap(self, record: Record, expected: Record) -> bool:
+        # Write only the columns that changed: a settle that leaves args alone does not rewrite them
+        # (about 10 µs of the floor per call, docs/benchmarks.md).
+        names = tuple(n for n in _SWAP_FIELDS if getattr(record, n) != getattr(expected, n))
+        sql = _UPDATES.get(names)
+        if sql is None:
+            sets = ", ".join(f"{_COLUMN_OF.get(n, n)}=?" for n in names)
+            sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?, {sets} WHERE key=? AND version=?"
+        values = [record.version]
+        for n in names:
+            v = getattr(record, n)
+            values.append(v.value if n == "state" else v)
+        values.append(record.key)
+        values.append(expected.version)
+        try:
+            cur = self._conn().execute(sql, values)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        return cur.rowcount == 1
+
+    def delete(self, key: str, expected_version: int) -> bool:
+        with self._errors():
+            cur = self._conn().execute(
+                "DELETE FROM onceonly_records WHERE key = ? AND version = ?", (key, expected_version)
+            )
+        return cur.rowcount == 1
+
+    def scan(self, query: Query) -> list[Record]:
+        where: list[str] = []
+        params: list[Any] = []
+        if query.states is not None:
+            states = list(query.states)
+            if not states:
+                return []
+            held = [s for s in states if s in HELD]
+            other = [s for s in states if s not in HELD]
+            parts = []
+            if other:
+                parts.append(f"state IN ({','.join('?' * len(other))})")
+                params += [s.value for s in other]
+            if held:
+                cond = f"state IN ({','.join('?' * len(held))})"
+                params += [s.value for s in held]
+                if query.lease_expired_before is not None:
+                    cond += " AND (lease_until IS NULL OR lease_until < ?)"
+                    params.append(query.lease_expired_before)
+                parts.append(f"({cond})")
+            where.append("(" + " OR ".join(parts) + ")")
+        elif query.lease_expired_before is not None:
+            where.append("state IN ('pending','in_flight') AND (lease_until IS NULL OR lease_until < ?)")
+            params.append(query.lease_expired_before)
+        if query.tool is not None:
+            where.append("tool = ?")
+            params.append(query.tool)
+        if query.scope is not None:
+            where.append("scope = ?")
+            params.append(query.scope)
+        if query.expires_before is not None:
+            where.append("expires_at IS NOT NULL AND expires_at < ?")
+            params.append(query.expires_before)
+        if query.after is not None:
+            where.append("key > ?")
+            params.append(query.after)
+        sql = f"SELECT {_COLUMNS} FROM onceonly_records"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY key LIMIT ?"
+        params.append(query.limit)
+        with self._errors():
+            rows = self._conn().execute(sql, params).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def count_by_state(self) -> dict[State, int]:
+        with self._errors():
+            rows = self._conn().execute("SELECT state, COUNT(*) FROM onceonly_records GROUP BY state").fetchall()
+        return {_STATES[s]: n for s, n in rows}
+
+    def wait_for_change(self, key: str, version: int, timeout: float) -> None:
+        # SQLite has no notifications across processes: the caller polls with a growing interval.
+        time.sleep(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.Error:  # pragma: no cover - closing a broken connection
+                pass
+        self._local = threading.local()
+
+    # --- async face: sqlite3 blocks, so every call runs in a worker thread ------------------------
+
+    async def aget(self, key: str) -> Record | None:
+        return await asyncio.to_thread(self.get, key)
+
+    async def ainsert(self, record: Record) -> bool:
+        return await asyncio.to_thread(self.insert, record)
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        return await asyncio.to_thread(self.swap, record, expected)
+
+    async def adelete(self, key: str, expected_version: int) -> bool:
+        return await asyncio.to_thread(self.delete, key, expected_version)
+
+    async def ascan(self, query: Query) -> list[Record]:
+        return await asyncio.to_thread(self.scan, query)
+
+    async def await_for_change(self, key: str, version: int, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self.url!r}, pid={os.getpid()})"

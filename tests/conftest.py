@@ -1,0 +1,114 @@
+"""Fixtures shared by the whole suite: one store fixture per backend, each on its real server.
+
+Redis and PostgreSQL come from ONCEONLY_TEST_REDIS_URL and ONCEONLY_TEST_POSTGRES_URL (loopback
+defaults). An unreachable server skips its tests with the reason shown; under CI=true it fails them.
+Each run makes its own PostgreSQL database and Redis key prefix, and removes only what it made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+REDIS_URL = os.environ.get("ONCEONLY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("ONCEONLY_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+RUN_ID = uuid.uuid4().hex[:10]
+
+
+def _reachable(url: str, default_port: int) -> str | None:
+    """None when a TCP connection to the URL's host opens, else the reason it did not."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), timeout=2):
+            return None
+    except OSError as exc:
+        return f"{url} is unreachable ({exc})"
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"CI=true and {reason}: CI must test every store", pytrace=False)
+    pytest.skip(reason)
+
+
+def _has_store(name: str) -> bool:
+    return importlib.util.find_spec(f"onceonly.stores.{name}") is not None
+
+
+# --- per-run resources: a PostgreSQL database, a Redis key prefix ------------------------------
+
+
+@pytest.fixture(scope="session", name="postgres_database_url")
+def fixture_postgres_database_url() -> Iterator[str]:
+    """A PostgreSQL database made for this run, dropped at its end."""
+    reason = _reachable(POSTGRES_URL, 5432)
+    if reason:
+        _unavailable(reason)
+    import psycopg
+
+    name = f"onceonly_test_{RUN_ID}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    parts = urlsplit(POSTGRES_URL)
+    url = parts._replace(path=f"/{name}").geturl()
+    try:
+        yield url
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session", name="redis_base_url")
+def fixture_redis_base_url() -> Iterator[str]:
+    """The Redis URL; at the end of the run every key under this run's prefix is removed."""
+    reason = _reachable(REDIS_URL, 6379)
+    if reason:
+        _unavailable(reason)
+    yield REDIS_URL
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        # Test clean-up only: the keys this run made all start with its prefix.
+        batch = list(client.scan_iter(match=f"onceonly-test-{RUN_ID}*", count=1000))
+        for i in range(0, len(batch), 500):
+            client.delete(*batch[i : i + 500])
+    finally:
+        client.close()
+
+
+def _join(url: str, **params: str) -> str:
+    sep = "&" if "?" in url else "?"
+    return url + sep + "&".join(f"{k}={v}" for k, v in params.items())
+
+
+# --- one fresh, empty ledger URL per test, for each store ----------------------------------------
+
+STORES = ["sqlite"] + [name for name in ("redis", "postgres") if _has_store(name)]
+
+
+@pytest.fixture(name="store_url", params=STORES)
+def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of an empty ledger on each store: its own SQLite file, Redis prefix or PostgreSQL schema."""
+    test_id = uuid.uuid4().hex[:8]
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    if request.param == "redis":
+        base = request.getfixturevalue("redis_base_url")
+        return _join(base, prefix=f"onceonly-test-{RUN_ID}-{test_id}")
+    base = request.getfixturevalue("postgres_database_url")
+    return _join(base, schema=f"t_{test_id}")
+
+
+@pytest.fixture(name="sqlite_url")
+def fixture_sqlite_url(tmp_path: Path) -> str:
+    """An empty SQLite ledger file for tests about SQLite itself (processes, files, crashes)."""
+    return f"sqlite:///{tmp_path / 'ledger.db'}"

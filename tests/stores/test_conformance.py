@@ -1,0 +1,199 @@
+"""The store contract, run against every store on its real server (SQLite, Redis, PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from onceonly import states as st
+from onceonly.states import Record, State
+from onceonly.stores import Query, Store, open_store
+
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture(name="store")
+def fixture_store(store_url: str) -> Iterator[Store]:
+    """An empty store of each kind."""
+    store = open_store(store_url)
+    yield store
+    store.close()
+
+
+def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW, tool: str = "t", scope: str = "s") -> Record:
+    return st.new_record(
+        key=key, scope=scope, tool=tool, fingerprint="f" * 64, args_json='{"a":1}', state=state,
+        owner="host:1:1", now=now, lease_seconds=30,
+    )  # fmt: skip
+
+
+def test_is_a_store(store: Store) -> None:
+    """Every store satisfies the runtime-checkable protocol."""
+    assert isinstance(store, Store)
+
+
+def test_get_missing_is_none(store: Store) -> None:
+    """An absent key reads as None."""
+    assert store.get("nope") is None
+
+
+def test_insert_once(store: Store) -> None:
+    """Insert writes only when the key is absent: the claim is one conditional write."""
+    rec = make("k1")
+    assert store.insert(rec) is True
+    assert store.insert(make("k1", now=NOW + 1)) is False
+    got = store.get("k1")
+    assert got == rec
+
+
+def test_round_trip_every_field(store: Store) -> None:
+    """Every field comes back as written, None and floats included."""
+    rec = st.confirm(make("k2"), result_json='{"id":7,"é":"ü"}', now=NOW + 1, ttl=60, via="run", by="me")
+    rec = st.replace(rec, error="boom", next_attempt_at=NOW + 5, conflicts=2)
+    assert store.insert(rec)
+    assert store.get("k2") == rec
+
+
+def test_swap_is_compare_and_set(store: Store) -> None:
+    """A swap lands only on the version it expects; a stale one is refused and changes nothing."""
+    rec = make("k3")
+    store.insert(rec)
+    done = st.confirm(rec, result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
+    assert store.swap(done, rec) is True
+    stale = st.mark_unknown(rec, now=NOW + 2, reason="late", by="b")
+    assert store.swap(stale, rec) is False
+    assert store.get("k3") == done
+
+
+def test_swap_of_missing_key_is_refused(store: Store) -> None:
+    """A swap never creates a record."""
+    rec = make("k4")
+    assert store.swap(st.mark_unknown(rec, now=NOW, reason="x", by=None), rec) is False
+    assert store.get("k4") is None
+
+
+def test_swap_every_field(store: Store) -> None:
+    """A swap that changes many fields at once writes all of them."""
+    rec = make("k5")
+    store.insert(rec)
+    new = st.claim_again(
+        st.fail(rec, error="refused", now=NOW + 1, retry_at=NOW + 3, ttl=10, by="a"),
+        state=State.PENDING, owner="host:2:9", now=NOW + 4, lease_seconds=5, reason="retry",
+    )  # fmt: skip
+    new = st.replace_args(new, fingerprint="e" * 64, args_json='{"a":2}')
+    assert store.swap(new, rec)
+    assert store.get("k5") == new
+
+
+def test_concurrent_swaps_one_wins(store_url: str) -> None:
+    """Eight threads swap the same version: exactly one wins."""
+    store = open_store(store_url)
+    try:
+        rec = make("race")
+        store.insert(rec)
+        wins: list[bool] = []
+        barrier = threading.Barrier(8)
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            new = st.mark_unknown(rec, now=NOW + i, reason=f"t{i}", by=f"t{i}")
+            wins.append(store.swap(new, rec))
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wins.count(True) == 1
+    finally:
+        store.close()
+
+
+def test_delete_needs_the_version(store: Store) -> None:
+    """Delete is a compare-and-delete on the version."""
+    rec = make("k6")
+    store.insert(rec)
+    assert store.delete("k6", rec.version + 1) is False
+    assert store.delete("k6", rec.version) is True
+    assert store.get("k6") is None
+    assert store.delete("k6", rec.version) is False
+
+
+def test_scan_filters(store: Store) -> None:
+    """Scan filters by state, tool, scope and due times, in key order, paged by `after`."""
+    a = make("a", tool="x")
+    b = st.mark_unknown(make("b", tool="y"), now=NOW, reason="r", by=None)
+    c = st.confirm(make("c", scope="other"), result_json="1", now=NOW, ttl=10, via="run", by=None)
+    d = make("d", now=NOW - 100)  # in flight, lease long expired
+    for r in (a, b, c, d):
+        store.insert(r)
+    keys = lambda q: [r.key for r in store.scan(q)]  # noqa: E731
+    assert keys(Query()) == ["a", "b", "c", "d"]
+    assert keys(Query(states=[State.UNKNOWN])) == ["b"]
+    assert keys(Query(tool="x")) == ["a"]
+    assert keys(Query(scope="other")) == ["c"]
+    assert keys(Query(states=[State.UNKNOWN, State.IN_FLIGHT], lease_expired_before=NOW)) == ["b", "d"]
+    assert keys(Query(expires_before=NOW + 11)) == ["c"]
+    assert keys(Query(expires_before=NOW + 9)) == []
+    assert keys(Query(after="b", limit=1)) == ["c"]
+    assert keys(Query(states=[])) == []
+
+
+def test_count_by_state(store: Store) -> None:
+    """Counts per state."""
+    store.insert(make("a"))
+    store.insert(make("b"))
+    store.insert(st.mark_unknown(make("c"), now=NOW, reason="r", by=None))
+    counts = store.count_by_state()
+    assert counts.get(State.IN_FLIGHT) == 2
+    assert counts.get(State.UNKNOWN) == 1
+
+
+KEYS = [
+    "scope:tool:with:colons",
+    "glob*chars?[x]{y}",
+    "quotes'\"`back\\slash",
+    "unicode-é-中文-🙂",
+    "k" * 255,
+    "percent%20and&amp;=",
+]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=["colons", "glob", "quotes", "unicode", "255", "url-ish"])
+def test_awkward_keys_round_trip(store: Store, key: str) -> None:
+    """Keys with :, *, ?, [, {, quotes, unicode and 255 characters round-trip."""
+    rec = make(key)
+    assert store.insert(rec)
+    assert store.get(key) == rec
+    other = make(key[:-1] + "#")
+    assert store.insert(other)
+    assert store.get(key) == rec
+    assert [r.key for r in store.scan(Query(limit=10))] == sorted([key, other.key])
+
+
+def test_async_face(store_url: str) -> None:
+    """The async face has the same semantics."""
+
+    async def main() -> None:
+        store = open_store(store_url)
+        try:
+            rec = make("ak")
+            assert await store.ainsert(rec) is True  # type: ignore[attr-defined]
+            assert await store.ainsert(rec) is False  # type: ignore[attr-defined]
+            assert await store.aget("ak") == rec  # type: ignore[attr-defined]
+            done = st.confirm(rec, result_json="2", now=NOW + 1, ttl=None, via="run", by=None)
+            assert await store.aswap(done, rec) is True  # type: ignore[attr-defined]
+            assert await store.aswap(done, rec) is False  # type: ignore[attr-defined]
+            assert [r.key for r in await store.ascan(Query())] == ["ak"]  # type: ignore[attr-defined]
+            start = time.monotonic()
+            await store.await_for_change("ak", done.version, 0.05)  # type: ignore[attr-defined]
+            assert time.monotonic() - start < 5
+            assert await store.adelete("ak", done.version) is True  # type: ignore[attr-defined]
+        finally:
+            await store.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(main())
