@@ -88,6 +88,13 @@ class Insert:
 
 
 @dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
+class Claim:
+    """Insert ``record`` if its key is absent (answered ``None``: we hold it), else read the stored one."""
+
+    record: Record
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
 class Swap:
     record: Record
     expected: Record  # written only if the stored version is still expected.version
@@ -131,7 +138,7 @@ class WaitChange:
     seconds: float
 
 
-Action = Get | Insert | Swap | Execute | Probe | Sleep | WaitChange
+Action = Get | Claim | Insert | Swap | Execute | Probe | Sleep | WaitChange
 Plan = Generator[Action, Any, "Outcome"]
 
 
@@ -261,12 +268,28 @@ def plan(call: Call) -> Plan:
     conflict = False
     held_state = State.PENDING if p.reports_dispatch else State.IN_FLIGHT
 
-    rec: Record | None = yield Get(key)
+    # The first action is a claim: one round trip that either makes us the holder of a new record or
+    # returns the existing one (a replay then costs exactly that one read).
+    first = st.new_record(
+        key=key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
+        args_json=call.args_json, state=held_state, owner=owner, now=call.clock(), lease_seconds=p.lease,
+    )  # fmt: skip
+    try:
+        rec = yield Claim(first)
+    except StoreError:
+        # Did the claim land before the store failed? Only the record can say.
+        rec = yield Get(key)
+        if rec is not None and rec.lease_owner == owner and rec.history_json == first.history_json:
+            rec = None
+    claimed = rec is None
+    rec = first if claimed else rec
     while True:
         now = call.clock()
 
         # --- claim a key nobody holds --------------------------------------------------------
-        if rec is None:
+        if claimed:
+            claimed = False
+        elif rec is None:
             new = st.new_record(
                 key=key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
                 args_json=call.args_json, state=held_state, owner=owner, now=now, lease_seconds=p.lease,

@@ -29,6 +29,7 @@ from onceonly.events import log as _transitions_log
 from onceonly.guard import (
     NOT_FOUND,
     Call,
+    Claim,
     Execute,
     Executed,
     Get,
@@ -697,7 +698,11 @@ class Ledger:
             error = None
             kind = type(action)
             try:
-                if kind is Get:
+                if kind is Claim:
+                    send = store.claim(action.record)  # type: ignore[union-attr]
+                    if send is None and self._observed():
+                        emit(action.record, self._listeners)  # type: ignore[union-attr]
+                elif kind is Get:
                     send = store.get(action.key)  # type: ignore[union-attr]
                 elif kind is Swap or kind is Insert:
                     rec = action.record  # type: ignore[union-attr]
@@ -733,7 +738,11 @@ class Ledger:
             error = None
             kind = type(action)
             try:
-                if kind is Get:
+                if kind is Claim:
+                    send = await store.aclaim(action.record)  # type: ignore[union-attr]
+                    if send is None and self._observed():
+                        emit(action.record, self._listeners)  # type: ignore[union-attr]
+                elif kind is Get:
                     send = await store.aget(action.key)  # type: ignore[union-attr]
                 elif kind is Swap or kind is Insert:
                     rec = action.record  # type: ignore[union-attr]

@@ -182,6 +182,9 @@ def test_async_face(store_url: str) -> None:
         store = open_store(store_url)
         try:
             rec = make("ak")
+            assert await store.aclaim(rec) is None  # type: ignore[attr-defined]
+            assert await store.aclaim(rec) == rec  # type: ignore[attr-defined]
+            assert await store.adelete("ak", rec.version) is True  # type: ignore[attr-defined]
             assert await store.ainsert(rec) is True  # type: ignore[attr-defined]
             assert await store.ainsert(rec) is False  # type: ignore[attr-defined]
             assert await store.aget("ak") == rec  # type: ignore[attr-defined]
@@ -197,3 +200,34 @@ def test_async_face(store_url: str) -> None:
             await store.aclose()  # type: ignore[attr-defined]
 
     asyncio.run(main())
+
+
+def test_claim_inserts_or_returns_existing(store: Store) -> None:
+    """Claim returns None when it wrote the record, else the stored record untouched."""
+    rec = make("c1")
+    assert store.claim(rec) is None
+    assert store.get("c1") == rec
+    assert store.claim(make("c1", now=NOW + 5)) == rec
+
+
+def test_concurrent_claims_one_holder(store_url: str) -> None:
+    """Eight threads claim one key at once: exactly one becomes the holder, the rest read its record."""
+    store = open_store(store_url)
+    try:
+        results: list[Record | None] = []
+        barrier = threading.Barrier(8)
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            results.append(store.claim(make("one", now=NOW + i)))
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results.count(None) == 1
+        winner = store.get("one")
+        assert all(r == winner for r in results if r is not None)
+    finally:
+        store.close()

@@ -4,6 +4,9 @@ Every store offers the same operations twice, sync and async (``aget``…), with
 proven by one conformance suite (``tests/stores/``):
 
 - ``get(key)``: the record, or ``None``.
+- ``claim(record)``: write it only if the key is absent and return ``None`` (the caller now holds
+  it); else return the stored record, unchanged. The first action of every guarded call: a store
+  that can do it in one round trip (a Lua script, one SQL statement) should.
 - ``insert(record)``: write it only if the key is absent; ``True`` when this call wrote it.
 - ``swap(record, expected)``: replace the record only if its stored ``version`` is still
   ``expected.version``: the compare-and-set every transition goes through. ``expected`` is the
@@ -64,6 +67,8 @@ class Store(Protocol):
 
     def get(self, key: str) -> Record | None: ...
 
+    def claim(self, record: Record) -> Record | None: ...
+
     def insert(self, record: Record) -> bool: ...
 
     def swap(self, record: Record, expected: Record) -> bool: ...
@@ -89,6 +94,8 @@ class AsyncStore(Protocol):
     url: str
 
     async def aget(self, key: str) -> Record | None: ...
+
+    async def aclaim(self, record: Record) -> Record | None: ...
 
     async def ainsert(self, record: Record) -> bool: ...
 

@@ -283,6 +283,15 @@ class SQLiteStore:
             raise self._translate(exc) from exc
         return _row_to_record(rows[0]) if rows else None
 
+    def claim(self, record: Record) -> Record | None:
+        # Read first: a replay (the common repeat) then costs one read and no write transaction.
+        while True:
+            current = self.get(record.key)
+            if current is not None or self.insert(record):
+                return current
+            # Inserted by someone else between our read and our insert; a purge may delete it again
+            # before we read it, hence the loop.
+
     def insert(self, record: Record) -> bool:
         try:
             cur = self._conn().execute(_INSERT, _record_values(record))
@@ -386,6 +395,9 @@ class SQLiteStore:
 
     async def aget(self, key: str) -> Record | None:
         return await asyncio.to_thread(self.get, key)
+
+    async def aclaim(self, record: Record) -> Record | None:
+        return await asyncio.to_thread(self.claim, record)
 
     async def ainsert(self, record: Record) -> bool:
         return await asyncio.to_thread(self.insert, record)

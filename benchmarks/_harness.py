@@ -1,0 +1,57 @@
+"""The benchmark harness: interleaved rounds, per-round ratios to the floor, one rich table."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Contender:
+    """One thing measured: ``run(i)`` does one call for operation number ``i``."""
+
+    name: str
+    run: Callable[[int], object]
+    per_call: list[float] = field(default_factory=list)
+
+
+def interleave(contenders: list[Contender], rounds: int, batch: int) -> None:
+    """Each round runs a batch of every contender back to back, so drift hits all alike."""
+    counter = 0
+    for _ in range(rounds):
+        for c in contenders:
+            start = time.perf_counter()
+            for _ in range(batch):
+                counter += 1
+                c.run(counter)
+            c.per_call.append((time.perf_counter() - start) / batch)
+
+
+def report(store: str, contenders: list[Contender], floor_name: str = "floor") -> list[dict[str, object]]:
+    """Print the table for one store; return its rows (µs per call, median ratio to the floor)."""
+    floor = next(c for c in contenders if c.name.startswith(floor_name))
+    rows = []
+    for c in contenders:
+        ratios = [a / b for a, b in zip(c.per_call, floor.per_call, strict=True)]
+        rows.append(
+            {
+                "store": store,
+                "what": c.name,
+                "us_per_call": round(statistics.median(c.per_call) * 1e6, 1),
+                "x_floor": round(statistics.median(ratios), 2),
+            }
+        )
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"onceonly per-call cost on {store} (medians over interleaved rounds)")
+    table.add_column("store")
+    table.add_column("what")
+    table.add_column("µs / call", justify="right")
+    table.add_column("× floor", justify="right")
+    for r in rows:
+        table.add_row(str(r["store"]), str(r["what"]), f"{r['us_per_call']:.1f}", f"{r['x_floor']:.2f}")
+    Console().print(table)
+    return rows
