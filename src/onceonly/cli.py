@@ -177,3 +177,17 @@ if _MISSING_CLI is None:
         finally:
             ledger.close()
         click.echo(f"removed {removed} expired record(s)")
+
+    # Commands that live beside the things they run (the ticket service, the reconciler, the demo)
+    # register here; a module that is not there yet, or whose extra is not installed, is skipped.
+    import importlib
+
+    for _name in ("onceonly.tickets.cli", "onceonly.settle_cli", "onceonly.demo.cli"):
+        try:
+            _module = importlib.import_module(_name)
+        except ModuleNotFoundError as _exc:
+            if _exc.name is not None and _name.startswith(_exc.name):
+                continue  # the module itself is absent
+            raise
+        for _command in getattr(_module, "COMMANDS", ()):
+            cli.add_command(_command)
