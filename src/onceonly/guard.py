@@ -517,6 +517,8 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
         # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
         # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
         new = st.late_success(cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner)
+        if new is cur:
+            return _outcome(cur, replayed=True)
         ok, again = yield from _write(cur, new)
         if ok:
             mine = new.result_json == result_json and new.state is State.CONFIRMED
@@ -637,6 +639,8 @@ def late_outcome(
         now = call.clock()
         if error is None:
             new = st.late_success(rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner)
+            if new is rec:
+                return rec
         else:
             verdict = classify(error, call.policy.classify)
             same_attempt = rec.fence == fence and rec.state in (State.UNKNOWN, *HELD)

@@ -142,8 +142,8 @@ def _find_bad(value: Any, path: str) -> tuple[str, Any, str] | None:
         return None if math.isfinite(value) else (path, value, "NaN and infinity have no JSON form")
     if isinstance(value, Mapping):
         for k, v in value.items():
-            if not isinstance(k, str):
-                return (f"{path}[{k!r}]", k, f"mapping keys must be str, got {type(k).__name__}")
+            if not isinstance(k, str | int | float | bool) and k is not None:
+                return (f"{path}[{k!r}]", k, f"mapping keys must be str (or int), got {type(k).__name__}")
             found = _find_bad(v, f"{path}.{k}")
             if found:
                 return found

@@ -374,6 +374,8 @@ def late_success(rec: Record, *, fence: int, result_json: str | None, now: float
     """
     if rec.state in HELD and rec.fence == fence:
         return confirm(rec, result_json=result_json, now=now, ttl=ttl, via="run", by=by)
+    if rec.state is State.CONFIRMED and rec.fence == fence:
+        return rec  # the same attempt, already confirmed (by its probe): nothing happened twice
     if rec.state in (State.UNKNOWN, State.NEEDS_REVIEW, State.PENDING, State.IN_FLIGHT, State.ABANDONED):
         return confirm(rec, result_json=result_json, now=now, ttl=ttl, via=f"late:{fence}", by=by)
     if rec.state is State.FAILED:

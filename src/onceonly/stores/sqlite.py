@@ -195,10 +195,13 @@ class SQLiteStore:
 
     def _setup(self, conn: sqlite3.Connection) -> None:
         try:
-            app_id, version = self._identify(conn)
+            app_id, version, tables = self._identify(conn)
             if app_id == APPLICATION_ID and version == SCHEMA_VERSION:
                 self._pragmas(conn)
                 return
+            # Check before the first write (journal_mode=WAL rewrites the header): a file that is not
+            # ours, or is newer than us, must be left exactly as it was.
+            self._refuse_foreign(app_id, version, tables)
             self._pragmas(conn)
             self._create_or_migrate(conn)
         except sqlite3.DatabaseError as exc:
@@ -216,35 +219,41 @@ class SQLiteStore:
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
 
     @staticmethod
-    def _identify(conn: sqlite3.Connection) -> tuple[int, int]:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        return int(app_id), int(version)
+    def _identify(conn: sqlite3.Connection) -> tuple[int, int, list[str]]:
+        # One statement, one snapshot: read separately, another process's schema creation could
+        # commit between the reads and make a half-made ledger look like a foreign database.
+        app_id, version, tables = conn.execute(
+            "SELECT (SELECT application_id FROM pragma_application_id), "
+            "(SELECT user_version FROM pragma_user_version), "
+            "(SELECT group_concat(name, char(31)) FROM sqlite_master WHERE type = 'table')"
+        ).fetchone()
+        return int(app_id), int(version), tables.split("\x1f") if tables else []
+
+    def _refuse_foreign(self, app_id: int, version: int, tables: list[str]) -> None:
+        if app_id not in (0, APPLICATION_ID):
+            raise StoreCorrupt(
+                f"{self.path} belongs to another application (application_id {app_id:#x}). "
+                "Nothing was changed in it: open the ledger at another path"
+            )
+        if app_id == 0:
+            if tables:
+                raise StoreCorrupt(
+                    f"{self.path} is a SQLite database of another application (tables: "
+                    f"{', '.join(sorted(tables)[:5])}). Nothing was changed in it: open the ledger at another path"
+                )
+        if version > SCHEMA_VERSION:
+            raise StoreCorrupt(
+                f"{self.path} has ledger schema {version}, newer than this onceonly knows ({SCHEMA_VERSION}): "
+                "upgrade onceonly"
+            )
 
     def _create_or_migrate(self, conn: sqlite3.Connection) -> None:
         # IMMEDIATE takes the write lock first, so two processes creating one file serialise here and
         # the second sees the first's finished schema.
         conn.execute("BEGIN IMMEDIATE")
         try:
-            app_id, version = self._identify(conn)
-            if app_id not in (0, APPLICATION_ID):
-                raise StoreCorrupt(
-                    f"{self.path} belongs to another application (application_id {app_id:#x}). "
-                    "Nothing was changed in it: open the ledger at another path"
-                )
-            if app_id == 0:
-                tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-                if tables:
-                    raise StoreCorrupt(
-                        f"{self.path} is a SQLite database of another application (tables: "
-                        f"{', '.join(sorted(tables)[:5])}). Nothing was changed in it: "
-                        "open the ledger at another path"
-                    )
-            if version > SCHEMA_VERSION:
-                raise StoreCorrupt(
-                    f"{self.path} has ledger schema {version}, newer than this onceonly knows "
-                    f"({SCHEMA_VERSION}): upgrade onceonly"
-                )
+            app_id, version, tables = self._identify(conn)
+            self._refuse_foreign(app_id, version, tables)  # again, under the write lock
             for target in range(version + 1, SCHEMA_VERSION + 1):
                 for statement in _MIGRATIONS[target].split(";"):
                     if statement.strip():

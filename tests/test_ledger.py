@@ -1,0 +1,583 @@
+"""The guard's semantics, on every store: claim, run, settle; replays, failures, unknowns, waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import onceonly
+from onceonly import (
+    NOT_FOUND,
+    AttemptsExhausted,
+    InProgress,
+    KeyConflict,
+    Ledger,
+    OutcomeUnknown,
+    Retry,
+    State,
+    TransitionEvent,
+)
+from onceonly import states as st
+
+
+class FakeClock:
+    """Time that moves only when the ledger sleeps: backoffs are recorded, not waited."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture(name="clock")
+def fixture_clock() -> FakeClock:
+    """A fake clock whose sleep advances it."""
+    return FakeClock()
+
+
+@pytest.fixture(name="ledger")
+def fixture_ledger(store_url: str, clock: FakeClock) -> Iterator[Ledger]:
+    """A fresh ledger on each store, on a fake clock."""
+    ledger = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
+    yield ledger
+    ledger.close()
+
+
+@pytest.fixture(name="real_ledger")
+def fixture_real_ledger(store_url: str) -> Iterator[Ledger]:
+    """A fresh ledger on each store, on real time (threads, leases, heartbeats)."""
+    ledger = Ledger.open(store_url)
+    yield ledger
+    ledger.close()
+
+
+def test_first_call_runs_then_replays(ledger: Ledger) -> None:
+    """The tool runs once; the same call again returns the recorded result without running it."""
+    runs: list[str] = []
+
+    @ledger.tool(name="create")
+    def create(title: str, *, idempotency_key: str) -> dict[str, Any]:
+        runs.append(idempotency_key)
+        return {"id": len(runs), "title": title}
+
+    first = create.outcome("hello")
+    again = create.outcome("hello")
+    assert first.result == again.result == {"id": 1, "title": "hello"}
+    assert (first.replayed, again.replayed) == (False, True)
+    assert runs == [first.key] == [again.key]
+    assert first.key.startswith("default:create:")
+    rec = ledger.get(first.key)
+    assert rec is not None and rec.state is State.CONFIRMED and rec.attempts == 1 and rec.fence == 1
+    assert [(h["from"], h["to"]) for h in rec.history] == [(None, "in_flight"), ("in_flight", "confirmed")]
+
+
+def test_positional_keyword_and_default_are_one_call(ledger: Ledger) -> None:
+    """f(1), f(a=1) and f(1, b=2) with b defaulting to 2 are the same operation."""
+    runs: list[int] = []
+
+    @ledger.tool(name="f")
+    def f(a: int, b: int = 2) -> int:
+        runs.append(a)
+        return a + b
+
+    assert f(1) == f(a=1) == f(1, b=2) == 3
+    assert runs == [1]
+
+
+def test_key_fields_and_conflict(ledger: Ledger) -> None:
+    """key= picks the fields of the operation; the same key with other arguments is a KeyConflict."""
+
+    @ledger.tool(name="ticket", key=("session", "title"))
+    def ticket(session: str, title: str, body: str) -> str:
+        return body
+
+    assert ticket("s", "t", "first body") == "first body"
+    with pytest.raises(KeyConflict) as info:
+        ticket("s", "t", "re-worded body")
+    assert info.value.record is not None and info.value.record.args["body"] == "first body"
+    assert "other arguments" in str(info.value) and info.value.key in str(info.value)
+    assert ticket("s", "other title", "x") == "x"
+
+
+def test_on_conflict_replay_keeps_both_argument_sets(ledger: Ledger) -> None:
+    """on_conflict='replay' returns the earlier result, flagged, and notes the new arguments."""
+
+    @ledger.tool(name="ticket", key=("session", "title"), on_conflict="replay")
+    def ticket(session: str, title: str, body: str) -> str:
+        return body
+
+    ticket("s", "t", "first")
+    out = ticket.outcome("s", "t", "second")
+    assert (out.result, out.replayed, out.conflict) == ("first", True, True)
+    rec = ledger.get(out.key)
+    assert rec is not None and "second" in rec.history[-1]["reason"]
+
+
+def test_ignore_and_normalize(ledger: Ledger) -> None:
+    """ignore= fields are left out of the key; normalisers fold model noise before hashing."""
+    runs: list[str] = []
+
+    @ledger.tool(name="t", ignore=("requested_at",), normalize={"title": onceonly.normalize_text})
+    def t(title: str, requested_at: float) -> str:
+        runs.append(title)
+        return title
+
+    assert t("Printer  on fire", 1.0) == "Printer  on fire"
+    assert t("printer on FIRE", 2.0) == "Printer  on fire"
+    assert len(runs) == 1
+    rec = ledger.get(t.key_for("printer on fire", 3.0))
+    assert rec is not None and rec.args == {"title": "Printer  on fire"}
+
+
+def test_occurrence_and_explicit_key(ledger: Ledger) -> None:
+    """A call meant twice takes an occurrence number; an explicit key overrides the derived one."""
+    runs: list[str] = []
+
+    @ledger.tool(name="email")
+    def email(to: str) -> int:
+        runs.append(to)
+        return len(runs)
+
+    assert email("a") == 1
+    assert email.using(occurrence=2)("a") == 2
+    assert email.using(occurrence=2)("a") == 2
+    assert email.using(key="order-42")("a") == 3
+    assert email.using(key="order-42").outcome("a").key == "default:email:order-42"
+    assert runs == ["a", "a", "a"]
+
+
+def test_task_scopes_keys(ledger: Ledger) -> None:
+    """The same call in two tasks is two operations; re-running a task replays its finished steps."""
+    runs: list[str] = []
+
+    @ledger.tool(name="step")
+    def step(n: int) -> str:
+        runs.append(f"{n}")
+        return f"done {n}"
+
+    with ledger.task("task-1"):
+        assert step(1) == "done 1"
+    with ledger.task("task-2"):
+        assert step(1) == "done 1"
+    with ledger.task("task-1"):
+        out = step.outcome(1)
+        assert out.replayed and out.key.startswith("task-1:")
+    assert runs == ["1", "1"]
+
+
+def test_not_sent_is_retried_with_backoff(ledger: Ledger, clock: FakeClock) -> None:
+    """Refused connections are retried after a jittered backoff, attempts persisted."""
+    calls: list[int] = []
+
+    @ledger.tool(name="flaky", retry=Retry(attempts=4, base=1.0, cap=30.0))
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError("refused")
+        return "ok"
+
+    out = flaky.outcome()
+    assert out.result == "ok" and out.attempts == 3 and out.fence == 3
+    assert len(clock.sleeps) == 2
+    assert 0 <= clock.sleeps[0] <= 1.0 and 0 <= clock.sleeps[1] <= 2.0
+    rec = ledger.get(out.key)
+    assert rec is not None
+    assert [h["to"] for h in rec.history] == ["in_flight", "failed", "in_flight", "failed", "in_flight", "confirmed"]
+
+
+def test_attempts_exhausted_then_reset(ledger: Ledger) -> None:
+    """After the last attempt: abandoned, AttemptsExhausted with the last error, until a person resets it."""
+    calls: list[int] = []
+    fail = True
+
+    @ledger.tool(name="down", retry=Retry(attempts=2, base=0.1))
+    def down() -> str:
+        calls.append(1)
+        if fail:
+            raise ConnectionRefusedError("down")
+        return "up"
+
+    with pytest.raises(AttemptsExhausted) as info:
+        down()
+    assert isinstance(info.value.last_exception, ConnectionRefusedError)
+    assert len(calls) == 2
+    with pytest.raises(AttemptsExhausted, match="resolve"):
+        down()
+    assert len(calls) == 2
+    rec = ledger.get(down.key_for())
+    assert rec is not None and rec.state is State.ABANDONED
+    ledger.resolve(rec.key, failed="service was down", reset=True, by="ops", why="fixed the DNS")
+    fail = False
+    assert down() == "up"
+    assert len(calls) == 3
+
+
+def test_definite_failure_is_reraised(ledger: Ledger) -> None:
+    """The tool's own error is re-raised unchanged, recorded as failed; a later call may run again."""
+    calls: list[int] = []
+
+    @ledger.tool(name="strict")
+    def strict(x: int) -> int:
+        calls.append(x)
+        if len(calls) == 1:
+            raise ValueError("bad input")
+        return x
+
+    with pytest.raises(ValueError, match="bad input"):
+        strict(1)
+    rec = ledger.get(strict.key_for(1))
+    assert rec is not None and rec.state is State.FAILED and "bad input" in (rec.error or "")
+    assert strict(1) == 1
+    assert calls == [1, 1]
+
+
+def test_unknown_goes_to_review_and_a_person_resolves_it(ledger: Ledger) -> None:
+    """on_unknown='review': parked, OutcomeUnknown, never re-run; resolve() settles it for every caller."""
+    calls: list[int] = []
+
+    @ledger.tool(name="charge")
+    def charge(amount: int) -> str:
+        calls.append(amount)
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(OutcomeUnknown) as info:
+        charge(5)
+    assert info.value.state == "needs_review" and "onceonly resolve" in str(info.value)
+    with pytest.raises(OutcomeUnknown):
+        charge(5)
+    assert calls == [5]
+    ledger.resolve(info.value.key, confirmed={"charge": "ch_1"}, by="alice", why="seen in the PSP dashboard")
+    out = charge.outcome(5)
+    assert out.result == {"charge": "ch_1"} and out.replayed and out.via == "resolve"
+    rec = ledger.get(out.key)
+    assert rec is not None and rec.history[-1]["by"] == "alice"
+    assert "seen in the PSP dashboard" in rec.history[-1]["reason"]
+    assert calls == [5]
+
+
+def test_probe_found_confirms_without_running_again(ledger: Ledger, clock: FakeClock) -> None:
+    """on_unknown='probe': after settle seconds the probe finds the side effect; one side effect."""
+    done: dict[str, int] = {}
+
+    def find(args: dict[str, Any], key: str) -> Any:
+        return {"id": done[args["title"]]} if args["title"] in done else NOT_FOUND
+
+    @ledger.tool(name="create", on_unknown="probe", probe=find, settle=2.0)
+    def create(title: str) -> dict[str, int]:
+        done[title] = 7
+        raise ConnectionResetError("answer lost")
+
+    out = create.outcome("t")
+    assert out.result == {"id": 7} and out.via == "probe" and out.attempts == 1
+    assert 2.0 in clock.sleeps
+
+
+def test_probe_not_found_runs_again(ledger: Ledger) -> None:
+    """NOT_FOUND means it did not happen: run again while attempts remain."""
+    calls: list[int] = []
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: NOT_FOUND)
+    def create() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError("lost before arrival")
+        return "made"
+
+    out = create.outcome()
+    assert out.result == "made" and out.attempts == 2 and len(calls) == 2
+
+
+def test_probe_error_leaves_it_unknown(ledger: Ledger) -> None:
+    """A probe that raises settles nothing: the record stays unknown for the reconciler."""
+
+    def broken(args: dict[str, Any], key: str) -> Any:
+        raise ConnectionRefusedError("search API down")
+
+    @ledger.tool(name="create", on_unknown="probe", probe=broken)
+    def create() -> str:
+        raise TimeoutError("lost")
+
+    with pytest.raises(OutcomeUnknown, match="probe failed") as info:
+        create()
+    rec = ledger.get(info.value.key)
+    assert rec is not None and rec.state is State.UNKNOWN
+
+
+def test_resend_uses_the_same_key(ledger: Ledger) -> None:
+    """on_unknown='resend': the same key goes out again and a key-honouring server dedups it."""
+    server: dict[str, str] = {}
+    sent: list[str] = []
+
+    @ledger.tool(name="post", on_unknown="resend")
+    def post(body: str, *, idempotency_key: str) -> str:
+        sent.append(idempotency_key)
+        server.setdefault(idempotency_key, body)
+        if len(sent) == 1:
+            raise TimeoutError("response lost")
+        return server[idempotency_key]
+
+    assert post("hi") == "hi"
+    assert len(set(sent)) == 1 and len(sent) == 2 and len(server) == 1
+
+
+def test_unknown_with_attempts_exhausted_goes_to_review(ledger: Ledger) -> None:
+    """resend/retry never turn an unknown into abandoned: it may have happened, so a person decides."""
+
+    @ledger.tool(name="post", on_unknown="retry", retry=Retry(attempts=2, base=0.01))
+    def post() -> str:
+        raise TimeoutError("always lost")
+
+    with pytest.raises(OutcomeUnknown, match="all attempts"):
+        post()
+    rec = ledger.get(post.key_for())
+    assert rec is not None and rec.state is State.NEEDS_REVIEW and rec.attempts == 2
+
+
+def test_expired_confirmed_record_runs_again_and_purge(ledger: Ledger, clock: FakeClock) -> None:
+    """After ttl a confirmed record no longer replays; purge removes expired settled records only."""
+    calls: list[int] = []
+
+    @ledger.tool(name="daily", ttl=60)
+    def daily() -> int:
+        calls.append(1)
+        return len(calls)
+
+    @ledger.tool(name="lost")
+    def lost() -> int:
+        raise TimeoutError("x")
+
+    assert daily() == 1
+    with pytest.raises(OutcomeUnknown):
+        lost()
+    clock.now += 61
+    assert daily() == 2
+    clock.now += 61
+    assert ledger.purge() == 1
+    assert ledger.get(daily.key_for()) is None
+    assert ledger.get(lost.key_for()) is not None
+
+
+def test_unserialisable_result_is_kept_described(ledger: Ledger) -> None:
+    """A result with no JSON form: the first caller gets it, the record keeps a description."""
+
+    @ledger.tool(name="odd")
+    def odd() -> object:
+        return {1, 2}
+
+    assert odd() == {1, 2}
+    replay = odd.outcome()
+    assert replay.result["$unserializable"] == "set"
+
+
+def test_decode_on_replay(ledger: Ledger) -> None:
+    """decode= turns the stored JSON back into the caller's type on a replay."""
+
+    @ledger.tool(name="pair", decode=tuple)
+    def pair() -> tuple[int, int]:
+        return (1, 2)
+
+    assert pair() == (1, 2)
+    assert pair() == (1, 2)
+
+
+def test_readonly_skips_the_ledger(ledger: Ledger) -> None:
+    """readonly tools retry transient errors and write nothing."""
+    calls: list[int] = []
+
+    @ledger.tool(name="read", readonly=True, retry=Retry(attempts=3, base=0.01))
+    def read() -> int:
+        calls.append(1)
+        if len(calls) < 2:
+            raise TimeoutError("slow")
+        return 42
+
+    assert read() == 42
+    assert ledger.stats()["confirmed"] == 0
+
+
+def test_events_one_per_transition(ledger: Ledger) -> None:
+    """Every transition is one event with key, tool, scope, from, to, attempt, fence, reason."""
+    events: list[TransitionEvent] = []
+    ledger.subscribe(events.append)
+
+    @ledger.tool(name="ev")
+    def ev() -> int:
+        return 1
+
+    ev()
+    assert [(e.from_state, e.to_state, e.attempt, e.fence) for e in events] == [
+        (None, "in_flight", 1, 1),
+        ("in_flight", "confirmed", 1, 1),
+    ]
+    assert events[0].tool == "ev" and events[0].scope == "default"
+
+
+def test_waiter_takes_over_an_expired_lease(ledger: Ledger, clock: FakeClock) -> None:
+    """A caller that finds an in-flight record whose holder died settles it (here by probe)."""
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: {"found": True}, lease=10)
+    def create() -> dict[str, bool]:
+        raise AssertionError("must not run: the probe settles it")
+
+    key = create.key_for()
+    dead = st.new_record(
+        key=key, scope="default", tool="create", fingerprint=create._call((), {}, None, 1).fingerprint,
+        args_json="{}", state=State.IN_FLIGHT, owner="dead-host:1:1", now=clock.now - 60, lease_seconds=10,
+    )  # fmt: skip
+    assert ledger.store.insert(dead)
+    out = create.outcome()
+    assert out.result == {"found": True} and out.via == "probe"
+    rec = ledger.get(key)
+    assert rec is not None
+    assert [h["to"] for h in rec.history] == ["in_flight", "unknown", "confirmed"]
+    assert "expired" in rec.history[1]["reason"]
+
+
+def test_pending_record_of_a_dead_holder_runs_again(ledger: Ledger, clock: FakeClock) -> None:
+    """A pending record (nothing was sent) whose lease expired is claimed again with no probe."""
+
+    @ledger.tool(name="send", reports_dispatch=True, lease=10)
+    def send() -> str:
+        onceonly.mark_sent()
+        return "sent"
+
+    dead = st.new_record(
+        key=send.key_for(), scope="default", tool="send", fingerprint=send._call((), {}, None, 1).fingerprint,
+        args_json="{}", state=State.PENDING, owner="dead-host:1:1", now=clock.now - 60, lease_seconds=10,
+    )  # fmt: skip
+    assert ledger.store.insert(dead)
+    out = send.outcome()
+    assert out.result == "sent" and out.attempts == 2 and out.fence == 2
+    rec = ledger.get(out.key)
+    assert rec is not None
+    assert [h["to"] for h in rec.history] == ["pending", "pending", "in_flight", "confirmed"]
+
+
+def test_error_before_dispatch_is_not_sent(ledger: Ledger) -> None:
+    """With reports_dispatch, a timeout before mark_sent() cannot have happened: retried, no review."""
+    calls: list[int] = []
+
+    @ledger.tool(name="send", reports_dispatch=True, retry=Retry(attempts=3, base=0.01))
+    def send() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError("DNS lookup timed out")
+        onceonly.mark_sent()
+        return "ok"
+
+    assert send() == "ok" and len(calls) == 2
+
+
+def test_single_flight_second_caller_waits(real_ledger: Ledger) -> None:
+    """Two callers at once: the second waits for the first's outcome and replays it."""
+    started = threading.Event()
+    release = threading.Event()
+    calls: list[int] = []
+
+    @real_ledger.tool(name="slow", wait=10)
+    def slow() -> int:
+        calls.append(1)
+        started.set()
+        release.wait(5)
+        return 99
+
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(slow.outcome()))
+    first.start()
+    started.wait(5)
+    second = threading.Thread(target=lambda: results.append(slow.outcome()))
+    second.start()
+    time.sleep(0.2)
+    release.set()
+    first.join()
+    second.join()
+    assert calls == [1]
+    assert sorted(o.replayed for o in results) == [False, True]
+    assert {o.result for o in results} == {99}
+
+
+def test_waiting_too_long_is_in_progress(real_ledger: Ledger) -> None:
+    """A waiter gives up after wait= seconds with InProgress; the operation is not run twice."""
+    release = threading.Event()
+    started = threading.Event()
+
+    @real_ledger.tool(name="slow", wait=0.2)
+    def slow() -> int:
+        started.set()
+        release.wait(5)
+        return 1
+
+    t = threading.Thread(target=slow)
+    t.start()
+    started.wait(5)
+    with pytest.raises(InProgress, match="another caller"):
+        slow()
+    release.set()
+    t.join()
+    assert slow() == 1
+
+
+def test_heartbeats_keep_a_slow_tool_s_lease(real_ledger: Ledger) -> None:
+    """A tool that runs past its lease keeps it by heartbeats: a waiter does not take over."""
+    calls: list[int] = []
+    started = threading.Event()
+
+    @real_ledger.tool(name="slow", lease=0.3, wait=5, on_unknown="retry")
+    def slow() -> int:
+        calls.append(1)
+        started.set()
+        time.sleep(1.2)
+        return 5
+
+    t = threading.Thread(target=slow)
+    t.start()
+    started.wait(5)
+    assert slow() == 5
+    t.join()
+    assert calls == [1]
+    rec = real_ledger.get(slow.key_for())
+    assert rec is not None and rec.version > 2  # heartbeats were written
+
+
+def test_timeout_late_result_confirms(real_ledger: Ledger) -> None:
+    """Past timeout= the caller stops waiting (unknown), but the call runs on and its result lands."""
+    done = threading.Event()
+
+    @real_ledger.tool(name="slow", timeout=0.1)
+    def slow() -> str:
+        time.sleep(0.4)
+        done.set()
+        return "late"
+
+    with pytest.raises(OutcomeUnknown):
+        slow()
+    assert done.wait(5)
+    for _ in range(100):
+        rec = real_ledger.get(slow.key_for())
+        if rec is not None and rec.state is State.CONFIRMED:
+            break
+        time.sleep(0.05)
+    assert rec is not None and rec.state is State.CONFIRMED and rec.result == "late"
+    assert slow.outcome().result == "late"
+
+
+def test_bad_decorator_arguments(ledger: Ledger) -> None:
+    """Misconfigurations are refused when the tool is defined, with what to change."""
+    with pytest.raises(ValueError, match="needs probe"):
+        ledger.tool(on_unknown="probe")(lambda: 1)
+    with pytest.raises(ValueError, match="on_unknown"):
+        ledger.tool(on_unknown="guess")(lambda: 1)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="not parameters"):
+        ledger.tool(key=("nope",))(lambda a: a)
+    with pytest.raises(TypeError, match="tuple of field names"):
+        ledger.tool(key="a")(lambda a: a)  # type: ignore[call-overload]

@@ -1,0 +1,101 @@
+"""Retry policy (backoff with full jitter) and exception classification."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import requests
+
+from onceonly import Classification, Retry, Verdict, classify
+from onceonly.policy import classify_status, retry_after_seconds
+
+
+def test_backoff_ceiling_doubles_to_the_cap() -> None:
+    """The n-th ceiling is base·2^(n-1), capped."""
+    r = Retry(attempts=10, base=0.5, cap=3.0)
+    assert [r.ceiling(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert r.ceiling(10_000) == 3.0
+
+
+def test_backoff_is_full_jitter() -> None:
+    """Waits spread over [0, ceiling], seeded for repeatability, floored by Retry-After."""
+    r = Retry(attempts=5, base=1.0, cap=8.0)
+    rng = random.Random(7)
+    waits = [r.backoff(3, rng) for _ in range(2000)]
+    assert 0.0 <= min(waits) < 0.2
+    assert 3.8 < max(waits) <= 4.0
+    assert r.backoff(1, random.Random(1), floor=5.0) == 5.0
+    assert [r.backoff(2, random.Random(3)) for _ in range(2)] == [r.backoff(2, random.Random(3))] * 2
+
+
+def test_retry_rejects_nonsense() -> None:
+    """Zero attempts or negative seconds are refused."""
+    with pytest.raises(ValueError, match="at least 1"):
+        Retry(attempts=0)
+    with pytest.raises(ValueError, match="negative"):
+        Retry(base=-1)
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [(500, Verdict.UNKNOWN), (502, Verdict.UNKNOWN), (504, Verdict.UNKNOWN), (408, Verdict.NOT_EXECUTED),
+     (429, Verdict.NOT_EXECUTED), (503, Verdict.NOT_EXECUTED), (400, Verdict.FAILED), (404, Verdict.FAILED),
+     (422, Verdict.FAILED)],
+)  # fmt: skip
+def test_status_classes(status: int, verdict: Verdict) -> None:
+    """DESIGN.md section 4, status by status."""
+    assert classify_status(status).verdict is verdict
+
+
+def test_retry_after_header() -> None:
+    """Retry-After in seconds or as an HTTP date."""
+    assert classify_status(429, "7").retry_after == 7.0
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
+    assert retry_after_seconds("soon") is None
+
+
+def test_builtins() -> None:
+    """Refused → not sent; timeouts and resets → unknown; anything else → the tool's own failure."""
+    assert classify(ConnectionRefusedError()).verdict is Verdict.NOT_SENT
+    assert classify(TimeoutError()).verdict is Verdict.UNKNOWN
+    assert classify(ConnectionResetError()).verdict is Verdict.UNKNOWN
+    assert classify(BrokenPipeError()).verdict is Verdict.UNKNOWN
+    assert classify(ValueError("bad")).verdict is Verdict.FAILED
+
+
+def test_httpx_exceptions() -> None:
+    """httpx: connect errors are not sent; read timeouts unknown; status errors by status."""
+    req = httpx.Request("POST", "http://x/tickets")
+    assert classify(httpx.ConnectError("no", request=req)).verdict is Verdict.NOT_SENT
+    assert classify(httpx.ConnectTimeout("no", request=req)).verdict is Verdict.NOT_SENT
+    assert classify(httpx.ReadTimeout("slow", request=req)).verdict is Verdict.UNKNOWN
+    assert classify(httpx.RemoteProtocolError("gone", request=req)).verdict is Verdict.UNKNOWN
+    resp = httpx.Response(429, headers={"Retry-After": "3"}, request=req)
+    got = classify(httpx.HTTPStatusError("429", request=req, response=resp))
+    assert got == Classification(Verdict.NOT_EXECUTED, 3.0, "HTTP 429")
+    resp = httpx.Response(502, request=req)
+    assert classify(httpx.HTTPStatusError("502", request=req, response=resp)).verdict is Verdict.UNKNOWN
+
+
+def test_requests_exceptions() -> None:
+    """requests: connect timeout and refused connection are not sent; read timeouts unknown."""
+    assert classify(requests.ConnectTimeout()).verdict is Verdict.NOT_SENT
+    assert classify(requests.ReadTimeout()).verdict is Verdict.UNKNOWN
+    assert classify(requests.ConnectionError("reset")).verdict is Verdict.UNKNOWN
+    resp = requests.Response()
+    resp.status_code = 409
+    assert classify(requests.HTTPError(response=resp)).verdict is Verdict.FAILED
+
+
+def test_override_and_explicit_verdict() -> None:
+    """A tool's classify= is asked first; an exception may carry its own verdict."""
+
+    class Refused(Exception):
+        onceonly_verdict = Verdict.NOT_SENT
+
+    assert classify(Refused()).verdict is Verdict.NOT_SENT
+    override = lambda exc: Classification(Verdict.UNKNOWN) if isinstance(exc, KeyError) else None  # noqa: E731
+    assert classify(KeyError("x"), override).verdict is Verdict.UNKNOWN
+    assert classify(ValueError("x"), override).verdict is Verdict.FAILED
