@@ -231,3 +231,13 @@ def test_concurrent_claims_one_holder(store_url: str) -> None:
         assert all(r == winner for r in results if r is not None)
     finally:
         store.close()
+
+
+def test_swap_that_changes_only_the_version(store: Store) -> None:
+    """A swap whose record differs only in version still lands (a heartbeat at the same instant)."""
+    rec = make("v1")
+    store.insert(rec)
+    same = st.extend_lease(rec, now=NOW, lease_seconds=30)
+    assert same.lease_until == rec.lease_until and same.version == rec.version + 1
+    assert store.swap(same, rec) is True
+    assert store.get("v1") == same

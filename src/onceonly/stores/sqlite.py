@@ -314,8 +314,8 @@ class SQLiteStore:
         names = tuple(n for n in _SWAP_FIELDS if getattr(record, n) != getattr(expected, n))
         sql = _UPDATES.get(names)
         if sql is None:
-            sets = ", ".join(f"{_COLUMN_OF.get(n, n)}=?" for n in names)
-            sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?, {sets} WHERE key=? AND version=?"
+            sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in names)
+            sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
         values = [record.version]
         for n in names:
             v = getattr(record, n)
