@@ -50,8 +50,8 @@ def report(store: str, contenders: list[Contender], floor_name: str = "floor") -
     table.add_column("store")
     table.add_column("what")
     table.add_column("µs / call", justify="right")
-    table.add_column("× floor", justify="right")
+    table.add_column("x floor", justify="right")
     for r in rows:
-        table.add_row(str(r["store"]), str(r["what"]), f"{r['us_per_call']:.1f}", f"{r['x_floor']:.2f}")
+        table.add_row(str(r["store"]), str(r["what"]), f"{r['us_per_call']:.1f}", f"{r['x_floor']:.2f}x")
     Console().print(table)
     return rows

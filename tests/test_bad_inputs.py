@@ -87,7 +87,7 @@ def test_foreign_database_is_refused_untouched(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     before = _digest(path)
-    with pytest.raises(StoreCorrupt, match="another application.*invoices"):
+    with pytest.raises(StoreCorrupt, match=r"another application.*invoices"):
         Ledger.open(f"sqlite:///{path}")
     assert _digest(path) == before
 

@@ -149,7 +149,7 @@ def _perform(world: World, actor: Actor, data: st_.DataObject) -> None:
         else:  # the process dies mid-attempt: no outcome ever, the lease just runs out
             actor.done = True
     else:  # pragma: no cover
-        raise AssertionError(action)
+        raise TypeError(f"not an action: {action!r}")
 
 
 def _heartbeat(world: World) -> None:
@@ -231,8 +231,6 @@ def test_scheduler_sees_real_duplicates(store: SQLiteStore) -> None:
             return next(answers) if label.startswith("c1 attempt") else 1
 
     while not actor.done:
-        if actor.wake_at > world.clock:
-            world.clock = actor.wake_at
+        world.clock = max(world.clock, actor.wake_at)
         _perform(world, actor, Scripted())  # type: ignore[arg-type]
     assert len(world.effects) == 2
-

@@ -65,7 +65,7 @@ class _KeyHonouringServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _KeyHonouringServer
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         key = self.headers["Idempotency-Key"]
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with self.server.lock:

@@ -72,7 +72,9 @@ def run_basic_demo() -> dict[str, Any]:
             found = service.find(args["session_id"], args["title"])
             return NOT_FOUND if found is None else found
 
-        @ledger.tool(name="create_ticket", key=("session_id", "title"), on_unknown="probe", probe=find_ticket, settle=0.05)
+        @ledger.tool(
+            name="create_ticket", key=("session_id", "title"), on_unknown="probe", probe=find_ticket, settle=0.05
+        )
         def create_ticket(session_id: str, title: str, body: str) -> dict[str, Any]:
             return service.create(session_id, title, body)
 

@@ -225,9 +225,7 @@ def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Recor
         ok = yield Swap(new, old)
     except StoreError:
         now_rec = yield Get(new.key)
-        landed = (
-            now_rec is not None and now_rec.version == new.version and now_rec.history_json == new.history_json
-        )
+        landed = now_rec is not None and now_rec.version == new.version and now_rec.history_json == new.history_json
         return landed, now_rec
     if ok:
         return True, new
@@ -235,7 +233,9 @@ def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Recor
     return False, current
 
 
-def _outcome(rec: Record, *, replayed: bool, value: Any = None, use_value: bool = False, conflict: bool = False) -> Outcome:
+def _outcome(
+    rec: Record, *, replayed: bool, value: Any = None, use_value: bool = False, conflict: bool = False
+) -> Outcome:
     return Outcome(
         result=value if use_value else rec.result,
         key=rec.key,
@@ -404,8 +404,7 @@ def plan(call: Call) -> Plan:
                     _message(
                         rec,
                         "this operation is waiting for a person to settle it",
-                        f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON "
-                        "| --failed REASON",
+                        f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON | --failed REASON",
                     ),
                     key=key,
                     record=rec,
@@ -516,7 +515,9 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
     while cur is not None:
         # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
         # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
-        new = st.late_success(cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner)
+        new = st.late_success(
+            cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner
+        )
         if new is cur:
             return _outcome(cur, replayed=True)
         ok, again = yield from _write(cur, new)
@@ -632,13 +633,15 @@ def late_outcome(
     """
     result_json = None if error is not None else encode_result(value, call.key)
     while True:
-        rec = yield Get(call.key)
+        rec: Record | None = yield Get(call.key)
         if rec is None:
             log.warning("onceonly %s: late outcome of attempt %d for a record that is gone", call.key, fence)
             return None
         now = call.clock()
         if error is None:
-            new = st.late_success(rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner)
+            new = st.late_success(
+                rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner
+            )
             if new is rec:
                 return rec
         else:

@@ -120,7 +120,7 @@ def _make_encoder() -> Callable[[Any], str]:
         return json.JSONEncoder(
             sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_default
         ).encode
-    make = c_make(None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, False)  # type: ignore[attr-defined]
+    make = c_make(None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, False)
 
     def encode(value: Any) -> str:
         return "".join(make(value, 0))

@@ -18,7 +18,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
@@ -28,6 +28,7 @@ from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
 from onceonly.guard import (
     NOT_FOUND,
+    Action,
     Call,
     Claim,
     Execute,
@@ -37,7 +38,6 @@ from onceonly.guard import (
     OnConflict,
     OnUnknown,
     Outcome,
-    Plan,
     Policy,
     Probe,
     Probed,
@@ -54,10 +54,11 @@ from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
 from onceonly.stores.base import Query, Store
 
-__all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "current_call", "mark_sent", "amark_sent"]
+__all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "mark_sent"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 DEFAULT_URL = "sqlite:///.onceonly/ledger.db"
 _MISSING: Any = object()
@@ -552,7 +553,7 @@ class Ledger:
     # --- the decorator ----------------------------------------------------------------------------
 
     @overload
-    def tool(self, fn: Callable[P, Awaitable[R]], /) -> AsyncTool[P, R]: ...
+    def tool(self, fn: Callable[P, Awaitable[R]], /) -> AsyncTool[P, R]: ...  # type: ignore[overload-overlap]
     @overload
     def tool(self, fn: Callable[P, R], /) -> Tool[P, R]: ...
     @overload
@@ -660,7 +661,7 @@ class Ledger:
             cls = AsyncTool if inspect.iscoroutinefunction(f) else Tool
             if probe is not None and cls is Tool and inspect.iscoroutinefunction(probe):
                 raise TypeError(f"{f.__qualname__} is sync, so its probe must be sync too")
-            made = cls(
+            made: _BaseTool[Any, Any] = cls(
                 self, f, name=name or f"{f.__module__}.{f.__qualname__}", key=key, ignore=ignore,
                 normalize=normalize, policy=policy, probe=probe, timeout=timeout, readonly=readonly, decode=decode,
             )  # fmt: skip
@@ -686,7 +687,14 @@ class Ledger:
 
     # --- the drivers: the only I/O loops ------------------------------------------------------------
 
-    def _drive(self, gen: Plan, tool: _BaseTool[Any, Any], call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _drive(
+        self,
+        gen: Generator[Action, Any, T],
+        tool: _BaseTool[Any, Any],
+        call: Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
         send: Any = None
         error: BaseException | None = None
         store = self.store
@@ -694,7 +702,8 @@ class Ledger:
             try:
                 action = gen.throw(error) if error is not None else gen.send(send)
             except StopIteration as stop:
-                return stop.value
+                done: T = stop.value
+                return done
             error = None
             kind = type(action)
             try:
@@ -725,8 +734,13 @@ class Ledger:
                 error = exc
 
     async def _adrive(
-        self, gen: Plan, tool: _BaseTool[Any, Any], call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+        self,
+        gen: Generator[Action, Any, T],
+        tool: _BaseTool[Any, Any],
+        call: Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
         send: Any = None
         error: BaseException | None = None
         store: Any = self.store
@@ -734,7 +748,8 @@ class Ledger:
             try:
                 action = gen.throw(error) if error is not None else gen.send(send)
             except StopIteration as stop:
-                return stop.value
+                done: T = stop.value
+                return done
             error = None
             kind = type(action)
             try:
@@ -766,7 +781,9 @@ class Ledger:
 
     # --- running a tool ------------------------------------------------------------------------------
 
-    def _execute(self, tool: Tool[Any, Any], call: Call, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Executed:
+    def _execute(
+        self, tool: Tool[Any, Any], call: Call, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Executed:
         lease = self._beats.hold(rec, call.policy.lease)
         current = _Current(self, lease, call.policy.lease)
         kw = tool._tool_kwargs(call, kwargs)
@@ -979,7 +996,9 @@ class Ledger:
                 raise KeyError(f"no record with key {key!r}: check it with `onceonly ls`")
             now = self.clock()
             if rec.state in HELD and not rec.lease_expired(now):
-                raise InProgress(f"{key!r} is running now (lease held by {rec.lease_owner}); resolve it after", key=key, record=rec)
+                raise InProgress(
+                    f"{key!r} is running now (lease held by {rec.lease_owner}); resolve it after", key=key, record=rec
+                )
             if rec.state is State.CONFIRMED:
                 raise OnceOnlyError(f"{key!r} is already confirmed (via {rec.via}); nothing to resolve")
             reason = f"resolved by {who}" + (f": {why}" if why else "")
@@ -1010,7 +1029,12 @@ class Ledger:
         after: str | None = None
         while True:
             page = self.store.scan(
-                Query(states=[State.CONFIRMED, State.FAILED, State.ABANDONED], expires_before=cutoff, after=after, limit=batch)
+                Query(
+                    states=[State.CONFIRMED, State.FAILED, State.ABANDONED],
+                    expires_before=cutoff,
+                    after=after,
+                    limit=batch,
+                )
             )
             for rec in page:
                 if self.store.delete(rec.key, rec.version):

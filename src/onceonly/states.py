@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 import json
-from json.encoder import encode_basestring as _quote  # type: ignore[attr-defined]
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from json.encoder import encode_basestring as _quote
 from typing import Any
 
 __all__ = [
@@ -172,7 +172,7 @@ def _make_replace() -> Callable[..., Record]:
     # guarded call, so it is generated once, as plain code: Record(c.get("key", r.key), ...).
     args = ", ".join(f'c["{n}"] if "{n}" in c else r.{n}' for n in _FIELDS)
     namespace: dict[str, Any] = {"Record": Record}
-    exec(f"def replace(r, c):\n    return Record({args})", namespace)  # noqa: S102 - fixed code, no input
+    exec(f"def replace(r, c):\n    return Record({args})", namespace)
     fn: Callable[..., Record] = namespace["replace"]
     return fn
 
@@ -266,9 +266,7 @@ def transition(
 # --- the transitions the ledger uses, named -----------------------------------------------------
 
 
-def claim_again(
-    rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str
-) -> Record:
+def claim_again(rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str) -> Record:
     """Reclaim an existing record for a new attempt: fence and attempts go up by one."""
     if state not in HELD:
         raise IllegalTransition(f"a claim is into pending or in_flight, not {state.value}")
@@ -318,9 +316,7 @@ def confirm(rec: Record, *, result_json: str | None, now: float, ttl: float | No
     )
 
 
-def fail(
-    rec: Record, *, error: str, now: float, retry_at: float | None, ttl: float | None, by: str | None
-) -> Record:
+def fail(rec: Record, *, error: str, now: float, retry_at: float | None, ttl: float | None, by: str | None) -> Record:
     """It definitely did not happen. ``retry_at`` schedules the next attempt (persisted)."""
     return transition(
         rec,
@@ -365,7 +361,9 @@ def note_conflict(rec: Record, *, now: float, reason: str, by: str | None) -> Re
     return transition(rec, rec.state, now=now, reason=reason, by=by, conflicts=rec.conflicts + 1)
 
 
-def late_success(rec: Record, *, fence: int, result_json: str | None, now: float, ttl: float | None, by: str | None) -> Record:
+def late_success(
+    rec: Record, *, fence: int, result_json: str | None, now: float, ttl: float | None, by: str | None
+) -> Record:
     """The outcome of attempt ``fence`` arrived after the record moved on.
 
     On a record whose outcome is still open it is the truth and confirms it. On a record that was

@@ -12,6 +12,7 @@ Durability: ``synchronous=NORMAL`` by default. In WAL mode that survives any cra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import threading
@@ -75,9 +76,7 @@ _SELECT = f"SELECT {_COLUMNS} FROM onceonly_records WHERE key = ?"
 _INSERT = f"INSERT OR IGNORE INTO onceonly_records ({_COLUMNS}) VALUES ({','.join('?' * 20)})"
 _STATES = {s.value: s for s in State}
 # Record fields a swap may change (key never changes; version is always written) → their column.
-_SWAP_FIELDS = tuple(
-    f for f in Record.__dataclass_fields__ if f not in ("key", "version")
-)
+_SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
 _UPDATES: dict[tuple[str, ...], str] = {}
 
@@ -164,9 +163,7 @@ class SQLiteStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(
-                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-            )
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"cannot open the ledger file {self.path}: {exc}") from exc
         try:
@@ -235,12 +232,11 @@ class SQLiteStore:
                 f"{self.path} belongs to another application (application_id {app_id:#x}). "
                 "Nothing was changed in it: open the ledger at another path"
             )
-        if app_id == 0:
-            if tables:
-                raise StoreCorrupt(
-                    f"{self.path} is a SQLite database of another application (tables: "
-                    f"{', '.join(sorted(tables)[:5])}). Nothing was changed in it: open the ledger at another path"
-                )
+        if app_id == 0 and tables:
+            raise StoreCorrupt(
+                f"{self.path} is a SQLite database of another application (tables: "
+                f"{', '.join(sorted(tables)[:5])}). Nothing was changed in it: open the ledger at another path"
+            )
         if version > SCHEMA_VERSION:
             raise StoreCorrupt(
                 f"{self.path} has ledger schema {version}, newer than this onceonly knows ({SCHEMA_VERSION}): "
@@ -316,7 +312,7 @@ class SQLiteStore:
         if sql is None:
             sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in names)
             sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
-        values = [record.version]
+        values: list[Any] = [record.version]
         for n in names:
             v = getattr(record, n)
             values.append(v.value if n == "state" else v)
@@ -394,10 +390,8 @@ class SQLiteStore:
             self._closed = True
             conns, self._all = self._all, []
         for conn in conns:
-            try:
+            with contextlib.suppress(sqlite3.Error):  # closing a broken connection
                 conn.close()
-            except sqlite3.Error:  # pragma: no cover - closing a broken connection
-                pass
         self._local = threading.local()
 
     # --- async face: sqlite3 blocks, so every call runs in a worker thread ------------------------
