@@ -1,0 +1,209 @@
+"""``onceonly reconcile``: settle what guarded calls left unsettled, once or every N seconds."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from onceonly.errors import OnceOnlyError
+from onceonly.ledger import Ledger
+from onceonly.settle import (
+    DEFAULT_REVIEW_AFTER,
+    ReconcileReport,
+    Settlement,
+    load_ledger,
+    reconcile,
+    reconcile_forever,
+)
+
+__all__ = ["COMMANDS", "Duration", "parse_duration", "reconcile_command"]
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "": 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``"30s"``, ``"5m"``, ``"1h"``, ``"250ms"``, ``"2d"`` or a plain number of seconds.
+
+    .. versionadded:: 0.1
+    """
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration: write 30s, 5m, 1h, 250ms or a number of seconds")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter: a duration such as ``30s``, in seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_COLOURS = {
+    Settlement.CONFIRMED: "green",
+    Settlement.FAILED: "yellow",
+    Settlement.PARKED: "magenta",
+    Settlement.UNSETTLED: "red",
+    Settlement.NO_TOOL: "red",
+    Settlement.WAITING: "dim",
+    Settlement.SKIPPED: "dim",
+}
+
+
+def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -> None:
+    lines = report.lines if verbose else report.acted
+    if lines:
+        table = Table(title=f"reconcile by {report.by}")
+        for col in ("key", "tool", "was", "now", "done", "detail"):
+            table.add_column(col, overflow="fold")
+        for ln in lines:
+            colour = _COLOURS[ln.settlement]
+            table.add_row(
+                ln.key,
+                ln.tool,
+                ln.before.value,
+                "gone" if ln.after is None else ln.after.value,
+                f"[{colour}]{ln.settlement.value}[/{colour}]",
+                ln.detail,
+            )
+        console.print(table)
+    counts = ", ".join(f"{n} {name}" for name, n in report.counts.items() if n) or "nothing to settle"
+    took = report.finished_at - report.started_at
+    console.print(
+        f"{time.strftime('%H:%M:%S')} reconciled {len(report.lines)} record(s) in {took:.2f}s: {counts}"
+    )
+
+
+@click.command("reconcile")
+@click.option(
+    "--app",
+    "app",
+    default=None,
+    metavar="MODULE:ATTR",
+    help="Your ledger with its tools registered, e.g. myapp.tools:ledger (imported, as uvicorn does).",
+)
+@click.option(
+    "--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app."
+)
+@click.option(
+    "--url",
+    envvar="ONCEONLY_URL",
+    default=None,
+    help="The ledger's store (default: the --app ledger's, else $ONCEONLY_URL, else the default file).",
+)
+@click.option("--once", is_flag=True, help="Run once and exit (the default without --every).")
+@click.option(
+    "--every", "every", type=Duration(), default=None, help="Run every DURATION (30s, 5m) until stopped."
+)
+@click.option(
+    "--review-after",
+    type=Duration(),
+    default=DEFAULT_REVIEW_AFTER,
+    show_default=True,
+    help="Park an unknown record that nothing can settle automatically once it is this old.",
+)
+@click.option(
+    "--wait",
+    type=Duration(),
+    default=None,
+    help="Sleep up to this long for records that become due soon (settle times). Default: 10s with "
+    "--once, 0 with --every.",
+)
+@click.option(
+    "--by", default=None, help="Who reconciles, for the records' histories (default: reconcile@host:pid)."
+)
+@click.option("--batch", default=200, show_default=True, help="Records read per page.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
+@click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
+def reconcile_command(  # noqa: PLR0917 - click passes each option as an argument
+    app: str | None,
+    app_dir: str,
+    url: str | None,
+    once: bool,
+    every: float | None,
+    review_after: float,
+    wait: float | None,
+    by: str | None,
+    batch: int,
+    as_json: bool,
+    verbose: bool,
+) -> None:
+    """Settle unknown records, and in-flight ones whose holder died, through their tools' probes.
+
+    Records of tools that re-send (on_unknown="resend" or "retry") are re-sent with the same key;
+    what nothing can settle is parked as needs_review once older than --review-after. Several
+    reconcilers may run at once: each record is settled once.
+
+    \b
+    Examples:
+      onceonly reconcile --app myapp.tools:ledger
+      onceonly reconcile --app myapp.tools:ledger --every 30s --review-after 10m
+    """
+    if once and every is not None:
+        raise click.UsageError("give --once or --every DURATION, not both")
+    if every is not None and every <= 0:
+        raise click.UsageError("--every needs a positive duration, e.g. 30s")
+    try:
+        source = load_ledger(app, app_dir) if app else None
+        ledger = Ledger.open(url) if url or source is None else source
+    except (OnceOnlyError, ValueError, TypeError, ImportError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    tools = source.tools if source is not None else ledger.tools
+    console = Console(stderr=as_json)
+    if not tools:
+        console.print(
+            "[yellow]no tools registered[/yellow]: expired leases are still settled, but unknown records "
+            "need their tools' probes: pass --app module:ledger"
+        )
+    kwargs: dict[str, Any] = {"tools": tools, "review_after": review_after, "by": by, "batch": batch}
+
+    def show(report: ReconcileReport) -> None:
+        if as_json:
+            click.echo(json.dumps(report.to_dict(), ensure_ascii=False))
+        else:
+            _print_report(console, report, verbose=verbose)
+
+    try:
+        if every is None:
+            show(reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs))
+            return
+        stopping = False
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            nonlocal stopping
+            stopping = True
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            reconcile_forever(
+                ledger, every=every, on_report=show, stop=lambda: stopping, wait=wait or 0.0, **kwargs
+            )
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    except OnceOnlyError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        ledger.close()
+        if source is not None and source is not ledger:
+            source.close()
+
+
+COMMANDS = [reconcile_command]
