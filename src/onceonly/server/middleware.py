@@ -1,0 +1,539 @@
+"""``IdempotencyMiddleware``: the server side of the Idempotency-Key header, as pure ASGI.
+
+It follows the IETF HTTP API draft "The Idempotency-Key HTTP Header Field" and Stripe's documented
+behaviour. One request with a key, in the default (store) mode:
+
+    parse key ──bad──▶ 400        read body, fingerprint, claim http:CLIENT:k:KEY in the store
+       │ absent ─▶ 400                │
+       ▼                              ├─ held by a live request ─────────────▶ 409 + Retry-After
+    claim ──we hold it──▶ run app     ├─ other fingerprint ────────────────────▶ 422
+                            │         └─ completed ────────────────────────────▶ replay, Idempotent-Replayed
+                            ├─ 2xx-4xx, body ≤ limit ─▶ store (confirm) ─▶ then send the last chunk
+                            └─ exception, 5xx, 408, 429, too big, no response ─▶ release (delete) the key
+
+The response is stored *before* its last body chunk goes out, so a client that saw the complete
+answer always finds it stored, and one whose answer was lost on the way finds it on retry.
+
+In transactional mode (``transactional=True``) the middleware keeps no table: it parses, scopes and
+fingerprints the key, and the application stores the response in its own database transaction with
+``onceonly.server.IdempotencyTable`` (see ``transactional.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from onceonly import states as st
+from onceonly.errors import InProgress, KeyConflict, StoreError
+from onceonly.keys import canonical_json
+from onceonly.states import HELD, Record, State
+from onceonly.stores import open_store
+from onceonly.stores.base import AsyncStore, Store
+
+from ._http import (
+    CONTEXT_KEY,
+    DEFAULT_REPLAY_HEADERS,
+    ASGIApp,
+    BadKey,
+    IdempotencyContext,
+    Message,
+    Receive,
+    Replay,
+    Scope,
+    Send,
+    StoredResponse,
+    authorization_identity,
+    client_hash,
+    fingerprint_start,
+    parse_key,
+    problem_messages,
+    store_key,
+)
+
+__all__ = ["DEFAULT_RELEASE_STATUSES", "IdempotencyMiddleware"]
+
+log = logging.getLogger("onceonly.server")
+
+#: Statuses after which the key is released instead of stored, so a retry runs again: every 5xx
+#: (the handler failed), 408 and 429 (the request was refused before it ran).
+DEFAULT_RELEASE_STATUSES: frozenset[int] = frozenset({408, 429, *range(500, 600)})
+
+_HEADERS = (b"idempotency-key", b"x-idempotency-key")
+_TOOL = "http"
+_owner_counter = itertools.count(1)
+_HOST = socket.gethostname()[:40]
+
+
+class _Held:
+    """A claim this process holds while the application runs; ``record`` is the latest version written."""
+
+    __slots__ = ("beat", "done", "lock", "record", "timer")
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+        self.lock = asyncio.Lock()
+        self.done = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.beat: asyncio.Task[None] | None = None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class IdempotencyMiddleware:
+    """Make POST and PATCH requests with an ``Idempotency-Key`` run once, and replay their response.
+
+    Args:
+        app: the ASGI application (Starlette, FastAPI or any ASGI 3 app).
+        store: where keys and responses are kept: an onceonly ``Store`` or a URL for
+            ``onceonly.open_store`` (``sqlite:///…``, ``redis://…``, ``postgresql://…``). Not with
+            ``transactional=True``.
+        transactional: the application stores responses itself, in its own database transaction,
+            with ``IdempotencyTable``; the middleware parses, scopes and fingerprints the key and
+            turns ``Replay``, ``KeyConflict`` and ``InProgress`` from the handler into responses.
+        methods: the methods that take a key; others pass through untouched.
+        require_key: answer 400 to a request of those methods without a key. With ``False`` such a
+            request runs as if there were no middleware.
+        client_identity: ``scope -> str``: who is asking. Keys are scoped by its hash, so one client
+            can never replay another's response. Default: the ``Authorization`` header.
+        processing_timeout: seconds a claim holds. While the application runs, the claim is renewed
+            every third of it, so only a server that stopped (crash, kill, lost store) lets a claim
+            go stale; a retry after that runs the request again (see docs/server.md).
+        ttl: seconds a completed response is replayed; after that the key is free again.
+        max_stored_body: the largest response body kept (bytes). A larger response is passed
+            through, not stored, and its key released: a retry runs again.
+        max_request_body: the largest request body read for the fingerprint; larger → 413.
+        replay_headers: response header names (lower case) a replay repeats.
+        release_statuses: statuses after which the key is released instead of stored.
+        retry_after: seconds sent in ``Retry-After`` with a 409 (and a 503 when the store is down).
+        key_prefix: the first part of every key in the store.
+        clock: seconds since the epoch (injectable for tests).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: Store | str | None = None,
+        *,
+        transactional: bool = False,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        require_key: bool = True,
+        client_identity: Callable[[Scope], str] = authorization_identity,
+        processing_timeout: float = 30.0,
+        ttl: float = 86400.0,
+        max_stored_body: int = 1 << 20,
+        max_request_body: int = 10 << 20,
+        replay_headers: Iterable[str] = DEFAULT_REPLAY_HEADERS,
+        release_statuses: Iterable[int] = DEFAULT_RELEASE_STATUSES,
+        retry_after: int = 1,
+        key_prefix: str = "http",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if transactional == (store is not None):
+            raise ValueError(
+                "IdempotencyMiddleware needs either store= (a Store or a URL such as sqlite:///idem.db) "
+                "or transactional=True (the application stores responses with IdempotencyTable), not both"
+            )
+        if processing_timeout <= 0:
+            raise ValueError(f"processing_timeout={processing_timeout}: give a positive number of seconds")
+        self.app = app
+        self.store: Store | None = open_store(store) if isinstance(store, str) else store
+        self._async = isinstance(self.store, AsyncStore)
+        self.transactional = transactional
+        self.methods = frozenset(m.upper() for m in methods)
+        self.require_key = require_key
+        self.client_identity = client_identity
+        self.processing_timeout = float(processing_timeout)
+        self.ttl = float(ttl)
+        self.max_stored_body = int(max_stored_body)
+        self.max_request_body = int(max_request_body)
+        self.replay_headers = frozenset(h.lower() for h in replay_headers)
+        self.release_statuses = frozenset(release_statuses)
+        self.retry_after = int(retry_after)
+        self.key_prefix = key_prefix
+        self.clock = clock
+
+    # --- the ASGI entry point -------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = _key_of(scope)
+        except BadKey as exc:
+            await _send(send, problem_messages(400, "Invalid Idempotency-Key", str(exc), slug="invalid-key"))
+            return
+        if key is None:
+            if self.require_key:
+                await _send(
+                    send,
+                    problem_messages(
+                        400,
+                        "Idempotency-Key is missing",
+                        f"{scope['method']} {scope['path']} runs once per key: send an Idempotency-Key header "
+                        "(a fresh UUID per operation, the same one on every retry of it)",
+                        slug="missing-key",
+                    ),
+                )
+                return
+            await self.app(scope, receive, send)
+            return
+        try:
+            body, digest = await self._read_body(scope, receive)
+        except _TooLarge:
+            await _send(
+                send,
+                problem_messages(
+                    413,
+                    "Request body too large",
+                    f"the body passes {self.max_request_body} bytes, the most this server fingerprints",
+                    slug="body-too-large",
+                ),
+            )
+            return
+        except _Disconnected:
+            return  # the client left before sending its body: nothing was claimed, nothing to answer
+        client = client_hash(self.client_identity(scope))
+        ctx = IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
+        scope[CONTEXT_KEY] = ctx
+        replaying = _replaying(body, receive)
+        if self.transactional:
+            await self._run_transactional(scope, replaying, send, ctx)
+        else:
+            await self._run_stored(scope, replaying, send, ctx)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
+        digest = fingerprint_start(scope["method"], scope.get("root_path", "") + scope["path"], scope["query_string"])
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > self.max_request_body:
+                    raise _TooLarge
+                digest.update(chunk)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), digest.hexdigest()
+
+    # --- transactional mode: the application's transaction holds the key ------------------------
+
+    async def _run_transactional(self, scope: Scope, receive: Receive, send: Send, ctx: IdempotencyContext) -> None:
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except BaseException as raised:
+            exc = _unwrap(raised)
+            if started or not isinstance(exc, Replay | KeyConflict | InProgress):
+                raise
+            if isinstance(exc, Replay):
+                await _send(send, exc.response.messages(replayed=True))
+            elif isinstance(exc, KeyConflict):
+                await _send(send, self._conflict(ctx))
+            else:
+                await _send(send, self._in_flight(ctx))
+
+    # --- store mode: claim, run, store or release -------------------------------------------------
+
+    async def _run_stored(self, scope: Scope, receive: Receive, send: Send, ctx: IdempotencyContext) -> None:
+        try:
+            got = await self._claim(scope, ctx)
+        except StoreError:
+            log.exception("onceonly.server: the idempotency store failed on %s", ctx.store_key)
+            await _send(
+                send,
+                problem_messages(
+                    503,
+                    "Idempotency store unavailable",
+                    "the server could not record the key, so the request was not run: retry later with the same key",
+                    slug="store-unavailable",
+                    headers=[(b"retry-after", str(self.retry_after).encode())],
+                ),
+            )
+            return
+        if not isinstance(got, _Held):
+            await _send(send, got)
+            return
+        held = got
+        loop = asyncio.get_running_loop()
+        held.timer = loop.call_later(self.processing_timeout / 3, self._start_beat, held)
+        status = 0
+        headers: Any = ()
+        chunks: list[bytes] | None = []
+        size = 0
+        finished = False
+
+        async def capture(message: Message) -> None:
+            nonlocal status, headers, chunks, size, finished
+            kind = message["type"]
+            if kind == "http.response.start":
+                status, headers = message["status"], message.get("headers", ())
+            elif kind == "http.response.body":
+                chunk = message.get("body", b"")
+                if chunks is not None:
+                    size += len(chunk)
+                    if size > self.max_stored_body:
+                        chunks = None
+                        log.warning(
+                            "onceonly.server: the response to %s passes max_stored_body (%d bytes): "
+                            "not stored, the key is released and a retry runs again",
+                            ctx.store_key,
+                            self.max_stored_body,
+                        )
+                    else:
+                        chunks.append(chunk)
+                if not message.get("more_body", False) and not finished:
+                    # Store (or release) before the client can see the end of the response.
+                    finished = True
+                    if chunks is None or status in self.release_statuses:
+                        await self._release(held, f"HTTP {status}" if chunks is not None else "response too large")
+                    else:
+                        stored = StoredResponse.build(status, headers, b"".join(chunks), self.replay_headers)
+                        await self._complete(held, stored)
+            else:
+                chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        except BaseException:
+            if not finished:
+                finished = True
+                await self._release(held, "the application raised")
+            raise
+        finally:
+            held.timer.cancel()
+        if not finished:
+            await self._release(held, "the application returned without a complete response")
+
+    async def _claim(self, scope: Scope, ctx: IdempotencyContext) -> _Held | tuple[Message, Message]:
+        now = self.clock()
+        owner = f"{_HOST}:{os.getpid()}:{next(_owner_counter)}"
+        args_json = canonical_json(
+            {"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode("latin-1")}
+        )
+        fresh = st.new_record(
+            key=ctx.store_key,
+            scope=f"{self.key_prefix}:{ctx.client}",
+            tool=_TOOL,
+            fingerprint=ctx.fingerprint,
+            args_json=args_json,
+            state=State.IN_FLIGHT,
+            owner=owner,
+            now=now,
+            lease_seconds=self.processing_timeout,
+            reason="request",
+        )
+        for _ in range(8):  # compare-and-set rounds; each lost round means another request moved the key
+            current = await self._call("claim", fresh)
+            if current is None:
+                return _Held(fresh)
+            now = self.clock()
+            if current.state is State.CONFIRMED and current.is_expired(now):
+                new = st.renew(current, owner=owner, now=now, lease_seconds=self.processing_timeout, reason="expired")
+            elif current.fingerprint != ctx.fingerprint:
+                return self._conflict(ctx)
+            elif current.state is State.CONFIRMED:
+                try:
+                    return StoredResponse.from_json(current.result_json or "").messages(replayed=True)
+                except ValueError:
+                    log.exception("onceonly.server: %s holds no readable response", ctx.store_key)
+                    return problem_messages(
+                        500,
+                        "Stored response unreadable",
+                        "the key was completed but its stored response cannot be read; it was not run again",
+                        slug="stored-response-unreadable",
+                    )
+            elif current.state in HELD and not current.lease_expired(now):
+                return self._in_flight(ctx)
+            elif current.state in (State.IN_FLIGHT, State.PENDING, State.FAILED, State.UNKNOWN):
+                if current.state in HELD:
+                    log.warning(
+                        "onceonly.server: %s was held by %s whose claim went stale (the server stopped?): "
+                        "running the request again",
+                        ctx.store_key,
+                        current.lease_owner,
+                    )
+                new = st.claim_again(
+                    current,
+                    state=State.IN_FLIGHT,
+                    owner=owner,
+                    now=now,
+                    lease_seconds=self.processing_timeout,
+                    reason="stale or released: claimed again",
+                )
+            else:
+                # needs_review / abandoned: only a person puts an http key there; never run it blindly.
+                return self._in_flight(ctx)
+            new = st.replace_args(new, fingerprint=ctx.fingerprint, args_json=args_json)
+            if await self._call("swap", new, current):
+                return _Held(new)
+        return self._in_flight(ctx)
+
+    async def _complete(self, held: _Held, stored: StoredResponse) -> None:
+        await self._stop_beats(held)
+        rec = held.record
+        new = st.confirm(
+            rec, result_json=stored.to_json(), now=self.clock(), ttl=self.ttl, via="run", by=rec.lease_owner
+        )
+        try:
+            ok = await self._call("swap", new, rec)
+        except StoreError:
+            log.exception(
+                "onceonly.server: could not store the response of %s: its claim will go stale after "
+                "%.0f s and a retry will run the request again",
+                rec.key,
+                self.processing_timeout,
+            )
+            return
+        if not ok:
+            log.warning(
+                "onceonly.server: the claim on %s was taken over while the request ran (it ran longer than "
+                "processing_timeout without renewal): the request may have run twice",
+                rec.key,
+            )
+        else:
+            held.record = new
+
+    async def _release(self, held: _Held, why: str) -> None:
+        await self._stop_beats(held)
+        try:
+            released = await self._call("delete", held.record.key, held.record.version)
+        except StoreError:
+            log.exception(
+                "onceonly.server: could not release %s after %s: retries get 409 until the claim goes stale (%.0f s)",
+                held.record.key,
+                why,
+                self.processing_timeout,
+            )
+            return
+        if released:
+            log.debug("onceonly.server: released %s: %s", held.record.key, why)
+
+    # --- renewing a claim while the application runs ----------------------------------------------
+
+    def _start_beat(self, held: _Held) -> None:
+        if not held.done:
+            held.beat = asyncio.ensure_future(self._beat(held))
+
+    async def _beat(self, held: _Held) -> None:
+        while True:
+            async with held.lock:
+                if held.done:
+                    return
+                new = st.extend_lease(held.record, now=self.clock(), lease_seconds=self.processing_timeout)
+                try:
+                    ok = await self._call("swap", new, held.record)
+                except StoreError as exc:
+                    log.warning("onceonly.server: could not renew the claim on %s: %s", held.record.key, exc)
+                    ok = True  # nothing changed; try again at the next beat
+                else:
+                    if ok:
+                        held.record = new
+                if not ok:
+                    log.warning("onceonly.server: the claim on %s was taken over by another request", held.record.key)
+                    return
+            await asyncio.sleep(self.processing_timeout / 3)
+
+    async def _stop_beats(self, held: _Held) -> None:
+        if held.timer is not None:
+            held.timer.cancel()
+        # The lock waits for a renewal that is writing right now, so its new version is the one we use.
+        async with held.lock:
+            held.done = True
+        if held.beat is not None:
+            held.beat.cancel()
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        store = self.store
+        assert store is not None
+        if self._async:
+            return await getattr(store, "a" + op)(*args)
+        return await asyncio.to_thread(getattr(store, op), *args)
+
+    def _conflict(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
+        return problem_messages(
+            422,
+            "Idempotency-Key reused",
+            "this key was already used with another request (method, path, query or body differ): "
+            "use a new key for a new operation",
+            slug="key-reused",
+            extra={"key": ctx.key},
+        )
+
+    def _in_flight(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
+        return problem_messages(
+            409,
+            "Request in progress",
+            "a request with this key is still being processed: retry after Retry-After seconds with the same key",
+            slug="in-progress",
+            headers=[(b"retry-after", str(self.retry_after).encode())],
+            extra={"key": ctx.key},
+        )
+
+
+def _key_of(scope: Scope) -> str | None:
+    """The key of a request: ``Idempotency-Key`` or ``X-Idempotency-Key``; several differing → 400."""
+    found: str | None = None
+    for name, value in scope.get("headers", ()):
+        if name in _HEADERS:
+            key = parse_key(value)
+            if found is not None and key != found:
+                raise BadKey("the request has several idempotency keys that differ: send exactly one")
+            found = key
+    return found
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the application the body already read, then the real channel."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send(send: Send, messages: tuple[Message, Message]) -> None:
+    for message in messages:
+        await send(message)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (anyio task groups wrap)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,280 @@
+"""Transactional mode: the idempotency row and the business write commit in one SQL transaction.
+
+A crash anywhere before the commit leaves neither, so a retry runs again safely; after the commit
+both are there, so a retry replays. No window in between, which the store mode (a separate store
+written around the handler) cannot promise for a handler whose write is not itself idempotent.
+
+    with engine.begin() as conn:                       # or a Session, or a DB-API connection
+        slot = table.begin(conn, key, fingerprint)     # raises Replay / KeyConflict / InProgress
+        conn.execute(insert(tickets).values(...))      # the business write
+        slot.complete(201, body, [("content-type", "application/json")])
+    # committed together: the ticket and its stored response
+
+Works with SQLAlchemy 2 (``Session``, ``Connection``) and plain DB-API connections (``sqlite3``,
+``psycopg``); the SQL is portable between SQLite (3.24+) and PostgreSQL (``ON CONFLICT DO NOTHING``).
+
+While a transaction holds a key, its row is not committed: a concurrent request with the same key
+waits on the database's lock (SQLite's write lock, PostgreSQL's unique-index lock) and then sees the
+completed row and replays it. A lock that times out is reported as ``InProgress`` (409).
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from onceonly.errors import InProgress, KeyConflict
+
+from ._http import IdempotencyContext, Replay, StoredResponse, idempotency_context
+
+__all__ = ["IdempotencyTable", "Slot"]
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
+_PLACEHOLDER = re.compile(r":([a-z_]+)")
+Executor = Callable[[str, Mapping[str, Any]], tuple[int, list[Any]]]
+
+
+class IdempotencyTable:
+    """An idempotency table in the application's own SQL database.
+
+    Args:
+        name: the table name (optionally ``schema.table``).
+        ttl: seconds a completed response is replayed; after that the key may run again (``None``:
+            forever).
+        clock: seconds since the epoch (injectable for tests).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, name: str = "onceonly_idempotency", *, ttl: float | None = 86400.0, clock: Callable[[], float] = time.time
+    ) -> None:
+        if not _IDENTIFIER.fullmatch(name):
+            raise ValueError(f"table name {name!r}: use letters, digits and _ (optionally schema.table)")
+        self.name = name
+        self.ttl = ttl
+        self.clock = clock
+        t = name
+        self._sql = {
+            "create": (
+                f"CREATE TABLE IF NOT EXISTS {t} (key VARCHAR(300) PRIMARY KEY, "
+                "fingerprint VARCHAR(64) NOT NULL, "
+                "status VARCHAR(16) NOT NULL, response TEXT, created_at DOUBLE PRECISION NOT NULL, "
+                "expires_at DOUBLE PRECISION)"
+            ),
+            "insert": (
+                f"INSERT INTO {t} (key, fingerprint, status, created_at) "
+                "VALUES (:key, :fingerprint, 'processing', :now) "
+                "ON CONFLICT (key) DO NOTHING"
+            ),
+            "select": f"SELECT fingerprint, status, response, expires_at FROM {t} WHERE key = :key",
+            "drop_expired": (f"DELETE FROM {t} WHERE key = :key AND expires_at IS NOT NULL AND expires_at <= :now"),
+            "complete": (
+                f"UPDATE {t} SET status = 'completed', response = :response, expires_at = :expires "
+                "WHERE key = :key AND status = 'processing'"
+            ),
+            "purge": f"DELETE FROM {t} WHERE expires_at IS NOT NULL AND expires_at <= :now",
+        }
+
+    def create(self, tx: Any) -> None:
+        """Create the table if it does not exist (commit it yourself where DDL is transactional)."""
+        _executor(tx)(self._sql["create"], {})
+
+    def begin(self, tx: Any, key: str, fingerprint: str) -> Slot:
+        """Take ``key`` inside the caller's transaction ``tx``, before the business write.
+
+        Returns a ``Slot``: call ``slot.complete(...)`` with the response before committing.
+
+        Raises:
+            Replay: the key was completed (committed) before: answer with ``exc.response``.
+            KeyConflict: the key was used with another fingerprint: answer 422.
+            InProgress: the key is held and the lock wait timed out, or a committed row of the key
+                was never completed: answer 409.
+
+        .. versionadded:: 0.1
+        """
+        run = _executor(tx)
+        now = self.clock()
+        params = {"key": key, "fingerprint": fingerprint, "now": now}
+        try:
+            inserted, _ = run(self._sql["insert"], params)
+            if inserted == 1:
+                return Slot(self, run, key)
+            _, rows = run(self._sql["select"], params)
+            if rows and rows[0][3] is not None and rows[0][3] <= now:
+                # Expired: the key is free again. Delete and take it, all in this transaction.
+                run(self._sql["drop_expired"], params)
+                inserted, _ = run(self._sql["insert"], params)
+                if inserted == 1:
+                    return Slot(self, run, key)
+                _, rows = run(self._sql["select"], params)
+        except Exception as exc:
+            if _is_lock_timeout(exc):
+                raise InProgress(
+                    f"{key!r} is held by another transaction (the lock wait timed out): retry with the same key",
+                    key=key,
+                ) from exc
+            raise
+        if not rows:  # deleted between our insert and our read: a purge; let the client retry
+            raise InProgress(f"{key!r} changed while it was read: retry with the same key", key=key)
+        stored_fp, status, response, _ = rows[0]
+        if stored_fp != fingerprint:
+            raise KeyConflict(
+                f"{key!r} was already used with another request (fingerprint {stored_fp[:12]}…): use a new key",
+                key=key,
+                record=None,
+                fingerprint=fingerprint,
+            )
+        if status == "completed" and response is not None:
+            raise Replay(key, StoredResponse.from_json(response))
+        raise InProgress(
+            f"{key!r} has a committed row that was never completed (begin and complete ran in two "
+            "transactions?): it is treated as in progress",
+            key=key,
+        )
+
+    def begin_request(self, tx: Any, request: Any) -> Slot:
+        """``begin`` with the key and fingerprint ``IdempotencyMiddleware(transactional=True)`` found.
+
+        ``request`` is a Starlette/FastAPI request, an ASGI scope, or an ``IdempotencyContext``.
+
+        .. versionadded:: 0.1
+        """
+        ctx = request if isinstance(request, IdempotencyContext) else idempotency_context(request)
+        if ctx is None:
+            raise LookupError(
+                "this request has no idempotency context: add IdempotencyMiddleware(app, transactional=True) "
+                "and make sure its methods include this request's"
+            )
+        return self.begin(tx, ctx.store_key, ctx.fingerprint)
+
+    def get(self, tx: Any, key: str) -> StoredResponse | None:
+        """The completed response of ``key``, or ``None`` (absent, in progress or expired)."""
+        _, rows = _executor(tx)(self._sql["select"], {"key": key})
+        if not rows:
+            return None
+        _, status, response, expires_at = rows[0]
+        if status != "completed" or response is None or (expires_at is not None and expires_at <= self.clock()):
+            return None
+        return StoredResponse.from_json(response)
+
+    def purge(self, tx: Any, *, before: float | None = None) -> int:
+        """Delete rows whose ``ttl`` passed; returns how many."""
+        count, _ = _executor(tx)(self._sql["purge"], {"now": self.clock() if before is None else before})
+        return max(count, 0)
+
+
+class Slot:
+    """A key taken inside a transaction, waiting for its response.
+
+    .. versionadded:: 0.1
+    """
+
+    __slots__ = ("_run", "key", "response", "table")
+
+    def __init__(self, table: IdempotencyTable, run: Executor, key: str) -> None:
+        self.table = table
+        self._run = run
+        self.key = key
+        self.response: StoredResponse | None = None
+
+    def complete(
+        self,
+        status: int,
+        body: bytes | str,
+        headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        *,
+        replay_headers: Sequence[str] | None = None,
+    ) -> StoredResponse:
+        """Store the response in the same transaction. Commit after this, then send the same response.
+
+        Args:
+            status: the HTTP status the handler answers.
+            body: the response body (``str`` is encoded as UTF-8).
+            headers: the response headers a replay repeats (``content-type``, ``location``…).
+            replay_headers: if given, only these header names are kept.
+        """
+        raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
+        pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+        kept = tuple(
+            (n.lower(), v)
+            for n, v in pairs
+            if replay_headers is None or n.lower() in {h.lower() for h in replay_headers}
+        )
+        stored = StoredResponse(status, kept, raw)
+        expires = None if self.table.ttl is None else self.table.clock() + self.table.ttl
+        count, _ = self._run(
+            self.table._sql["complete"], {"key": self.key, "response": stored.to_json(), "expires": expires}
+        )
+        if count != 1:
+            raise RuntimeError(f"{self.key!r}: complete() found no row in progress; was begin() rolled back?")
+        self.response = stored
+        return stored
+
+
+# --- running SQL on whatever the caller holds ---------------------------------------------------
+
+
+def _executor(tx: Any) -> Executor:
+    """A function ``(sql with :name placeholders, params) -> (rowcount, rows)`` for ``tx``."""
+    sa = sys.modules.get("sqlalchemy")
+    if sa is not None:
+        from sqlalchemy.engine import Connection
+        from sqlalchemy.orm import Session
+
+        if isinstance(tx, Session | Connection):
+
+            def run_sa(sql: str, params: Mapping[str, Any]) -> tuple[int, list[Any]]:
+                result: Any = tx.execute(sa.text(sql), dict(params))
+                rows = [tuple(r) for r in result.fetchall()] if result.returns_rows else []
+                return int(result.rowcount), rows
+
+            return run_sa
+    if not hasattr(tx, "cursor"):
+        raise TypeError(f"{type(tx).__name__} is neither a SQLAlchemy Session/Connection nor a DB-API connection")
+    module = sys.modules.get(type(tx).__module__.split(".")[0])
+    style = getattr(module, "paramstyle", "qmark")
+
+    def run_dbapi(sql: str, params: Mapping[str, Any]) -> tuple[int, list[Any]]:
+        converted, args = _convert(sql, params, style)
+        cur = tx.cursor()
+        try:
+            cur.execute(converted, args)
+            rows = cur.fetchall() if cur.description else []
+            return int(cur.rowcount), [tuple(r) for r in rows]
+        finally:
+            cur.close()
+
+    return run_dbapi
+
+
+def _convert(sql: str, params: Mapping[str, Any], style: str) -> tuple[str, Any]:
+    """``:name`` placeholders → the driver's paramstyle (PEP 249)."""
+    if style == "named":
+        return sql, dict(params)
+    if style == "pyformat":
+        return _PLACEHOLDER.sub(r"%(\1)s", sql), dict(params)
+    names = _PLACEHOLDER.findall(sql)
+    args = [params[n] for n in names]
+    if style == "format":
+        return _PLACEHOLDER.sub("%s", sql), args
+    if style == "numeric":
+        counter = iter(range(1, len(names) + 1))
+        return _PLACEHOLDER.sub(lambda _m: f":{next(counter)}", sql), args
+    return _PLACEHOLDER.sub("?", sql), args
+
+
+def _is_lock_timeout(exc: BaseException) -> bool:
+    """A lock wait that gave up: SQLite's "database is locked", PostgreSQL's lock_timeout."""
+    orig = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
+    if isinstance(orig, sqlite3.OperationalError):
+        msg = str(orig).lower()
+        return "locked" in msg or "busy" in msg
+    psycopg_errors = sys.modules.get("psycopg.errors")
+    if psycopg_errors is not None:
+        return isinstance(orig, psycopg_errors.LockNotAvailable)
+    return False

@@ -1,0 +1,392 @@
+"""The reference ticket service: a small ticket API over SQLite, with idempotency and fault injection.
+
+    POST /tickets                             {"session_id", "title", "body"} → 201 ticket
+    GET  /tickets?session_id=…[&title=…]      {"tickets": [...]}: the business-key lookup for probes
+    GET  /tickets/{id}                        one ticket
+    GET  /tickets/by-idempotency-key/{key}    the ticket this client created with that key
+    GET  /admin/faults, PUT /admin/faults     fault injection, at run time
+    GET  /health
+
+Idempotency, by default, is the transactional mode: ``IdempotencyMiddleware(transactional=True)``
+parses and scopes the key, and the handler writes the ticket and its stored response in one SQLite
+transaction (``IdempotencyTable``). With ``store=URL`` the middleware keeps keys in an onceonly store
+instead (the store mode), and with ``idempotency=False`` there is none: every POST creates a ticket.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from onceonly.server import (
+    IdempotencyMiddleware,
+    IdempotencyTable,
+    authorization_identity,
+    client_hash,
+    idempotency_context,
+    parse_key,
+)
+from onceonly.server._http import BadKey, Scope
+from onceonly.stores.base import Store
+from onceonly.tickets.faults import CRASH_EXIT_CODE, FAULT_KEY, FaultInjector, FaultMiddleware, Faults
+
+__all__ = ["TicketDB", "create_app"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tickets (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id      TEXT NOT NULL,
+    title           TEXT NOT NULL,
+    body            TEXT NOT NULL,
+    created_at      TEXT NOT NULL,
+    client          TEXT NOT NULL,
+    idempotency_key TEXT
+);
+CREATE INDEX IF NOT EXISTS tickets_by_session ON tickets (session_id, title);
+CREATE INDEX IF NOT EXISTS tickets_by_key ON tickets (client, idempotency_key)
+"""
+_COLUMNS = "id, session_id, title, body, created_at"
+
+
+# --- the API's shapes, for validation and the OpenAPI spec ----------------------------------------
+
+
+class TicketIn(BaseModel):
+    """A ticket to create."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str = Field(min_length=1, max_length=200, description="The agent session asking.")
+    title: str = Field(min_length=1, max_length=500)
+    body: str = Field(default="", max_length=20_000)
+
+
+class Ticket(BaseModel):
+    """A ticket as stored."""
+
+    id: int
+    session_id: str
+    title: str
+    body: str
+    created_at: str = Field(description="UTC, ISO 8601.")
+
+
+class TicketList(BaseModel):
+    tickets: list[Ticket]
+
+
+class Problem(BaseModel):
+    """An error, as ``application/problem+json`` (RFC 9457)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+
+
+class FaultSettings(BaseModel):
+    """Fault probabilities per ``POST /tickets`` (summing to at most 1), the RNG seed, the delay."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail: float = Field(default=0.0, ge=0.0, le=1.0)
+    crash: float = Field(default=0.0, ge=0.0, le=1.0)
+    crash_after_commit: float = Field(default=0.0, ge=0.0, le=1.0)
+    lost: float = Field(default=0.0, ge=0.0, le=1.0)
+    delay: float = Field(default=0.0, ge=0.0, le=1.0)
+    delay_seconds: float = Field(default=3.0, ge=0.0, le=600.0)
+    seed: int | None = None
+
+
+class FaultState(BaseModel):
+    faults: FaultSettings
+    injected: dict[str, int]
+    requests: int
+
+
+_PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
+
+
+class InjectedFailure(Exception):
+    """The ``fail`` fault: the handler gives up before its commit."""
+
+
+def _fail() -> None:
+    raise InjectedFailure("fault 'fail': the handler failed before its commit; nothing was written")
+
+
+# --- the database ---------------------------------------------------------------------------------
+
+
+class TicketDB:
+    """The tickets in one SQLite file: one connection per thread, WAL, explicit transactions.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, path: str | Path, table: IdempotencyTable | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.table = table or IdempotencyTable()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[sqlite3.Connection] = []
+        conn = self.conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Statement by statement: executescript() would commit the transaction half-way.
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            self.table.create(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def get(self, ticket_id: int) -> dict[str, Any] | None:
+        rows = self.conn().execute(f"SELECT {_COLUMNS} FROM tickets WHERE id = ?", (ticket_id,)).fetchall()
+        return _ticket(rows[0]) if rows else None
+
+    def find(self, session_id: str, title: str | None = None) -> list[dict[str, Any]]:
+        sql = f"SELECT {_COLUMNS} FROM tickets WHERE session_id = ?"
+        params: list[Any] = [session_id]
+        if title is not None:
+            sql += " AND title = ?"
+            params.append(title)
+        return [_ticket(r) for r in self.conn().execute(sql + " ORDER BY id", params).fetchall()]
+
+    def by_key(self, client: str, key: str) -> dict[str, Any] | None:
+        rows = (
+            self.conn()
+            .execute(
+                f"SELECT {_COLUMNS} FROM tickets WHERE client = ? AND idempotency_key = ? ORDER BY id LIMIT 1",
+                (client, key),
+            )
+            .fetchall()
+        )
+        return _ticket(rows[0]) if rows else None
+
+    def count(self) -> int:
+        return int(self.conn().execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+
+def _ticket(row: tuple[Any, ...]) -> dict[str, Any]:
+    return {"id": row[0], "session_id": row[1], "title": row[2], "body": row[3], "created_at": row[4]}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _problem(status: int, title: str, detail: str, slug: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"type": f"urn:onceonly:problem:{slug}", "title": title, "status": status, "detail": detail}
+    return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
+
+
+# --- the application ------------------------------------------------------------------------------
+
+
+def create_app(
+    db_path: str | Path = ".onceonly/tickets.db",
+    *,
+    idempotency: bool = True,
+    store: Store | str | None = None,
+    faults: Faults | dict[str, Any] | None = None,
+    seed: int | None = None,
+    admin: bool = True,
+    processing_timeout: float = 30.0,
+    ttl: float = 86400.0,
+) -> FastAPI:
+    """The ticket service as a FastAPI app.
+
+    Args:
+        db_path: the SQLite file of the tickets (and, in transactional mode, of the keys).
+        idempotency: put ``IdempotencyMiddleware`` in front of ``POST /tickets``. Off: every POST
+            creates a ticket, key or not (the "naive" server of the demo).
+        store: keep keys in this onceonly store (store mode) instead of in the tickets' own
+            transaction (transactional mode, the default).
+        faults: fault probabilities (``Faults`` or a dict such as ``{"lost": 0.2}``).
+        seed: the seed of the fault RNG (overrides ``faults.seed``).
+        admin: serve ``/admin/faults`` to read and change the faults at run time.
+        processing_timeout: the store mode's claim lease (seconds); see ``IdempotencyMiddleware``.
+        ttl: seconds a completed key is replayed.
+
+    The app's ``state`` holds ``db`` (``TicketDB``) and ``faults`` (``FaultInjector``).
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(faults, dict):
+        faults = Faults.from_mapping(faults)
+    faults = faults or Faults()
+    if seed is not None:
+        faults = Faults.from_mapping({**faults.to_dict(), "seed": seed})
+    transactional = idempotency and store is None
+    table = IdempotencyTable(ttl=ttl)
+    db = TicketDB(db_path, table)
+    injector = FaultInjector(faults)
+
+    app = FastAPI(
+        title="onceonly tickets",
+        version="0.1.0",
+        description=(
+            "The reference ticket service of onceonly. POST /tickets takes an Idempotency-Key header "
+            "(IETF draft; also X-Idempotency-Key) when idempotency is on."
+        ),
+    )
+    app.state.db = db
+    app.state.faults = injector
+    app.state.idempotency = "transactional" if transactional else ("store" if idempotency else "off")
+
+    @app.exception_handler(InjectedFailure)
+    async def injected_failure(request: Request, exc: InjectedFailure) -> JSONResponse:
+        return _problem(503, "Injected failure", str(exc), "injected-failure", {"Retry-After": "1"})
+
+    @app.post(
+        "/tickets",
+        status_code=201,
+        response_model=Ticket,
+        responses={400: _PROBLEM, 409: _PROBLEM, 413: _PROBLEM, 422: {"description": "Invalid body, or key reused"},
+                   503: _PROBLEM},
+        summary="Create a ticket",
+    )  # fmt: skip
+    def create_ticket(
+        ticket: TicketIn,
+        request: Request,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                description="One key per logical operation, the same on every retry (1-255 visible ASCII)",
+            ),
+        ] = None,
+    ) -> Response:
+        fault = request.scope.get(FAULT_KEY)
+        ctx = idempotency_context(request)
+        key: str | None
+        if ctx is not None:
+            client, key = ctx.client, ctx.key
+        else:
+            client, key = client_hash(authorization_identity(request.scope)), _raw_key(request.scope)
+        conn = db.conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            slot = table.begin_request(conn, ctx) if transactional and ctx is not None else None
+            if fault == "fail":
+                _fail()
+            created = _now()
+            cur = conn.execute(
+                "INSERT INTO tickets (session_id, title, body, created_at, client, idempotency_key) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (ticket.session_id, ticket.title, ticket.body, created, client, key),
+            )
+            if fault == "crash":
+                os._exit(CRASH_EXIT_CODE)  # after the business write, before the commit
+            out = {"id": cur.lastrowid, **ticket.model_dump(), "created_at": created}
+            body = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            headers = {"content-type": "application/json", "location": f"/tickets/{cur.lastrowid}"}
+            if slot is not None:
+                slot.complete(201, body, headers)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if fault == "crash_after_commit":
+            os._exit(CRASH_EXIT_CODE)
+        return Response(body, status_code=201, headers=headers)
+
+    @app.get("/tickets", response_model=TicketList, summary="Find tickets by business key (for probes)")
+    def find_tickets(
+        session_id: Annotated[str, Query(min_length=1, max_length=200)],
+        title: Annotated[str | None, Query(max_length=500)] = None,
+    ) -> dict[str, Any]:
+        return {"tickets": db.find(session_id, title)}
+
+    @app.get(
+        "/tickets/by-idempotency-key/{key}",
+        response_model=Ticket,
+        responses={404: _PROBLEM},
+        summary="The ticket this client created with an idempotency key",
+    )
+    def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=255)], request: Request) -> Any:
+        client = client_hash(authorization_identity(request.scope))
+        found = db.by_key(client, key)
+        if found is None:
+            return _problem(404, "No such ticket", f"no ticket of this client has the key {key!r}", "not-found")
+        return found
+
+    @app.get("/tickets/{ticket_id}", response_model=Ticket, responses={404: _PROBLEM}, summary="One ticket")
+    def get_ticket(ticket_id: int) -> Any:
+        found = db.get(ticket_id)
+        if found is None:
+            return _problem(404, "No such ticket", f"there is no ticket {ticket_id}", "not-found")
+        return found
+
+    @app.get("/health", summary="Liveness")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "idempotency": app.state.idempotency}
+
+    if admin:
+
+        @app.get("/admin/faults", response_model=FaultState, summary="The faults and how many were injected")
+        def get_faults() -> dict[str, Any]:
+            return injector.snapshot()
+
+        @app.put("/admin/faults", response_model=FaultState, summary="Set the faults (restarts the RNG)")
+        def put_faults(settings: FaultSettings) -> Any:
+            try:
+                injector.configure(Faults.from_mapping(settings.model_dump()))
+            except ValueError as exc:
+                raise HTTPException(status_code=422, detail=str(exc)) from exc
+            return injector.snapshot()
+
+    # Outermost first: the faults see the finished answer; the idempotency middleware sees the app.
+    if idempotency:
+        app.add_middleware(
+            IdempotencyMiddleware,
+            store=store,
+            transactional=transactional,
+            processing_timeout=processing_timeout,
+            ttl=ttl,
+        )
+    app.add_middleware(FaultMiddleware, injector=injector)
+    return app
+
+
+def _raw_key(scope: Scope) -> str | None:
+    """The key a request sent, without the middleware (idempotency off): kept for the lookup by key."""
+    for name, value in scope.get("headers", ()):
+        if name in (b"idempotency-key", b"x-idempotency-key"):
+            try:
+                return parse_key(value)
+            except BadKey:
+                return None
+    return None

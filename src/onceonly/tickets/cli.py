@@ -1,0 +1,92 @@
+"""``onceonly tickets``: serve the reference ticket service in the foreground.
+
+Only click is imported here; FastAPI and uvicorn load when the command runs, so the rest of the CLI
+starts fast and works without the ``server`` extra.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+__all__ = ["COMMANDS", "tickets"]
+
+
+@click.command("tickets")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port; 0 picks a free one (printed).")
+@click.option("--db", default=".onceonly/tickets.db", show_default=True, help="The SQLite file of the tickets.")
+@click.option("--no-idempotency", is_flag=True, help="No idempotency middleware: every POST creates a ticket.")
+@click.option(
+    "--idempotency-store",
+    "store",
+    default=None,
+    metavar="URL",
+    help="Keep keys in this onceonly store (store mode) instead of the tickets' own transaction.",
+)
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="KIND=P",
+    help="Inject a fault with probability P per POST /tickets; KIND is fail, crash, crash-after-commit, "
+    "lost or delay. Repeat for several.",
+)
+@click.option("--seed", default=None, type=int, help="Seed of the fault RNG (reproducible faults).")
+@click.option("--delay-seconds", default=3.0, show_default=True, type=float, help="How long 'delay' holds an answer.")
+@click.option("--processing-timeout", default=30.0, show_default=True, type=float, help="Store mode: claim lease (s).")
+@click.option("--no-admin", is_flag=True, help="Do not serve /admin/faults.")
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+def tickets(
+    host: str,
+    port: int,
+    db: str,
+    no_idempotency: bool,
+    store: str | None,
+    faults: tuple[str, ...],
+    seed: int | None,
+    delay_seconds: float,
+    processing_timeout: float,
+    no_admin: bool,
+    log_level: str,
+) -> None:
+    """Serve the reference ticket API (FastAPI, SQLite) with idempotency and fault injection."""
+    try:
+        from onceonly.tickets._serve import serve
+        from onceonly.tickets.app import create_app
+        from onceonly.tickets.faults import Faults
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise click.ClickException(
+            f"onceonly tickets needs the server extra: pip install 'onceonly[server]' ({exc})"
+        ) from exc
+    if no_idempotency and store:
+        raise click.UsageError("--no-idempotency and --idempotency-store exclude each other")
+    try:
+        parsed = Faults.parse(faults, seed=seed, delay_seconds=delay_seconds)
+        app = create_app(
+            db,
+            idempotency=not no_idempotency,
+            store=store,
+            faults=parsed,
+            admin=not no_admin,
+            processing_timeout=processing_timeout,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    mode = "off" if no_idempotency else ("store " + store if store else "transactional")
+    injected = ", ".join(f"{k}={v:g}" for k, v in parsed.to_dict().items() if k not in ("seed", "delay_seconds") and v)
+
+    def ready(url: str) -> None:
+        click.echo(f"onceonly tickets: serving on {url} (db={db}, idempotency={mode}, faults={injected or 'none'})")
+        sys.stdout.flush()
+
+    try:
+        serve(app, host=host, port=port, log_level=log_level, on_ready=ready)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
+
+
+COMMANDS = [tickets]
