@@ -1,0 +1,412 @@
+"""HTTP clients that carry one idempotency key per logical call: ``Client`` and ``AsyncClient`` (httpx).
+
+One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`` on every attempt:
+
+    attempt ──2xx/3xx──────────────▶ the response
+       │  ├─409 (in progress)──────▶ wait Retry-After, same key, again (up to ``wait`` seconds)
+       │  ├─422 problem+json───────▶ KeyConflict (the key was used with another request)
+       │  ├─408/429/503────────────▶ not executed: backoff (at least Retry-After), same key, again
+       │  ├─500/502/504, other 5xx─▶ unknown: re-send with the same key (the server replays or runs once)
+       │  └─other 4xx──────────────▶ a definite failure: httpx.HTTPStatusError
+       ├─connect error / timeout───▶ not sent: backoff, same key, again
+       └─read timeout, reset───────▶ unknown: re-send with the same key
+
+Errors are classified by ``onceonly.classify`` (DESIGN.md section 4). Backoff is exponential with
+full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a guarded tool the key is the
+ledger's (``onceonly.current_call().key``), so a retry by the ledger, after a crash or by another
+process, sends the same key; and a tool declared ``reports_dispatch=True`` is marked sent
+(``pending`` → ``in_flight``) just before the first byte leaves.
+
+Needs the ``http`` extra (httpx). See docs/http.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import httpx
+
+from onceonly import ledger as _ledger
+from onceonly.errors import InProgress, KeyConflict
+from onceonly.policy import Retry, Verdict, classify, classify_status, retry_after_seconds
+from onceonly.states import State
+
+__all__ = ["DEFAULT_RETRY", "AsyncClient", "Client", "header_key", "is_replayed"]
+
+#: Four attempts, backoff ceilings 0.5, 1, 2 s (full jitter).
+DEFAULT_RETRY = Retry(attempts=4, base=0.5, cap=8.0)
+_VISIBLE = re.compile(r"[!-~]{1,255}")
+
+
+def header_key(key: str) -> str:
+    """A key as it can travel in the header: itself if 1-255 visible ASCII, else ``sha256:HEX`` of it.
+
+    Ledger keys may hold non-ASCII scope names; the hash keeps them stable and valid.
+
+    .. versionadded:: 0.1
+    """
+    if _VISIBLE.fullmatch(key):
+        return key
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _new_key() -> str:
+    return uuid.uuid4().hex
+
+
+def is_replayed(response: httpx.Response) -> bool:
+    """``True`` when the server answered from its stored response (``Idempotent-Replayed: true``).
+
+    .. versionadded:: 0.1
+    """
+    value: str = response.headers.get("idempotent-replayed", "")
+    return value.strip().lower() == "true"
+
+
+class _Sleep:
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class _Attempts:
+    """The state of one logical call: which attempt, how long it waited on 409s."""
+
+    __slots__ = ("attempt", "key", "waited")
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+        self.attempt = 0
+        self.waited = 0.0
+
+
+class _BaseClient:
+    """What ``Client`` and ``AsyncClient`` share: the key of a call and every decision. No I/O."""
+
+    def __init__(
+        self,
+        *,
+        retry: Retry,
+        wait: float,
+        max_retry_after: float,
+        header: str,
+        quoted: bool,
+        resend_unknown: bool,
+        raise_for_status: bool,
+        key_methods: Iterable[str],
+        rng: random.Random | None,
+        key_factory: Callable[[], str],
+    ) -> None:
+        self.retry = retry
+        self.wait = wait
+        self.max_retry_after = max_retry_after
+        self.header = header
+        self.quoted = quoted
+        self.resend_unknown = resend_unknown
+        self.raise_for_status = raise_for_status
+        self.key_methods = frozenset(m.upper() for m in key_methods)
+        self.rng = rng or random.Random()
+        self.key_factory = key_factory
+
+    def _start(self, method: str, explicit: str | None) -> _Attempts:
+        """The key of a new logical call: explicit, else the guarded call's, else a fresh one."""
+        if method.upper() not in self.key_methods:
+            return _Attempts(None)
+        if explicit is not None:
+            key = explicit
+        else:
+            info = _ledger.current_call()
+            key = info.key if info is not None else self.key_factory()
+        return _Attempts(header_key(key))
+
+    def _headers(self, call: _Attempts, headers: Any) -> httpx.Headers:
+        merged = httpx.Headers(headers)
+        if call.key is not None:
+            merged[self.header] = f'"{call.key}"' if self.quoted else call.key
+        return merged
+
+    def _on_response(self, call: _Attempts, response: httpx.Response) -> _Sleep | None:
+        """``None``: return ``response``. A ``_Sleep``: try again after it. Raises for the rest."""
+        status = response.status_code
+        if status < 400:
+            return None
+        retry_after = retry_after_seconds(response.headers.get("retry-after"))
+        if call.key is not None and status == 409:
+            # Another request with this key is running: waiting costs no attempt, only time.
+            seconds = retry_after if retry_after is not None else self.retry.backoff(1, self.rng, floor=0.05)
+            if call.waited + seconds > self.wait:
+                raise InProgress(
+                    f"the server still processes a request with key {call.key!r} after {call.waited:.1f} s "
+                    f"of waiting: call again later with the same key (idempotency_key={call.key!r})",
+                    key=call.key,
+                )
+            call.waited += seconds
+            call.attempt -= 1  # nothing ran: a 409 is a wait, not a spent attempt
+            return _Sleep(seconds)
+        if call.key is not None and status == 422 and _is_problem(response):
+            raise KeyConflict(
+                f"the server refused key {call.key!r}: it was used with another request "
+                f"({_detail(response)}). Use a new key for a new operation",
+                key=call.key,
+                record=None,
+                fingerprint="",
+            )
+        verdict = classify_status(status, response.headers.get("retry-after")).verdict
+        if self._again(call, verdict, retry_after):
+            return _Sleep(self.retry.backoff(call.attempt, self.rng, floor=retry_after))
+        if self.raise_for_status:
+            response.raise_for_status()
+        return None
+
+    def _on_error(self, call: _Attempts, exc: Exception) -> _Sleep:
+        """A ``_Sleep`` to try again, or raises ``exc`` when it is final."""
+        got = classify(exc)
+        if self._again(call, got.verdict, got.retry_after):
+            return _Sleep(self.retry.backoff(call.attempt, self.rng, floor=got.retry_after))
+        raise exc
+
+    def _again(self, call: _Attempts, verdict: Verdict, retry_after: float | None) -> bool:
+        if call.attempt >= self.retry.attempts:
+            return False
+        if retry_after is not None and retry_after > self.max_retry_after:
+            return False
+        if verdict in (Verdict.NOT_SENT, Verdict.NOT_EXECUTED):
+            return True
+        # Unknown: the request may have run. Re-sending is safe only because the key goes with it.
+        return verdict is Verdict.UNKNOWN and self.resend_unknown and call.key is not None
+
+
+def _is_problem(response: httpx.Response) -> bool:
+    value: str = response.headers.get("content-type", "")
+    return value.split(";", maxsplit=1)[0].strip().lower() == "application/problem+json"
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        doc = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}"
+    return str(doc.get("detail") or doc.get("title") or f"HTTP {response.status_code}")
+
+
+def _needs_mark_sent() -> bool:
+    """Whether this code runs in a guarded call still ``pending`` (a ``reports_dispatch`` tool).
+
+    Peeks at the ledger's current call so that a call already ``in_flight`` costs nothing (the async
+    ``amark_sent`` would hop to a thread for a no-op).
+    """
+    current = getattr(_ledger, "_CURRENT", None)
+    if current is None:  # pragma: no cover - the ledger's internals changed: ask it every time
+        return _ledger.current_call() is not None
+    cur = current.get()
+    if cur is None:
+        return False
+    try:
+        return bool(cur.lease.record.state is State.PENDING)
+    except AttributeError:  # pragma: no cover - same
+        return True
+
+
+class Client(_BaseClient):
+    """A sync httpx client that sends one idempotency key per logical call and retries with it.
+
+    Args:
+        base_url: prefix of relative URLs.
+        client: an ``httpx.Client`` to use (then ``base_url`` and ``httpx_kwargs`` are ignored);
+            default: one made here and closed by ``close()``.
+        retry: attempts and backoff of one logical call (default ``DEFAULT_RETRY``: 4 attempts).
+        wait: the most seconds one call waits on 409 (in progress) before ``InProgress``.
+        max_retry_after: a ``Retry-After`` longer than this is not waited for: the call ends.
+        header: ``Idempotency-Key`` (or ``X-Idempotency-Key`` for older servers).
+        quoted: send the key as the draft's sf-string (``"key"``) instead of a bare token.
+        resend_unknown: re-send with the same key when the outcome is unknown (timeout, reset, 5xx).
+            Right for a server that honours the key; turn it off for one that does not.
+        raise_for_status: raise ``httpx.HTTPStatusError`` for a final 4xx/5xx (so a guarded tool's
+            ledger classifies it); ``False`` returns the response.
+        key_methods: methods that get a key; others (GET…) are retried without one.
+        sleep: the blocking sleep between attempts (injectable for tests).
+        rng: the random source of the jitter.
+        key_factory: makes the key of a call outside a guarded tool (default: a UUID4 hex).
+        **httpx_kwargs: passed to ``httpx.Client`` (``timeout``, ``auth``, ``headers``, ``transport``…).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        base_url: str = "",
+        *,
+        client: httpx.Client | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        wait: float = 30.0,
+        max_retry_after: float = 60.0,
+        header: str = "Idempotency-Key",
+        quoted: bool = False,
+        resend_unknown: bool = True,
+        raise_for_status: bool = True,
+        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        key_factory: Callable[[], str] = _new_key,
+        **httpx_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            retry=retry, wait=wait, max_retry_after=max_retry_after, header=header, quoted=quoted,
+            resend_unknown=resend_unknown, raise_for_status=raise_for_status, key_methods=key_methods,
+            rng=rng, key_factory=key_factory,
+        )  # fmt: skip
+        self._owns = client is None
+        self.httpx = client if client is not None else httpx.Client(base_url=base_url, **httpx_kwargs)
+        self.sleep = sleep
+
+    def request(
+        self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """Send one logical call, with retries; ``kwargs`` as for ``httpx.Client.request``.
+
+        The body must be re-sendable (``json=``, ``content=`` bytes, ``data=``, ``files=``), since a
+        retry sends it again. ``response.request.headers["Idempotency-Key"]`` is the key used.
+
+        Raises:
+            KeyConflict: the server saw this key with another request (422 problem).
+            InProgress: the server still ran a request with this key after ``wait`` seconds (409).
+            httpx.HTTPStatusError: a final 4xx/5xx (with ``raise_for_status=True``).
+            httpx.HTTPError: the last transport error, once no retry is left or it is definite.
+        """
+        call = self._start(method, idempotency_key)
+        headers = self._headers(call, kwargs.pop("headers", None))
+        marked = False
+        while True:
+            if not marked and call.key is not None and _needs_mark_sent():
+                _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
+            marked = True
+            call.attempt += 1
+            try:
+                response = self.httpx.request(method, url, headers=headers, **kwargs)
+            except httpx.HTTPError as exc:
+                step = self._on_error(call, exc)
+            else:
+                got = self._on_response(call, response)
+                if got is None:
+                    return response
+                response.close()
+                step = got
+            self.sleep(step.seconds)
+
+    def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def put(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return self.request("PUT", url, **kwargs)
+
+    def patch(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return self.request("PATCH", url, **kwargs)
+
+    def delete(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return self.request("DELETE", url, **kwargs)
+
+    def close(self) -> None:
+        """Close the httpx client if this object made it."""
+        if self._owns:
+            self.httpx.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_BaseClient):
+    """``Client`` for asyncio: the same arguments (``sleep`` is an async function), awaited methods.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        base_url: str = "",
+        *,
+        client: httpx.AsyncClient | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        wait: float = 30.0,
+        max_retry_after: float = 60.0,
+        header: str = "Idempotency-Key",
+        quoted: bool = False,
+        resend_unknown: bool = True,
+        raise_for_status: bool = True,
+        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+        key_factory: Callable[[], str] = _new_key,
+        **httpx_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            retry=retry, wait=wait, max_retry_after=max_retry_after, header=header, quoted=quoted,
+            resend_unknown=resend_unknown, raise_for_status=raise_for_status, key_methods=key_methods,
+            rng=rng, key_factory=key_factory,
+        )  # fmt: skip
+        self._owns = client is None
+        self.httpx = client if client is not None else httpx.AsyncClient(base_url=base_url, **httpx_kwargs)
+        self.sleep = sleep
+
+    async def request(
+        self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """See ``Client.request``."""
+        call = self._start(method, idempotency_key)
+        headers = self._headers(call, kwargs.pop("headers", None))
+        marked = False
+        while True:
+            if not marked and call.key is not None and _needs_mark_sent():
+                await _ledger.amark_sent()
+            marked = True
+            call.attempt += 1
+            try:
+                response = await self.httpx.request(method, url, headers=headers, **kwargs)
+            except httpx.HTTPError as exc:
+                step = self._on_error(call, exc)
+            else:
+                got = self._on_response(call, response)
+                if got is None:
+                    return response
+                await response.aclose()
+                step = got
+            await self.sleep(step.seconds)
+
+    async def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return await self.request("GET", url, **kwargs)
+
+    async def post(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return await self.request("POST", url, **kwargs)
+
+    async def put(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return await self.request("PUT", url, **kwargs)
+
+    async def patch(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return await self.request("PATCH", url, **kwargs)
+
+    async def delete(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        return await self.request("DELETE", url, **kwargs)
+
+    async def aclose(self) -> None:
+        """Close the httpx client if this object made it."""
+        if self._owns:
+            await self.httpx.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
