@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from onceonly import states as st
 from onceonly.errors import InProgress, InvalidKey, OnceOnlyError, StoreError
@@ -53,6 +53,9 @@ from onceonly.policy import Classifier, Retry, Verdict, classify
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
 from onceonly.stores.base import Query, Store
+
+if TYPE_CHECKING:
+    from onceonly.settle import ReconcileReport
 
 __all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "mark_sent"]
 
@@ -1042,6 +1045,21 @@ class Ledger:
             if len(page) < batch:
                 return removed
             after = page[-1].key
+
+    def reconcile(self, **kwargs: Any) -> ReconcileReport:
+        """Settle what guarded calls left unsettled, once: ``onceonly.settle.reconcile(self, ...)``.
+
+        Unknown records and records whose holder died are settled through their tools' probes (or
+        re-sent, for ``resend``/``retry`` tools), or parked for review after ``review_after`` seconds.
+        Safe to run in several processes at once. Keyword arguments: see ``onceonly.settle.reconcile``.
+
+        .. versionadded:: 0.1
+        """
+        # The reconciler sits a layer above the ledger (it drives tools through it); importing it
+        # here, lazily, keeps the module graph pointing down while giving the API its method.
+        from onceonly.settle import reconcile
+
+        return reconcile(self, **kwargs)
 
     def close(self) -> None:
         """Stop the heartbeat thread and close the store.
