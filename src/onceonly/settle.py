@@ -721,6 +721,14 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
         except AttributeError:
             raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
     if not isinstance(obj, Ledger) and callable(obj):
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            raise TypeError(
+                f"--app {spec!r} is a function that needs arguments: name a Ledger, or a factory that takes none"
+            ) from None
+        except ValueError:
+            pass  # no signature to check (a builtin): just call it
         obj = obj()
     if not isinstance(obj, Ledger):
         raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")

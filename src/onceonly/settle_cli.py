@@ -85,9 +85,8 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
         console.print(table)
     counts = ", ".join(f"{n} {name}" for name, n in report.counts.items() if n) or "nothing to settle"
     took = report.finished_at - report.started_at
-    console.print(
-        f"{time.strftime('%H:%M:%S')} reconciled {len(report.lines)} record(s) in {took:.2f}s: {counts}"
-    )
+    when = time.strftime("%H:%M:%S")
+    console.print(f"{when} reconciled {len(report.lines)} record(s) in {took:.2f}s: {counts}", soft_wrap=True)
 
 
 @click.command("reconcile")
@@ -98,9 +97,7 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     metavar="MODULE:ATTR",
     help="Your ledger with its tools registered, e.g. myapp.tools:ledger (imported, as uvicorn does).",
 )
-@click.option(
-    "--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app."
-)
+@click.option("--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app.")
 @click.option(
     "--url",
     envvar="ONCEONLY_URL",
@@ -108,9 +105,7 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     help="The ledger's store (default: the --app ledger's, else $ONCEONLY_URL, else the default file).",
 )
 @click.option("--once", is_flag=True, help="Run once and exit (the default without --every).")
-@click.option(
-    "--every", "every", type=Duration(), default=None, help="Run every DURATION (30s, 5m) until stopped."
-)
+@click.option("--every", "every", type=Duration(), default=None, help="Run every DURATION (30s, 5m) until stopped.")
 @click.option(
     "--review-after",
     type=Duration(),
@@ -125,13 +120,11 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     help="Sleep up to this long for records that become due soon (settle times). Default: 10s with "
     "--once, 0 with --every.",
 )
-@click.option(
-    "--by", default=None, help="Who reconciles, for the records' histories (default: reconcile@host:pid)."
-)
+@click.option("--by", default=None, help="Who reconciles, for the records' histories (default: reconcile@host:pid).")
 @click.option("--batch", default=200, show_default=True, help="Records read per page.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
-def reconcile_command(  # noqa: PLR0917 - click passes each option as an argument
+def reconcile_command(
     app: str | None,
     app_dir: str,
     url: str | None,
@@ -191,9 +184,7 @@ def reconcile_command(  # noqa: PLR0917 - click passes each option as an argumen
 
         previous = signal.signal(signal.SIGTERM, stop)
         try:
-            reconcile_forever(
-                ledger, every=every, on_report=show, stop=lambda: stopping, wait=wait or 0.0, **kwargs
-            )
+            reconcile_forever(ledger, every=every, on_report=show, stop=lambda: stopping, wait=wait or 0.0, **kwargs)
         except KeyboardInterrupt:
             pass
         finally:
