@@ -365,6 +365,6 @@ def test_two_reconcilers_and_four_agents_at_once(store_url: str, tmp_path: Path)
                   for k in ("confirmed", "failed", "parked"))  # fmt: skip
     assert settled >= len(kills) // 2  # the reconcilers did settle the dead agents' records
 
-    proc = _reconcile(env, "--once", "--review-after", "0")
-    assert proc.returncode == 0, proc.stderr
+    final = _reconcile(env, "--once", "--review-after", "0")
+    assert final.returncode == 0, final.stderr
     _finish_and_check(store_url, effects, ops, env)
