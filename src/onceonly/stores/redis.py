@@ -1,0 +1,925 @@
+"""The Redis store: one Lua script per transition, hash-tagged shards that Redis Cluster accepts.
+
+Key layout (``P`` is the ``prefix`` URL option, ``S`` a shard number, ``K`` the ledger key)::
+
+    P:meta                   hash: schema and shard count, checked at open (a changed shard count
+                             would file existing keys under other shards: refused)
+    P:{P:S}:r:K              hash of one record: v (version), s (state), d (the record as one JSON
+                             array, without key and args), a (the arguments' JSON)
+    P:{P:S}:k                sorted set, score 0: every key of the shard (lexicographic order)
+    P:{P:S}:o                sorted set, score 0: keys in unknown or needs_review (the review queue)
+    P:{P:S}:h                sorted set: keys held (pending, in_flight), scored by lease_until
+    P:{P:S}:e                sorted set: keys with an expiry, scored by expires_at (purge)
+    P:{P:S}:n                hash: state → number of records (count_by_state in O(shards))
+    P:{P:S}:c                pub/sub channel: "<version> <key>" after every change (waiters)
+
+``S`` is ``crc32(K) % shards``. Every key a script touches carries the hash tag ``{P:S}``, which is
+the first ``{…}`` of the name because the prefix may not contain braces: whatever braces the ledger
+key holds, a record and its shard's indexes share one hash slot, so each script is legal on Redis
+Cluster and every script declares all the keys it touches. Keys, members and channels are binary
+safe: a ledger key may hold ``:``, ``*``, ``?``, ``[``, ``{``, quotes and any Unicode. ``scan``
+reads the indexes (``ZRANGEBYLEX``, ``ZRANGEBYSCORE``) and never ``KEYS`` or a pattern ``SCAN``.
+
+Retries: the clients are built with redis-py's retries off. A retried script is not a no-op: a claim
+whose reply was lost would, run again, find its own record and report it as someone else's (the
+caller would then wait on itself until its lease ran out), and a retried swap would report "not
+written" for its own write. So a lost reply surfaces as ``StoreUnavailable`` and the guard re-reads
+the record to learn whether the write landed (it compares the stored history with its own), which
+is exact. Reads (``get``, ``scan``, ``count_by_state``) are retried once: they change nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.states import HELD, Record, State
+from onceonly.stores.base import Query
+
+__all__ = ["SCHEMA_VERSION", "RedisStore", "parse_redis_url"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Version of the key layout and record encoding; kept in ``P:meta``.
+SCHEMA_VERSION = 1
+DEFAULT_PREFIX = "onceonly"
+DEFAULT_SHARDS = 16
+MAX_SHARDS = 4096
+
+_STATES = {s.value: s for s in State}
+_OPEN = frozenset({State.UNKNOWN, State.NEEDS_REVIEW})
+_HELD_VALUES = frozenset(s.value for s in HELD)
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
+_loads = json.loads
+
+# --- the scripts ------------------------------------------------------------------------------------
+
+# KEYS, the same for every write script: 1 record, 2 all keys, 3 open (unknown/needs_review),
+# 4 held by lease_until, 5 expiry, 6 counts per state. The channel is KEYS[2] with "c" for "k".
+_INDEX = """
+local function reindex(old, new, key, lease, expiry)
+  if old ~= new then
+    if old then redis.call('HINCRBY', KEYS[6], old, -1) end
+    redis.call('HINCRBY', KEYS[6], new, 1)
+    local was_open = old == 'unknown' or old == 'needs_review'
+    local is_open = new == 'unknown' or new == 'needs_review'
+    if is_open and not was_open then
+      redis.call('ZADD', KEYS[3], 0, key)
+    elseif was_open and not is_open then
+      redis.call('ZREM', KEYS[3], key)
+    end
+  end
+  if lease ~= '' then
+    redis.call('ZADD', KEYS[4], lease, key)
+  elseif old == 'pending' or old == 'in_flight' then
+    redis.call('ZREM', KEYS[4], key)
+  end
+  if expiry ~= '' then
+    redis.call('ZADD', KEYS[5], expiry, key)
+  elseif old then
+    redis.call('ZREM', KEYS[5], key)
+  end
+end
+local function changed(version, key)
+  redis.call('PUBLISH', string.sub(KEYS[2], 1, -2) .. 'c', version .. ' ' .. key)
+end
+"""
+
+# ARGV: 1 key, 2 version, 3 state, 4 lease score or '', 5 expiry score or '', 6 d, 7 a.
+# Returns 1 when written (the caller holds the record), else the stored {d, a}: one round trip for
+# both a first call and a replay.
+_CLAIM = (
+    _INDEX
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'd', 'a')
+if cur[1] then return cur end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[7])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+reindex(false, ARGV[3], ARGV[1], ARGV[4], ARGV[5])
+return 1
+"""
+)
+
+# ARGV: 1-6 as the claim, 7 the expected version, 8 (only when the arguments changed) a.
+_SWAP = (
+    _INDEX
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'v', 's')
+if cur[1] ~= ARGV[7] then return 0 end
+if #ARGV > 7 then
+  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[8])
+else
+  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6])
+end
+reindex(cur[2], ARGV[3], ARGV[1], ARGV[4], ARGV[5])
+changed(ARGV[2], ARGV[1])
+return 1
+"""
+)
+
+# ARGV: 1 key, 2 the expected version.
+_DELETE = (
+    _INDEX
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'v', 's')
+if cur[1] ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('HINCRBY', KEYS[6], cur[2], -1)
+changed('0', ARGV[1])
+return 1
+"""
+)
+
+
+# --- the record as stored ---------------------------------------------------------------------------
+
+
+def _encode(r: Record) -> str:
+    """Every field but key and args, as one JSON array: one value to write, one to read and decode.
+
+    Measured against a hash of 20 fields, the array costs about a third of the client's CPU per
+    transition (redis-py packs and parses every field as a separate bulk string). The arguments
+    are kept apart (field ``a``) so that a settle, which leaves them alone, does not send them again.
+    """
+    return _dumps(
+        [
+            r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
+            r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json, r.error,
+            r.history_json, r.via, r.conflicts,
+        ]
+    )  # fmt: skip
+
+
+def _decode(key: str, d: bytes, a: bytes | None) -> Record:
+    try:
+        x = _loads(d)
+        return Record(
+            key, x[0], x[1], x[2], _STATES[x[3]], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13],
+            x[14], "{}" if a is None else a.decode(), x[15], x[16], x[17],
+        )  # fmt: skip
+    except (ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
+        raise StoreCorrupt(
+            f"the Redis record of {key!r} is not an onceonly record of schema {SCHEMA_VERSION} ({exc!r}). "
+            "Nothing was changed: check what else writes under this prefix, or use another prefix"
+        ) from exc
+
+
+def _scores(r: Record) -> tuple[str, str]:
+    """The record's scores in the held and expiry indexes ('' = not in that index)."""
+    lease = ("-inf" if r.lease_until is None else repr(r.lease_until)) if r.state in HELD else ""
+    return lease, "" if r.expires_at is None else repr(r.expires_at)
+
+
+def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
+    """The full condition of ``q`` on one record (the indexes only narrow the candidates)."""
+    if states is not None:
+        if r.state not in states:
+            return False
+        if (
+            r.state in HELD
+            and q.lease_expired_before is not None
+            and not (r.lease_until is None or r.lease_until < q.lease_expired_before)
+        ):
+            return False
+    elif q.lease_expired_before is not None and (
+        r.state not in HELD or not (r.lease_until is None or r.lease_until < q.lease_expired_before)
+    ):
+        return False
+    if q.tool is not None and r.tool != q.tool:
+        return False
+    if q.scope is not None and r.scope != q.scope:
+        return False
+    if q.expires_before is not None and (r.expires_at is None or not r.expires_at < q.expires_before):
+        return False
+    return q.after is None or r.key > q.after
+
+
+# --- the URL ------------------------------------------------------------------------------------------
+
+_OURS = ("prefix", "shards", "warn_persistence")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
+    """Split ``url`` into the URL redis-py gets and onceonly's own options.
+
+    Onceonly's options: ``prefix`` (key namespace, default ``onceonly``; no braces, no whitespace),
+    ``shards`` (default 16), ``warn_persistence`` (default ``true``). Every other query parameter is
+    redis-py's (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``,
+    ``client_name``…); the two timeouts default to 5 seconds here, so that a dead server is reported
+    rather than waited on forever.
+
+    .. versionadded:: 0.1
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"not a Redis URL: {url!r}: use redis://host:6379/0, rediss://… or unix:///path.sock")
+    ours: dict[str, str] = {}
+    theirs: list[tuple[str, str]] = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name.lower() in _OURS:
+            ours[name.lower()] = value
+        else:
+            theirs.append((name, value))
+    names = {n for n, _ in theirs}
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        if name not in names:
+            theirs.append((name, "5"))
+    prefix = ours.get("prefix", DEFAULT_PREFIX)
+    if not prefix or any(c in prefix for c in "{}") or not prefix.isprintable() or any(c.isspace() for c in prefix):
+        raise ValueError(
+            f"prefix={prefix!r} in {url!r}: a prefix is a non-empty name without braces or whitespace "
+            "(braces would move the hash tag that keeps a record and its indexes in one Cluster slot)"
+        )
+    try:
+        shards = int(ours.get("shards", DEFAULT_SHARDS))
+    except ValueError:
+        raise ValueError(f"shards={ours['shards']!r} in {url!r}: give a whole number such as 16") from None
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards={shards} in {url!r}: use 1 to {MAX_SHARDS}")
+    flag = ours.get("warn_persistence", "true").lower()
+    if flag not in _TRUE + _FALSE:
+        raise ValueError(f"warn_persistence={flag!r} in {url!r}: use true or false")
+    client_url = urlunsplit(parts._replace(query=urlencode(theirs)))
+    return client_url, {"prefix": prefix, "shards": shards, "warn_persistence": flag in _TRUE}
+
+
+def _where(url: str) -> str:
+    """The URL without credentials, for messages."""
+    parts = urlsplit(url)
+    host = parts.hostname or parts.path or "?"
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}"
+
+
+# --- change notifications ---------------------------------------------------------------------------
+
+Notify = Callable[[], None]
+
+
+class _ChangeHub:
+    """One pub/sub listener thread per store and process; sync and async waiters register with it.
+
+    Every script that changes a record publishes ``"<version> <key>"`` on its shard's channel. The
+    listener wakes the waiters of that key whose version differs, and remembers the last version
+    it saw per key, so that a waiter who registers after the change (it read the record, then the
+    change came, then it registered) returns at once instead of sleeping out its timeout. While
+    the listener is not subscribed (starting, or the connection dropped), waiters just sleep their
+    timeout: the guard reads again after each wait, so a missed message costs time, never
+    correctness. Every (re)subscription wakes all waiters, since messages may have been missed.
+    The thread stops after ``idle_seconds`` without waiters, so a process that waited once does
+    not keep receiving every change of the ledger.
+    """
+
+    def __init__(self, client: redis.Redis, channels: Sequence[str], *, idle_seconds: float = 5.0) -> None:
+        self._client: Any = client  # redis-py's pubsub() is untyped
+        self._channels = list(channels)
+        self._idle = idle_seconds
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[tuple[int, Notify]]] = {}
+        self._seen: dict[str, int] = {}
+        self._thread: threading.Thread | None = None
+        self._last_waiter = time.monotonic()
+        self._closed = False
+        self.subscribed = threading.Event()
+        self._warned = False
+
+    def register(self, key: str, version: int, notify: Notify) -> bool:
+        """Add a waiter; ``False`` when the key already changed past ``version`` (do not wait)."""
+        with self._lock:
+            if self._closed:
+                return False
+            seen = self._seen.get(key)
+            if seen is not None and seen != version:
+                return False
+            self._waiters.setdefault(key, []).append((version, notify))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="onceonly-redis-changes", daemon=True)
+                self._thread.start()
+        return True
+
+    def unregister(self, key: str, notify: Notify) -> None:
+        with self._lock:
+            waiting = self._waiters.get(key)
+            if waiting is None:
+                return
+            waiting[:] = [w for w in waiting if w[1] is not notify]
+            if not waiting:
+                del self._waiters[key]
+            if not self._waiters:
+                self._last_waiter = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2.0)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            notifies = [n for waiting in self._waiters.values() for _, n in waiting]
+        for notify in notifies:
+            notify()
+
+    def _should_stop(self) -> bool:
+        with self._lock:
+            if self._closed or (not self._waiters and time.monotonic() - self._last_waiter > self._idle):
+                self._thread = None
+                self._seen.clear()
+                self.subscribed.clear()
+                return True
+            return False
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._should_stop():
+            pubsub = self._client.pubsub()
+            try:
+                pubsub.subscribe(*self._channels)
+                confirmed = 0
+                while not self._should_stop():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "subscribe":
+                        confirmed += 1
+                        if confirmed == len(self._channels):
+                            self.subscribed.set()
+                            backoff = 0.05
+                            self._wake_all()
+                    elif msg["type"] == "message":
+                        self._dispatch(msg["data"])
+            except (RedisError, OSError, ValueError) as exc:
+                self.subscribed.clear()
+                with self._lock:
+                    self._seen.clear()  # what changed while we were away is unknown
+                if isinstance(exc, ResponseError) and not self._warned:
+                    self._warned = True
+                    log.warning("onceonly: Redis refused SUBSCRIBE (%s); waiters fall back to polling", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):  # closing a broken connection
+                    pubsub.close()
+
+    def _dispatch(self, data: bytes) -> None:
+        raw_version, _, raw_key = data.partition(b" ")
+        key = raw_key.decode("utf-8", "replace")
+        version = int(raw_version)
+        with self._lock:
+            if len(self._seen) > 100_000:
+                self._seen.clear()  # a bound on memory; forgetting only costs a waiter its timeout
+            self._seen[key] = version
+            waiting = self._waiters.get(key)
+            notifies = [n for v, n in waiting if v != version] if waiting else []
+        for notify in notifies:
+            notify()
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _AsyncSide:
+    """The async face's client and scripts for one event loop (redis.asyncio binds to its loop).
+
+    The client must be closed on its own loop before that loop closes, or its sockets are reported
+    as leaked. ``closer`` is an async generator started on the loop: a loop that shuts down the
+    usual way (``asyncio.run``, any runner calling ``shutdown_asyncgens``) finalises it, and its
+    ``finally`` closes the client there, even when nobody called ``aclose()``.
+    """
+
+    __slots__ = ("claim", "client", "closer", "delete", "loop", "swap")
+
+    def __init__(self, url: str, loop: asyncio.AbstractEventLoop) -> None:
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        self.loop = loop
+        self.client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
+        self.claim = self.client.register_script(_CLAIM)
+        self.swap = self.client.register_script(_SWAP)
+        self.delete = self.client.register_script(_DELETE)
+        self.closer = self._close_at_shutdown()
+
+    async def _close_at_shutdown(self) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            await self.client.aclose()
+
+
+# --- the store --------------------------------------------------------------------------------------
+
+
+class RedisStore:
+    """An onceonly ledger in Redis (standalone, or any node layout that keeps hash slots whole).
+
+    Args:
+        url: ``redis://[user:password@]host:6379/0``, ``rediss://…`` (TLS) or ``unix:///path.sock``,
+            with onceonly's options in the query: ``prefix`` (key namespace, default ``onceonly``),
+            ``shards`` (index shards, default 16; fixed for the life of a prefix), and
+            ``warn_persistence=false`` to silence the warning about a server that persists nothing.
+            Other query parameters go to redis-py (``socket_timeout=5``, ``max_connections``…).
+
+    Opening checks the server: it must answer, the prefix must hold an onceonly ledger of this
+    schema and shard count (or nothing yet), and a server that persists nothing gets a warning
+    logged on ``onceonly.stores.redis``, since a restart would lose the ledger.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        client_url, opts = parse_redis_url(url)
+        self._client_url = client_url
+        self.prefix: str = opts["prefix"]
+        self.shards: int = opts["shards"]
+        self._where = _where(url)
+        self._client: redis.Redis = redis.Redis.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
+        self._command: Callable[..., Any] = self._client.execute_command
+        self._claim = self._client.register_script(_CLAIM)
+        self._swap = self._client.register_script(_SWAP)
+        self._delete = self._client.register_script(_DELETE)
+        self._tags = [f"{self.prefix}:{{{self.prefix}:{s}}}" for s in range(self.shards)]
+        self._records = [f"{tag}:r:" for tag in self._tags]
+        self._indexes = [(f"{t}:k", f"{t}:o", f"{t}:h", f"{t}:e", f"{t}:n") for t in self._tags]
+        self._async: dict[asyncio.AbstractEventLoop, _AsyncSide] = {}
+        self._hub: _ChangeHub | None = None
+        self._hub_pid = 0
+        self._hub_lock = threading.Lock()
+        self._closed = False
+        try:
+            self._open(warn=opts["warn_persistence"])
+        except BaseException:
+            self._client.close()
+            raise
+
+    # --- opening ----------------------------------------------------------------------------------
+
+    def _open(self, *, warn: bool) -> None:
+        meta = f"{self.prefix}:meta"
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hsetnx(meta, "schema", SCHEMA_VERSION)
+            pipe.hsetnx(meta, "shards", self.shards)
+            pipe.hgetall(meta)
+            for script in (self._claim, self._swap, self._delete):
+                pipe.script_load(script.script)
+            pipe.config_get("appendonly")
+            pipe.config_get("save")
+            answers = pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        stored = answers[2]
+        if isinstance(stored, Exception):
+            if "WRONGTYPE" in str(stored):
+                raise StoreCorrupt(
+                    f"{self._where}: {meta} is not an onceonly ledger's metadata. Nothing was changed: "
+                    "use another prefix= in the URL"
+                )
+            raise self._unavailable(stored, "opening the ledger")
+        for answer in answers[3:6]:
+            if isinstance(answer, Exception):
+                raise self._unavailable(answer, "loading the ledger's scripts")
+        schema = int(stored.get(b"schema", 0))
+        shards = int(stored.get(b"shards", 0))
+        if schema != SCHEMA_VERSION:
+            raise StoreCorrupt(
+                f"{self._where}: the ledger under prefix {self.prefix!r} has schema {schema}, this onceonly "
+                f"reads schema {SCHEMA_VERSION}: upgrade onceonly, or use another prefix"
+            )
+        if shards != self.shards:
+            raise ValueError(
+                f"the ledger under prefix {self.prefix!r} at {self._where} was made with shards={shards}; "
+                f"this URL says shards={self.shards}. A different shard count would not find the existing "
+                f"records (and could run their operations again): open it with shards={shards}"
+            )
+        if warn:
+            self._check_persistence(answers[6], answers[7])
+
+    def _check_persistence(self, appendonly: Any, save: Any) -> None:
+        if isinstance(appendonly, Exception) or isinstance(save, Exception):
+            log.info("onceonly: could not read the persistence settings of %s (%s)", self._where, appendonly)
+            return
+        aof = (appendonly.get(b"appendonly") or appendonly.get("appendonly") or b"").lower()
+        points = (save.get(b"save") or save.get("save") or b"").strip()
+        if aof in (b"yes", "yes") or points:
+            return
+        log.warning(
+            "onceonly: the Redis server at %s persists nothing (appendonly no, no save points): a restart "
+            "would lose the ledger, and calls that already ran would run again. Turn on the append-only "
+            "file (CONFIG SET appendonly yes; appendfsync everysec, or always for no loss at all) and set "
+            "it in redis.conf, or open the ledger with warn_persistence=false if this is intended",
+            self._where,
+        )
+
+    # --- errors -----------------------------------------------------------------------------------
+
+    def _unavailable(self, exc: BaseException, what: str) -> Exception:
+        if isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE"):
+            return StoreCorrupt(
+                f"{self._where}: a key under prefix {self.prefix!r} is not what onceonly wrote ({exc}) while "
+                f"{what}. Nothing was changed: check what else writes under this prefix"
+            )
+        return StoreUnavailable(
+            f"the Redis ledger at {self._where} failed while {what}: {type(exc).__name__}: {exc}. Whether "
+            "the last write landed is unknown; the ledger re-reads the record before it decides anything"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable(f"the ledger {self._where} (prefix {self.prefix!r}) was closed")
+
+    # --- keys -------------------------------------------------------------------------------------
+
+    def _shard(self, key: str) -> int:
+        return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.shards
+
+    def script_keys(self, key: str) -> list[str]:
+        """Every Redis key a script touches for ``key``: one hash slot (tests check it)."""
+        shard = self._shard(key)
+        return [self._records[shard] + key, *self._indexes[shard][:5]]
+
+    def _keys(self, key: str) -> list[str]:
+        shard = zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.shards
+        i = self._indexes[shard]
+        return [self._records[shard] + key, i[0], i[1], i[2], i[3], i[4]]
+
+    @property
+    def channels(self) -> list[str]:
+        """The pub/sub channels, one per shard."""
+        return [f"{tag}:c" for tag in self._tags]
+
+    # --- the primitives, sync ---------------------------------------------------------------------
+
+    def get(self, key: str) -> Record | None:
+        self._check_open()
+        rk = self._records[self._shard(key)] + key
+        try:
+            try:
+                d, a = self._command("HMGET", rk, "d", "a")
+            except _TRANSIENT:
+                d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
+        except RedisError as exc:
+            raise self._unavailable(exc, f"reading {key!r}") from exc
+        return None if d is None else _decode(key, d, a)
+
+    def claim(self, record: Record) -> Record | None:
+        self._check_open()
+        lease, expiry = _scores(record)
+        try:
+            got = self._claim(
+                self._keys(record.key),
+                (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json),
+            )
+        except RedisError as exc:
+            raise self._unavailable(exc, f"claiming {record.key!r}") from exc
+        return None if got == 1 else _decode(record.key, got[0], got[1])
+
+    def insert(self, record: Record) -> bool:
+        return self.claim(record) is None
+
+    def swap(self, record: Record, expected: Record) -> bool:
+        self._check_open()
+        lease, expiry = _scores(record)
+        args: tuple[Any, ...] = (
+            record.key, record.version, record.state.value, lease, expiry, _encode(record), expected.version,
+        )  # fmt: skip
+        if record.args_json != expected.args_json:
+            args += (record.args_json,)
+        try:
+            return bool(self._swap(self._keys(record.key), args) == 1)
+        except RedisError as exc:
+            raise self._unavailable(exc, f"writing {record.key!r}") from exc
+
+    def delete(self, key: str, expected_version: int) -> bool:
+        self._check_open()
+        try:
+            return bool(self._delete(self._keys(key), (key, expected_version)) == 1)
+        except RedisError as exc:
+            raise self._unavailable(exc, f"deleting {key!r}") from exc
+
+    def _run(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
+        """Drive a read plan: each batch of commands it yields is one pipeline, one round trip."""
+        self._check_open()
+        try:
+            batch = next(gen)
+            while True:
+                for attempt in (1, 2):
+                    pipe: Any = self._client.pipeline(transaction=False)
+                    for command in batch:
+                        pipe.execute_command(*command)
+                    try:
+                        answers = pipe.execute()
+                        break
+                    except _TRANSIENT:
+                        if attempt == 2:
+                            raise
+                batch = gen.send(answers)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        except RedisError as exc:
+            raise self._unavailable(exc, what) from exc
+
+    def scan(self, query: Query) -> list[Record]:
+        return self._run(self._scan_plan(query), "scanning the ledger")
+
+    def count_by_state(self) -> dict[State, int]:
+        return self._run(self._count_plan(), "counting records")
+
+    def wait_for_change(self, key: str, version: int, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        hub = self._change_hub()
+        if hub is None:
+            time.sleep(timeout)
+            return
+        event = threading.Event()
+        if not hub.register(key, version, event.set):
+            return
+        try:
+            event.wait(timeout)
+        finally:
+            hub.unregister(key, event.set)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._hub_lock:
+            hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.close()
+        self._client.close()
+        # The async clients close on their own loops (aclose(), or the loop's shutdown: _AsyncSide).
+        self._async = {}
+
+    # --- the primitives, async --------------------------------------------------------------------
+
+    async def _side(self) -> _AsyncSide:
+        loop = asyncio.get_running_loop()
+        side = self._async.get(loop)
+        if side is not None:
+            return side
+        self._check_open()
+        # Forget the clients of loops that are gone (their shutdown closed them).
+        self._async = {lp: sd for lp, sd in self._async.items() if not lp.is_closed()}
+        side = self._async[loop] = _AsyncSide(self._client_url, loop)
+        await side.closer.__anext__()  # started here, so this loop's shutdown finalises it
+        return side
+
+    async def aget(self, key: str) -> Record | None:
+        self._check_open()
+        rk = self._records[self._shard(key)] + key
+        client: Any = (await self._side()).client
+        try:
+            try:
+                d, a = await client.execute_command("HMGET", rk, "d", "a")
+            except _TRANSIENT:
+                d, a = await client.execute_command("HMGET", rk, "d", "a")
+        except RedisError as exc:
+            raise self._unavailable(exc, f"reading {key!r}") from exc
+        return None if d is None else _decode(key, d, a)
+
+    async def aclaim(self, record: Record) -> Record | None:
+        self._check_open()
+        lease, expiry = _scores(record)
+        try:
+            got = await (await self._side()).claim(
+                self._keys(record.key),
+                (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json),
+            )
+        except RedisError as exc:
+            raise self._unavailable(exc, f"claiming {record.key!r}") from exc
+        return None if got == 1 else _decode(record.key, got[0], got[1])
+
+    async def ainsert(self, record: Record) -> bool:
+        return await self.aclaim(record) is None
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        self._check_open()
+        lease, expiry = _scores(record)
+        args: tuple[Any, ...] = (
+            record.key, record.version, record.state.value, lease, expiry, _encode(record), expected.version,
+        )  # fmt: skip
+        if record.args_json != expected.args_json:
+            args += (record.args_json,)
+        try:
+            return bool(await (await self._side()).swap(self._keys(record.key), args) == 1)
+        except RedisError as exc:
+            raise self._unavailable(exc, f"writing {record.key!r}") from exc
+
+    async def adelete(self, key: str, expected_version: int) -> bool:
+        self._check_open()
+        try:
+            return bool(await (await self._side()).delete(self._keys(key), (key, expected_version)) == 1)
+        except RedisError as exc:
+            raise self._unavailable(exc, f"deleting {key!r}") from exc
+
+    async def _arun(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
+        self._check_open()
+        client: Any = (await self._side()).client
+        try:
+            batch = next(gen)
+            while True:
+                for attempt in (1, 2):
+                    pipe = client.pipeline(transaction=False)
+                    for command in batch:
+                        pipe.execute_command(*command)
+                    try:
+                        answers = await pipe.execute()
+                        break
+                    except _TRANSIENT:
+                        if attempt == 2:
+                            raise
+                batch = gen.send(answers)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        except RedisError as exc:
+            raise self._unavailable(exc, what) from exc
+
+    async def ascan(self, query: Query) -> list[Record]:
+        return await self._arun(self._scan_plan(query), "scanning the ledger")
+
+    async def acount_by_state(self) -> dict[State, int]:
+        return await self._arun(self._count_plan(), "counting records")
+
+    async def await_for_change(self, key: str, version: int, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        hub = self._change_hub()
+        if hub is None:
+            await asyncio.sleep(timeout)
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def notify() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(_set_result, fut)
+
+        if not hub.register(key, version, notify):
+            return
+        try:
+            await asyncio.wait((fut,), timeout=timeout)
+        finally:
+            hub.unregister(key, notify)
+
+    async def aclose(self) -> None:
+        side = self._async.pop(asyncio.get_running_loop(), None)
+        if side is not None:
+            await side.closer.aclose()
+        self.close()
+
+    # --- waiting ----------------------------------------------------------------------------------
+
+    def _change_hub(self) -> _ChangeHub | None:
+        if self._closed:
+            return None
+        pid = os.getpid()
+        hub = self._hub
+        if hub is not None and self._hub_pid == pid:
+            return hub
+        with self._hub_lock:
+            if self._hub is None or self._hub_pid != pid:
+                # After a fork the parent's listener thread does not exist here: start our own.
+                self._hub = _ChangeHub(self._client, self.channels)
+                self._hub_pid = pid
+            return self._hub
+
+    # --- read plans (sans I/O): each yield is a batch of commands run as one pipeline ---------------
+
+    def _count_plan(self) -> Generator[list[tuple[Any, ...]], list[Any], dict[State, int]]:
+        answers = yield [("HGETALL", i[4]) for i in self._indexes]
+        counts: dict[State, int] = {}
+        for answer in answers:
+            for name, n in answer.items():
+                state = _STATES.get(name.decode())
+                if state is not None and int(n) > 0:
+                    counts[state] = counts.get(state, 0) + int(n)
+        return counts
+
+    def _sources(self, q: Query) -> list[tuple[int, str, str]]:
+        """The indexes whose union holds every match of ``q``: (slot in the shard's indexes, lo, hi).
+
+        Slot 0 and 1 are lexicographic (all keys, open), 2 and 3 scored (held, expiry). The narrowest
+        superset is picked; ``_matches`` then checks every condition on the records themselves.
+        """
+        if q.expires_before is not None:
+            return [(3, "-inf", f"({q.expires_before!r}")]
+        lease_hi = "+inf" if q.lease_expired_before is None else f"({q.lease_expired_before!r}"
+        if q.states is not None:
+            wanted = set(q.states)
+            if wanted - _OPEN - HELD:
+                return [(0, "", "")]
+            sources = []
+            if wanted & _OPEN:
+                sources.append((1, "", ""))
+            if wanted & HELD:
+                sources.append((2, "-inf", lease_hi))
+            return sources
+        if q.lease_expired_before is not None:
+            return [(2, "-inf", lease_hi)]
+        return [(0, "", "")]
+
+    def _scan_plan(self, q: Query) -> Generator[list[tuple[Any, ...]], list[Any], list[Record]]:
+        if q.limit <= 0 or (q.states is not None and not q.states):
+            return []
+        states = None if q.states is None else frozenset(q.states)
+        sources = self._sources(q)
+        page = min(max(q.limit, 100), 1000)
+        low = b"-" if q.after is None else b"(" + q.after.encode("utf-8", "surrogatepass")
+
+        # One cursor per (shard, index): keys in order, the next key first. A lexicographic index is
+        # read a page at a time from `after`; a scored one whole (its members are the due records:
+        # held now, or expired), then sorted by key.
+        buffers: list[list[bytes]] = []
+        more: list[bytes | None] = []  # a lexicographic cursor's next low bound, None when exhausted
+        names: list[str] = []
+        shard_of: list[int] = []
+        first: list[tuple[Any, ...]] = []
+        for shard, indexes in enumerate(self._indexes):
+            for slot, lo, hi in sources:
+                names.append(indexes[slot])
+                shard_of.append(shard)
+                if slot < 2:
+                    first.append(("ZRANGEBYLEX", indexes[slot], low, b"+", "LIMIT", 0, page))
+                else:
+                    first.append(("ZRANGEBYSCORE", indexes[slot], lo, hi))
+        answers = yield first
+        after_b = None if q.after is None else q.after.encode("utf-8", "surrogatepass")
+        for i, answer in enumerate(answers):
+            lexical = first[i][0] == "ZRANGEBYLEX"
+            keys = list(answer) if lexical else sorted(k for k in answer if after_b is None or k > after_b)
+            keys.reverse()  # pop() from the end is the next key
+            buffers.append(keys)
+            more.append(b"(" + answer[-1] if lexical and len(answer) == page else None)
+
+        heap: list[tuple[bytes, int]] = [(buf.pop(), i) for i, buf in enumerate(buffers) if buf]
+        heapq.heapify(heap)
+        out: list[Record] = []
+        last: bytes | None = None
+        while heap and len(out) < q.limit:
+            # The next candidates in key order, as many as could still be needed.
+            wanted: list[tuple[bytes, int]] = []
+            refill: list[int] = []
+            while heap and len(wanted) < q.limit - len(out):
+                key, i = heapq.heappop(heap)
+                if key != last:  # a key that moved between two indexes while we read them
+                    wanted.append((key, i))
+                    last = key
+                if buffers[i]:
+                    heapq.heappush(heap, (buffers[i].pop(), i))
+                elif more[i] is not None:
+                    refill.append(i)
+                    break  # keys after this cursor's page are unknown until it is read again
+            commands: list[tuple[Any, ...]] = [
+                ("HMGET", self._records[shard_of[i]].encode() + key, "d", "a") for key, i in wanted
+            ]
+            commands += [("ZRANGEBYLEX", names[i], more[i], b"+", "LIMIT", 0, page) for i in refill]
+            answers = yield commands
+            for (key, _), (d, a) in zip(wanted, answers, strict=False):
+                if d is None:
+                    continue  # deleted since the index was read
+                rec = _decode(key.decode("utf-8", "surrogatepass"), d, a)
+                if _matches(rec, q, states):
+                    out.append(rec)
+            for i, answer in zip(refill, answers[len(wanted) :], strict=True):
+                keys = list(answer)
+                more[i] = b"(" + keys[-1] if len(keys) == page else None
+                keys.reverse()
+                buffers[i] = keys
+                if keys:
+                    heapq.heappush(heap, (keys.pop(), i))
+        return out[: q.limit]
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._where!r}, prefix={self.prefix!r}, shards={self.shards})"
