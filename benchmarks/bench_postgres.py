@@ -1,0 +1,255 @@
+"""PostgreSQL: the guard's per-call cost next to two raw round trips on the ledger's own table.
+
+Every run makes its own database (``onceonly_bench_<random>``) on the server of
+ONCEONLY_TEST_POSTGRES_URL (default postgresql://127.0.0.1:5432/postgres) and drops it at the end.
+
+    python benchmarks/bench.py --stores postgres            # the default table, with the others
+    python benchmarks/bench_postgres.py                     # the same, PostgreSQL only
+    python benchmarks/bench_postgres.py --indexes           # what each index and the trigger cost
+    python benchmarks/bench_postgres.py --million           # per-call time with 1 million records
+
+The floor is what any ledger on PostgreSQL pays: two autocommitted statements over one connection
+with the same driver settings (psycopg 3, text format, automatic preparation), an INSERT of a
+ledger-shaped row and the UPDATE that settles it, on the ledger's own table (same indexes, same
+trigger). The guard adds its pool, its claim statement and its Python work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+from _harness import Contender, interleave, report
+
+import onceonly
+from onceonly.stores.postgres import PostgresStore, parse_postgres_url
+
+SERVER_URL = os.environ.get("ONCEONLY_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
+INSERT_COLUMNS = (
+    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
+    "created_at, updated_at, args, history"
+)
+
+
+@contextmanager
+def database() -> Iterator[str]:
+    """A database made for this run, dropped at its end; yields its URL."""
+    name = f"onceonly_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(SERVER_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield urlsplit(SERVER_URL)._replace(path=f"/{name}").geturl()
+    finally:
+        with psycopg.connect(SERVER_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], None]:
+    """Two raw round trips per call (claim insert, settle update) on ``table``, one connection."""
+    conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
+    entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
+    history_1 = json.dumps([entry])
+    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
+    prefix = uuid.uuid4().hex
+    insert = f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+    update = (
+        f"UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
+        "expires_at=%s, updated_at=%s, history=%s WHERE key=%s AND version=%s"
+    )
+
+    def run(i: int) -> None:
+        key = f"default:bench.tool:{hashlib.sha256(f'{prefix}{i}'.encode()).hexdigest()[:32]}"
+        now = time.time()
+        conn.execute(
+            insert,
+            (key, "default", "bench.tool", key[-32:] * 2, "in_flight", 1, 1, 1, "h:1:1", now + 30, now, now,
+             f'{{"i":{i}}}', history_1),
+        )  # fmt: skip
+        conn.execute(update, (2, "confirmed", f'{{"ok":true,"i":{i}}}', "run", now + 86400, now, history_2, key, 1))
+
+    return run
+
+
+def read_floor(url: str) -> Callable[[int], None]:
+    """One raw round trip: the SELECT of a record by key (what a replay cannot do with less)."""
+    conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
+    keys = [r[0] for r in conn.execute("SELECT key FROM public.onceonly_records LIMIT 1000")]
+
+    def run(i: int) -> None:
+        conn.execute("SELECT * FROM public.onceonly_records WHERE key = %s", (keys[i % len(keys)],)).fetchone()
+
+    return run
+
+
+def contenders(url: str) -> tuple[list[Contender], onceonly.Ledger]:
+    """bare tool, floor, guarded first call, replay, raw read; on the ledger at ``url``."""
+    ledger = onceonly.Ledger.open(url)
+
+    def tool_body(i: int) -> dict[str, object]:
+        return {"ok": True, "i": i}
+
+    guarded = ledger.tool(name="bench.tool")(tool_body)
+    done: list[int] = []
+
+    def first(i: int) -> None:
+        guarded(i)
+        done.append(i)
+
+    def replay(i: int) -> None:
+        guarded(done[i % len(done)])
+
+    for i in range(-50, 0):  # warm the pool, the prepared statements and the replay set
+        first(i)
+    return [
+        Contender("bare tool", tool_body),
+        Contender("floor: 2 raw round trips", floor(url)),
+        Contender("guarded first call", first),
+        Contender("replay (from the store)", replay),
+        Contender("1 raw read (SELECT by key)", read_floor(url)),
+    ], ledger
+
+
+def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
+    """The default table: guard vs floor on an empty ledger."""
+    with database() as url:
+        runs, ledger = contenders(url)
+        try:
+            interleave(runs, rounds, batch)
+        finally:
+            ledger.close()
+        return report("postgres", runs)
+
+
+def fill(url: str, rows: int) -> None:
+    """``rows`` ledger-shaped records in one INSERT … SELECT: 90% confirmed, 9% failed, 1% unknown."""
+    with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
+        conn.execute(
+            """
+            INSERT INTO public.onceonly_records (
+                key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until,
+                next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts)
+            SELECT 'default:bench.fill:' || md5(i::text), 'default', 'bench.fill', md5(i::text) || md5(i::text),
+                   CASE WHEN i % 100 = 0 THEN 'unknown' WHEN i % 10 = 0 THEN 'failed' ELSE 'confirmed' END,
+                   1, 1, 2, NULL, NULL, NULL,
+                   CASE WHEN i % 100 = 0 THEN NULL ELSE extract(epoch FROM now()) + 86400 END,
+                   extract(epoch FROM now()), extract(epoch FROM now()),
+                   '{"ok":true,"i":' || i || '}', NULL, '{"i":' || i || '}',
+                   '[{"at":1,"from":null,"to":"in_flight","fence":1,"reason":"claim","by":"h:1:1"},'
+                   || '{"at":2,"from":"in_flight","to":"confirmed","fence":1,'
+                   || '"reason":"confirmed via run","by":"h:1:1"}]',
+                   'run', 0
+            FROM generate_series(1, %s) AS i
+            """,
+            (rows,),
+        )
+        conn.execute("VACUUM ANALYZE public.onceonly_records")
+
+
+def bench_million(rounds: int, batch: int, rows: int = 1_000_000) -> list[dict[str, object]]:
+    """The same contenders on an empty ledger, then with ``rows`` records already in the table."""
+    out: list[dict[str, object]] = []
+    with database() as url:
+        runs, ledger = contenders(url)
+        try:
+            interleave(runs, rounds, batch)
+            out += report("postgres, empty", runs)
+        finally:
+            ledger.close()
+        started = time.perf_counter()
+        fill(url, rows)
+        print(f"filled {rows} records in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        runs, ledger = contenders(url)
+        try:
+            interleave(runs, rounds, batch)
+            out += report(f"postgres, {rows} records", runs)
+        finally:
+            ledger.close()
+    return out
+
+
+# Table variants for --indexes: each is the ledger table with some of its secondary objects dropped.
+VARIANTS: dict[str, list[str]] = {
+    "primary key only": [
+        "DROP INDEX {s}.onceonly_records_open",
+        "DROP INDEX {s}.onceonly_records_expires",
+        "DROP TRIGGER onceonly_records_changed ON {t}",
+        "DROP TRIGGER onceonly_records_deleted ON {t}",
+    ],
+    "+ open index": [
+        "DROP INDEX {s}.onceonly_records_expires",
+        "DROP TRIGGER onceonly_records_changed ON {t}",
+        "DROP TRIGGER onceonly_records_deleted ON {t}",
+    ],
+    "+ expires index": [
+        "DROP INDEX {s}.onceonly_records_open",
+        "DROP TRIGGER onceonly_records_changed ON {t}",
+        "DROP TRIGGER onceonly_records_deleted ON {t}",
+    ],
+    "+ both indexes": ["DROP TRIGGER onceonly_records_changed ON {t}", "DROP TRIGGER onceonly_records_deleted ON {t}"],
+    "+ both indexes + watch trigger (as shipped)": [],
+}
+
+
+def bench_indexes(rounds: int, batch: int) -> list[dict[str, object]]:
+    """The floor on the ledger table as shipped and with its indexes and trigger dropped, one by one."""
+    with database() as url:
+        runs: list[Contender] = []
+        stores = []
+        for n, (name, drops) in enumerate(VARIANTS.items()):
+            schema = f"v{n}"
+            stores.append(PostgresStore(f"{url}?schema={schema}&listen=false"))
+            with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
+                for statement in drops:
+                    conn.execute(statement.format(s=schema, t=f"{schema}.onceonly_records"))
+            runs.append(Contender(f"floor, {name}", floor(url, f"{schema}.onceonly_records")))
+        runs.insert(0, runs.pop(0))  # the first is the reference ("floor, primary key only")
+        try:
+            interleave(runs, rounds, batch)
+        finally:
+            for store in stores:
+                store.close()
+        rows = report("postgres", runs, floor_name="floor, primary key only")
+        with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
+            for n, name in enumerate(VARIANTS):
+                hot = conn.execute(
+                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s",
+                    (f"v{n}",),
+                ).fetchone()
+                print(f"{name}: updates {hot[0] if hot else '?'}, of which HOT {hot[1] if hot else '?'}")
+        return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--indexes", action="store_true", help="what each index and the trigger cost the floor")
+    parser.add_argument("--million", action="store_true", help="per-call time with 1 million records")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="records for --million")
+    parser.add_argument("--json", action="store_true", help="also print all rows as JSON")
+    args = parser.parse_args(argv)
+    if args.indexes:
+        rows = bench_indexes(args.rounds, args.batch)
+    elif args.million:
+        rows = bench_million(args.rounds, args.batch, args.rows)
+    else:
+        with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+            rows = bench(args.rounds, args.batch, Path(tmp))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

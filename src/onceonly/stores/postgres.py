@@ -1,0 +1,1039 @@
+"""The PostgreSQL store: the durable choice for many hosts (psycopg 3 with ``psycopg_pool``).
+
+One table, ``onceonly_records``, in the schema named by ``?schema=`` (default ``public``). Every
+write is one autocommitted statement, so every transition is one transaction:
+
+- claim: ``INSERT … ON CONFLICT (key) DO NOTHING`` and, in the same statement, the stored row when the
+  key was taken: one round trip whether the call is new or a replay;
+- swap: ``UPDATE … WHERE key = $1 AND version = $2``, writing only the columns that changed;
+- delete: ``DELETE … WHERE key = $1 AND version = $2``.
+
+The schema is created on first use under an advisory lock (many processes may start at once) and
+carries a version table, ``onceonly_schema``, so a later release can migrate it; a schema newer than
+this code, or tables of the same name that onceonly did not make, are refused with ``StoreCorrupt``
+and left untouched.
+
+Waiting without spinning: a waiter marks the row ``watched`` (an UPDATE that also checks the version
+it read), and a trigger sends a NOTIFY only when a watched row changes. So the hot path (claim, settle)
+never notifies unless someone waits on that very key: NOTIFY takes a database-wide lock at commit that
+would otherwise serialise every settle. One LISTEN connection per store, in a daemon thread, wakes the
+waiters of both faces; when it cannot listen, waiting falls back to polling.
+
+The sync face uses a ``ConnectionPool``; the async face an ``AsyncConnectionPool`` per event loop,
+made on first use in that loop (a pool's tasks and locks belong to one loop). docs/postgres.md has the
+URL options, the indexes and what they cost, and the measured figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import select
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
+
+from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
+from onceonly.states import HELD, Record, State
+from onceonly.stores.base import Query
+
+__all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
+
+#: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
+SCHEMA_VERSION = 1
+
+_SCHEMES = ("postgres", "postgresql", "postgresql+psycopg")
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# Quoted in SQL, so any case is kept; limited to characters that need no escaping anywhere (psycopg
+# reads % in a statement as a placeholder).
+_SCHEMA_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+_COLUMNS = (
+    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
+    "next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts"
+)
+_STATES = {s.value: s for s in State}
+_OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEEDS_REVIEW)
+# Record fields a swap may change (key never changes; version is always written) → their column.
+_SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
+_COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+
+
+def _literals(states: Sequence[State]) -> str:
+    # State values are our own constants: inlined, so the planner can match a partial index's predicate
+    # (it cannot prove that a parameter lies in the index's state list).
+    return ", ".join(f"'{s.value}'" for s in states)
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _text(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _channel(schema: str) -> str:
+    """The NOTIFY channel of a schema's ledger; at most 63 bytes, PostgreSQL's limit."""
+    name = f"onceonly.{schema}"
+    if len(name) <= 63:
+        return name
+    return "onceonly." + hashlib.sha256(schema.encode()).hexdigest()[:40]
+
+
+def _migrations(schema: str) -> dict[int, list[str]]:
+    """version reached → the statements that reach it from the one before."""
+    s = _ident(schema)
+    t = f"{s}.onceonly_records"
+    channel = _text(_channel(schema))
+    v1 = [
+        f"""CREATE TABLE {s}.onceonly_schema (
+            version      integer PRIMARY KEY,
+            installed_at timestamptz NOT NULL DEFAULT now(),
+            installed_by text NOT NULL
+        )""",
+        # Times are epoch seconds in double precision, as in the Record: they round-trip exactly.
+        # JSON is kept as text: the Record holds the exact text, and jsonb would reformat it.
+        # key COLLATE "C": byte order, which is code point order in UTF-8, as Python sorts keys.
+        f"""CREATE TABLE {t} (
+            key             text COLLATE "C" PRIMARY KEY,
+            scope           text NOT NULL,
+            tool            text NOT NULL,
+            fingerprint     text NOT NULL,
+            state           text NOT NULL CHECK (state IN ({_literals(list(State))})),
+            attempts        integer NOT NULL,
+            fence           bigint NOT NULL,
+            version         bigint NOT NULL,
+            lease_owner     text,
+            lease_until     double precision,
+            next_attempt_at double precision,
+            expires_at      double precision,
+            created_at      double precision NOT NULL,
+            updated_at      double precision NOT NULL,
+            result          text,
+            error           text,
+            args            text NOT NULL,
+            history         text NOT NULL,
+            via             text,
+            conflicts       integer NOT NULL DEFAULT 0,
+            watched         boolean NOT NULL DEFAULT false
+        )""",
+        # The reconciler's query (unknown, or held with an expired lease), in key order. Small: it
+        # holds only the records that are open now. Purge's query: expired settled records.
+        f"CREATE INDEX onceonly_records_open ON {t} (key) WHERE state IN ({_literals(_OPEN_STATES)})",
+        f"CREATE INDEX onceonly_records_expires ON {t} (expires_at) WHERE expires_at IS NOT NULL",
+        # The payload is "<version> <key>" (version 0: deleted); waiters ignore a version they know.
+        f"""CREATE FUNCTION {s}.onceonly_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF TG_OP = 'DELETE' THEN
+                PERFORM pg_notify(TG_ARGV[0], '0 ' || OLD.key);
+            ELSE
+                PERFORM pg_notify(TG_ARGV[0], NEW.version::text || ' ' || NEW.key);
+            END IF;
+            RETURN NULL;
+        END
+        $$""",
+        f"""CREATE TRIGGER onceonly_records_changed AFTER UPDATE ON {t} FOR EACH ROW
+            WHEN (OLD.watched AND NEW.version <> OLD.version)
+            EXECUTE FUNCTION {s}.onceonly_notify({channel})""",
+        f"""CREATE TRIGGER onceonly_records_deleted AFTER DELETE ON {t} FOR EACH ROW
+            WHEN (OLD.watched) EXECUTE FUNCTION {s}.onceonly_notify({channel})""",
+    ]
+    return {1: v1}
+
+
+# --- the URL -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PostgresOptions:
+    """onceonly's own options of a PostgreSQL URL, and the connection string left for libpq.
+
+    Args:
+        conninfo: the URL without onceonly's options, as handed to psycopg.
+        schema: the schema that holds the ledger's tables (created if missing).
+        pool_min_size: connections the sync pool keeps open.
+        pool_max_size: connections each pool may open.
+        pool_timeout: seconds to wait for a connection before ``StoreUnavailable``.
+        listen: wake waiters by LISTEN/NOTIFY (``False``: poll, e.g. behind a transaction pooler).
+
+    .. versionadded:: 0.1
+    """
+
+    conninfo: str
+    schema: str = "public"
+    pool_min_size: int = 1
+    pool_max_size: int = 10
+    pool_timeout: float = 10.0
+    listen: bool = True
+
+
+_OPTIONS = frozenset({"schema", "pool_min_size", "pool_max_size", "pool_timeout", "listen"})
+# libpq defaults that suit a ledger: fail fast when the server is unreachable, and be recognisable
+# in pg_stat_activity. Both can be overridden in the URL.
+_LIBPQ_DEFAULTS = (("connect_timeout", "5"), ("application_name", "onceonly"))
+
+
+def parse_postgres_url(url: str) -> PostgresOptions:
+    """Split ``postgresql://…?schema=…&pool_max_size=…`` into onceonly's options and libpq's URL.
+
+    Raises:
+        ValueError: not a PostgreSQL URL, or an option with a bad value.
+
+    .. versionadded:: 0.1
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in _SCHEMES:
+        raise ValueError(f"not a PostgreSQL URL: {url!r} (use postgresql://host/dbname)")
+    ours: dict[str, str] = {}
+    rest: list[tuple[str, str]] = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name.lower() in _OPTIONS:
+            ours[name.lower()] = value
+        else:
+            rest.append((name, value))
+    given = {name for name, _ in rest}
+    rest += [(name, value) for name, value in _LIBPQ_DEFAULTS if name not in given]
+    # quote, not quote_plus: libpq decodes %20 but leaves "+" as it is.
+    conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(rest, quote_via=quote), ""))
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.Error as exc:
+        raise ValueError(f"{_mask(url)} is not a valid PostgreSQL URL: {exc}") from exc
+
+    schema = ours.get("schema", "public")
+    if not schema or len(schema) > 63 or not set(schema) <= _SCHEMA_CHARS or schema[0].isdigit():
+        raise ValueError(
+            f"schema={schema!r} in {_mask(url)}: use 1-63 letters, digits and underscores, not starting "
+            "with a digit (the name is used as written, case included)"
+        )
+    try:
+        min_size = int(ours.get("pool_min_size", "1"))
+        max_size = int(ours.get("pool_max_size", str(max(10, min_size))))
+        timeout = float(ours.get("pool_timeout", "10"))
+    except ValueError as exc:
+        raise ValueError(
+            f"{_mask(url)}: pool_min_size and pool_max_size take integers, pool_timeout seconds ({exc})"
+        ) from None
+    if min_size < 0 or max_size < 1 or max_size < min_size:
+        raise ValueError(f"{_mask(url)}: need 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1")
+    if not timeout > 0:
+        raise ValueError(f"{_mask(url)}: pool_timeout={timeout} must be a positive number of seconds")
+    listen = _BOOLEANS.get(ours.get("listen", "true").lower())
+    if listen is None:
+        raise ValueError(f"listen={ours['listen']!r} in {_mask(url)}: use true or false")
+    return PostgresOptions(conninfo, schema, min_size, max_size, timeout, listen)
+
+
+def _mask(url: str) -> str:
+    """The URL with its password hidden, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --- rows ----------------------------------------------------------------------------------------
+
+
+def _row_to_record(row: Sequence[Any], at: int = 0) -> Record:
+    return Record(
+        row[at], row[at + 1], row[at + 2], row[at + 3], _STATES[row[at + 4]], row[at + 5], row[at + 6],
+        row[at + 7], row[at + 8], row[at + 9], row[at + 10], row[at + 11], row[at + 12], row[at + 13],
+        row[at + 14], row[at + 15], row[at + 16], row[at + 17], row[at + 18], row[at + 19],
+    )  # fmt: skip
+
+
+def _error_text(error: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL; an exception message might. Better a replaced character in a
+    # message than a settle the store refuses.
+    return error.replace("\x00", "\ufffd") if error is not None and "\x00" in error else error
+
+
+def _record_values(r: Record) -> tuple[Any, ...]:
+    return (
+        r.key, r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
+        r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json,
+        _error_text(r.error), r.args_json, r.history_json, r.via, r.conflicts,
+    )  # fmt: skip
+
+
+def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool | None:
+    """True: closed. None: the idle socket has something to read, which needs a real check. False: fine.
+
+    A backend that was terminated (``pg_terminate_backend``, a restart, a failover) leaves its last
+    words ("terminating connection…") or an EOF on the socket of an idle connection. Polling it costs
+    a system call, not a round trip, so every connection taken from a pool is looked at.
+    """
+    if conn.closed:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return None if poller.poll(0) else False
+    except (OSError, ValueError, psycopg.Error):
+        return True
+
+
+# --- waiting: one LISTEN connection per store ------------------------------------------------------
+
+
+class _Waiter:
+    """One call waiting for a key to leave ``version``: a threading event or an asyncio future."""
+
+    __slots__ = ("event", "future", "loop", "version", "woken")
+
+    def __init__(self, version: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.version = version
+        self.woken = False
+        self.loop = loop
+        self.event: threading.Event | None = None if loop is not None else threading.Event()
+        self.future: asyncio.Future[None] | None = loop.create_future() if loop is not None else None
+
+    def wake(self) -> None:
+        """Wake it (from the listener thread). Called under the listener's lock."""
+        if self.woken:
+            return
+        self.woken = True
+        if self.event is not None:
+            self.event.set()
+        elif self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
+                self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+
+class _Listener:
+    """A daemon thread that LISTENs on the ledger's channel and wakes the waiters of its keys.
+
+    ``flagged`` remembers which keys this store has marked ``watched`` at which version and has not
+    seen change since: a caller that waits on such a key again (the guard polls in short rounds)
+    needs no write to mark it. Any notification for a key, or losing the connection, forgets it.
+    """
+
+    RETRY_AFTER = 1.0  # seconds between attempts to (re)connect; meanwhile waiters poll
+    FLAGGED_LIMIT = 4096
+
+    def __init__(self, conninfo: str, channel: str) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self.alive = False
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._waiters: dict[str, set[_Waiter]] = {}
+        self._flagged: OrderedDict[str, int] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self._failed_at = -self.RETRY_AFTER
+        self._closed = False
+
+    def start(self) -> bool:
+        """Listen now; ``False`` when that is not possible (the caller polls instead)."""
+        if self.alive:
+            return True
+        with self._start_lock:
+            if self.alive:
+                return True
+            if self._closed or time.monotonic() - self._failed_at < self.RETRY_AFTER:
+                return False
+            if self._thread is not None:  # the previous one is winding down
+                self._thread.join(timeout=1.0)
+            try:
+                conn = psycopg.connect(self.conninfo, autocommit=True)
+            except psycopg.Error:
+                self._failed_at = time.monotonic()
+                return False
+            try:
+                # LISTEN is in force once it returns: changes committed from now on reach us.
+                conn.execute(f"LISTEN {_ident(self.channel)}")
+            except psycopg.Error:
+                conn.close()
+                self._failed_at = time.monotonic()
+                return False
+            with self._lock:
+                self.alive = True
+            self._thread = threading.Thread(
+                target=self._run, args=(conn,), name=f"onceonly-listen[{self.channel}]", daemon=True
+            )
+            self._thread.start()
+            return True
+
+    def _run(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            while not self._closed:
+                for note in conn.notifies(timeout=5.0):
+                    if self._closed:
+                        break
+                    self._dispatch(note.payload)
+        except psycopg.Error:
+            self._failed_at = time.monotonic()
+        finally:
+            # Whatever happened while we were not listening is lost: forget what was flagged and
+            # wake everyone, so each waiter reads its record again.
+            with self._lock:
+                self.alive = False
+                self._flagged.clear()
+                for waiters in self._waiters.values():
+                    for waiter in waiters:
+                        waiter.wake()
+            conn.close()
+
+    def _dispatch(self, payload: str) -> None:
+        version_text, _, key = payload.partition(" ")
+        try:
+            version = int(version_text)
+        except ValueError:  # a wake-up sent by close(), or someone else's message
+            return
+        with self._lock:
+            self._flagged.pop(key, None)
+            for waiter in self._waiters.get(key, ()):
+                if waiter.version != version:
+                    waiter.wake()
+
+    def register(self, key: str, waiter: _Waiter) -> bool | None:
+        """Add a waiter. ``None``: not listening (poll). ``True``: the row must be marked watched."""
+        with self._lock:
+            if not self.alive:
+                return None
+            self._waiters.setdefault(key, set()).add(waiter)
+            return self._flagged.get(key) != waiter.version
+
+    def flagged(self, key: str, waiter: _Waiter) -> None:
+        """The row of ``key`` is now marked watched at the waiter's version."""
+        with self._lock:
+            # A waiter already woken saw a change or a lost connection: the mark is no longer known.
+            if waiter.woken or not self.alive:
+                return
+            self._flagged[key] = waiter.version
+            self._flagged.move_to_end(key)
+            if len(self._flagged) > self.FLAGGED_LIMIT:
+                self._flagged.popitem(last=False)
+
+    def unregister(self, key: str, waiter: _Waiter) -> None:
+        with self._lock:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[key]
+
+    def stop(self, wake: psycopg.Connection[Any] | None) -> None:
+        """Stop listening; ``wake`` (any connection) sends a NOTIFY so the thread ends at once."""
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            return
+        if wake is not None:
+            with contextlib.suppress(psycopg.Error):
+                wake.execute("SELECT pg_notify(%s, '')", (self.channel,))
+        thread.join(timeout=2.0)
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+
+class PostgresStore:
+    """An onceonly ledger in a PostgreSQL database.
+
+    Args:
+        url: ``postgresql://user@host:5432/dbname`` (also ``postgres://``, ``postgresql+psycopg://``),
+            with libpq's own options (``sslmode``, ``connect_timeout``, ``application_name``…) and
+            onceonly's: ``schema`` (default ``public``), ``pool_min_size`` (1), ``pool_max_size``
+            (10), ``pool_timeout`` (seconds, 10), ``listen`` (``true``: LISTEN/NOTIFY; ``false``:
+            poll). The schema and tables are created on first use.
+
+    Raises:
+        StoreUnavailable: the server cannot be reached, or the user may not create the tables.
+        StoreCorrupt: the schema holds tables of the same names that onceonly did not make, or a
+            ledger of a newer schema version than this onceonly knows.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        options = parse_postgres_url(url)
+        self.options = options
+        self.schema = options.schema
+        self._where = f"the PostgreSQL ledger {_mask(url)}"
+        self._conninfo = options.conninfo
+        t = f"{_ident(self.schema)}.onceonly_records"
+        self._table = t
+        self._sql_get = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
+        values = ", ".join(["%s"] * 20)
+        self._sql_insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({values}) ON CONFLICT (key) DO NOTHING"
+        # One statement: insert, or return the row that holds the key. The SELECT shares the INSERT's
+        # snapshot, so it never sees our own row; "won" says whether the insert happened.
+        r_cols = ", ".join(f"r.{c.strip()}" for c in _COLUMNS.split(","))
+        self._sql_claim = (
+            f"WITH ins AS ({self._sql_insert} RETURNING 1) "
+            f"SELECT EXISTS (SELECT FROM ins), {r_cols} FROM (SELECT) AS one "
+            f"LEFT JOIN {t} AS r ON r.key = %s AND NOT EXISTS (SELECT FROM ins)"
+        )
+        self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
+        self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
+        self._updates: dict[tuple[str, ...], str] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        self._apools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
+        self._listener = _Listener(self._conninfo, _channel(self.schema)) if options.listen else None
+
+        self._ensure_schema()
+        self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+            self._conninfo,
+            min_size=options.pool_min_size,
+            max_size=options.pool_max_size,
+            timeout=options.pool_timeout,
+            kwargs={"autocommit": True},
+            name=f"onceonly[{self.schema}]",
+            open=False,
+        )
+        self._pool.open(wait=False)
+
+    # --- schema ---------------------------------------------------------------------------------
+
+    def _ensure_schema(self) -> None:
+        """Create or migrate the tables, or check them; on a connection of its own, closed after."""
+        try:
+            conn = psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(
+                f"cannot connect to {self._where}: {str(exc).strip()}. Check that the server is up and the URL "
+                "(host, port, database, user) is right"
+            ) from exc
+        try:
+            with conn:
+                version, has_records = self._inspect(conn)
+                if version != SCHEMA_VERSION or not has_records:
+                    # Serialise the processes that start at once on a new schema: the first creates it,
+                    # the others find it done. A session lock taken before the transaction: a transaction
+                    # that began before the winner committed would look its tables up in a stale catalog
+                    # cache (an advisory lock does not refresh it), and fail to create them again.
+                    conn.execute("SELECT pg_advisory_lock(%s)", (self._lock_id(),))
+                    try:
+                        with conn.transaction():
+                            version, has_records = self._inspect(conn)
+                            self._migrate(conn, version, has_records)
+                    finally:
+                        with contextlib.suppress(psycopg.Error):  # a lost session drops its locks anyway
+                            conn.execute("SELECT pg_advisory_unlock(%s)", (self._lock_id(),))
+                self._check_columns(conn)
+        except StoreError:
+            raise
+        except psycopg.Error as exc:
+            if exc.sqlstate == "42501":  # insufficient_privilege
+                raise StoreUnavailable(
+                    f"{self._where}: not allowed to create the ledger's tables ({str(exc).strip()}). Create them "
+                    f"as an owner once (open the ledger as that user), or grant CREATE on schema {self.schema}"
+                ) from exc
+            raise self._translate(exc) from exc
+
+    def _lock_id(self) -> int:
+        digest = hashlib.sha256(f"onceonly schema {self.schema}".encode()).digest()
+        return int.from_bytes(digest[:8], "big", signed=True)
+
+    def _inspect(self, conn: psycopg.Connection[Any]) -> tuple[int | None, bool]:
+        """The schema version (None: no version table) and whether the records table exists."""
+        s = _ident(self.schema)
+        row = conn.execute(
+            "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+            (f"{s}.onceonly_schema", f"{s}.onceonly_records"),
+        ).fetchone()
+        assert row is not None
+        has_version, has_records = bool(row[0]), bool(row[1])
+        if not has_version:
+            return None, has_records
+        try:
+            found = conn.execute(f"SELECT max(version) FROM {s}.onceonly_schema").fetchone()
+        except psycopg.errors.UndefinedColumn as exc:
+            raise StoreCorrupt(
+                f"{self._where}: the table {self.schema}.onceonly_schema was not made by onceonly. Nothing was "
+                "changed: give the ledger a schema of its own (?schema=onceonly)"
+            ) from exc
+        return (int(found[0]) if found and found[0] is not None else 0), has_records
+
+    def _migrate(self, conn: psycopg.Connection[Any], version: int | None, has_records: bool) -> None:
+        where = f"{self._where}, schema {self.schema}"
+        if version is None and has_records:
+            raise StoreCorrupt(
+                f"{where} has a table onceonly_records but no onceonly_schema version table: onceonly did not "
+                "make it. Nothing was changed: give the ledger a schema of its own (?schema=onceonly)"
+            )
+        if version is not None and version > SCHEMA_VERSION:
+            raise StoreCorrupt(
+                f"{where} has ledger schema version {version}, newer than this onceonly knows "
+                f"({SCHEMA_VERSION}). Nothing was changed: upgrade onceonly on this host"
+            )
+        if version == SCHEMA_VERSION and not has_records:
+            raise StoreCorrupt(
+                f"{where} is at schema version {version} but its table onceonly_records is missing: the ledger "
+                "was dropped by hand. Nothing was changed: restore it, or drop onceonly_schema to start anew"
+            )
+        if version == SCHEMA_VERSION:
+            return
+        exists = conn.execute("SELECT to_regnamespace(%s) IS NOT NULL", (_ident(self.schema),)).fetchone()
+        if not (exists and exists[0]):
+            conn.execute(f"CREATE SCHEMA {_ident(self.schema)}")
+        from onceonly import __version__
+
+        steps = _migrations(self.schema)
+        for target in range((version or 0) + 1, SCHEMA_VERSION + 1):
+            for statement in steps[target]:
+                conn.execute(statement)
+            conn.execute(
+                f"INSERT INTO {_ident(self.schema)}.onceonly_schema (version, installed_by) VALUES (%s, %s)",
+                (target, f"onceonly {__version__}"),
+            )
+
+    def _check_columns(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.execute(f"SELECT {_COLUMNS}, watched FROM {self._table} LIMIT 0")
+        except psycopg.errors.UndefinedColumn as exc:
+            raise StoreCorrupt(
+                f"{self._where}: {self.schema}.onceonly_records lacks columns of schema version {SCHEMA_VERSION} "
+                f"({str(exc).strip()}): it was changed by hand. Nothing was changed"
+            ) from exc
+
+    # --- errors and connections -----------------------------------------------------------------------
+
+    def _translate(self, exc: BaseException) -> StoreError:
+        """The store error for a driver error: connection trouble → unavailable, anything else → corrupt."""
+        text = str(exc).strip() or type(exc).__name__
+        if isinstance(exc, PoolClosed) or self._closed:
+            return StoreUnavailable(f"{self._where} was closed")
+        if isinstance(exc, PoolTimeout):
+            return StoreUnavailable(
+                f"{self._where}: no connection within {self.options.pool_timeout:g}s ({text}). Is the server "
+                "up and reachable? (raise pool_max_size or pool_timeout in the URL if it is only busy)"
+            )
+        sqlstate = getattr(exc, "sqlstate", None)
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or sqlstate == "25006":
+            # 25006: read-only transaction, e.g. connected to a standby after a failover.
+            return StoreUnavailable(
+                f"{self._where} failed: {text}. Whether the last write landed is unknown; the ledger reads "
+                "the record again before it decides"
+            )
+        if sqlstate in ("42P01", "42703", "3F000"):  # undefined table, column, schema
+            return StoreCorrupt(
+                f"{self._where}: the ledger's tables are missing or changed ({text}); were they dropped by hand?"
+            )
+        return StoreCorrupt(f"{self._where}: unexpected database error: {text}")
+
+    def _getconn(self) -> psycopg.Connection[Any]:
+        pool = self._pool
+        try:
+            for _ in range(self.options.pool_max_size + 1):
+                conn = pool.getconn()
+                dead = _is_dead(conn)
+                if dead is None:
+                    try:
+                        conn.execute("")
+                        dead = False
+                    except psycopg.Error:
+                        dead = True
+                if not dead:
+                    return conn
+                # Dead since it went idle: a closed connection handed back is replaced by the pool.
+                conn.close()
+                pool.putconn(conn)
+            return pool.getconn()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+
+    async def _apool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        loop = asyncio.get_running_loop()
+        pool = self._apools.get(loop)
+        if pool is not None:
+            return pool
+        if self._closed:
+            raise StoreUnavailable(f"{self._where} was closed")
+        pool = AsyncConnectionPool(
+            self._conninfo,
+            min_size=self.options.pool_min_size,
+            max_size=self.options.pool_max_size,
+            timeout=self.options.pool_timeout,
+            kwargs={"autocommit": True},
+            name=f"onceonly-async[{self.schema}]",
+            open=False,
+        )
+        await pool.open(wait=False)
+        with self._lock:
+            # A loop that ended took its pool's tasks with it; its idle connections close when the pool
+            # is collected (pooled connections close quietly).
+            for old in [lp for lp in self._apools if lp.is_closed()]:
+                del self._apools[old]
+            other = self._apools.setdefault(loop, pool)
+        if other is not pool:
+            await pool.close()
+        return other
+
+    async def _agetconn(self) -> tuple[AsyncConnectionPool[psycopg.AsyncConnection[Any]], psycopg.AsyncConnection[Any]]:
+        pool = await self._apool()
+        try:
+            for _ in range(self.options.pool_max_size + 1):
+                conn = await pool.getconn()
+                dead = _is_dead(conn)
+                if dead is None:
+                    try:
+                        await conn.execute("")
+                        dead = False
+                    except psycopg.Error:
+                        dead = True
+                if not dead:
+                    return pool, conn
+                await conn.close()
+                await pool.putconn(conn)
+            return pool, await pool.getconn()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+
+    def _update_sql(self, record: Record, expected: Record) -> tuple[str, list[Any]]:
+        # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
+        # clears "watched": a waiter marks the row again if it still waits.
+        names = tuple(n for n in _SWAP_FIELDS if getattr(record, n) != getattr(expected, n))
+        sql = self._updates.get(names)
+        if sql is None:
+            sets = "".join(f", {_COLUMN_OF.get(n, n)} = %s" for n in names)
+            sql = self._updates[names] = (
+                f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
+            )
+        values: list[Any] = [record.version]
+        for n in names:
+            v = getattr(record, n)
+            values.append(v.value if n == "state" else _error_text(v) if n == "error" else v)
+        values.append(record.key)
+        values.append(expected.version)
+        return sql, values
+
+    def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
+        where: list[str] = []
+        params: list[Any] = []
+        if query.states is not None:
+            states = list(dict.fromkeys(query.states))
+            if not states:
+                return None
+            held = [s for s in states if s in HELD]
+            other = [s for s in states if s not in HELD]
+            parts = []
+            if other:
+                parts.append(f"state IN ({_literals(other)})")
+            if held:
+                cond = f"state IN ({_literals(held)})"
+                if query.lease_expired_before is not None:
+                    cond += " AND (lease_until IS NULL OR lease_until < %s)"
+                    params.append(query.lease_expired_before)
+                parts.append(f"({cond})")
+            where.append("(" + " OR ".join(parts) + ")")
+        elif query.lease_expired_before is not None:
+            held_states = _literals(sorted(HELD, key=lambda s: s.value))
+            where.append(f"state IN ({held_states}) AND (lease_until IS NULL OR lease_until < %s)")
+            params.append(query.lease_expired_before)
+        if query.tool is not None:
+            where.append("tool = %s")
+            params.append(query.tool)
+        if query.scope is not None:
+            where.append("scope = %s")
+            params.append(query.scope)
+        if query.expires_before is not None:
+            where.append("expires_at IS NOT NULL AND expires_at < %s")
+            params.append(query.expires_before)
+        if query.after is not None:
+            where.append("key > %s")
+            params.append(query.after)
+        sql = f"SELECT {_COLUMNS} FROM {self._table}"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY key LIMIT %s"
+        params.append(max(0, query.limit))
+        return sql, params
+
+    # --- the primitives, sync ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> Record | None:
+        conn = self._getconn()
+        try:
+            row = conn.execute(self._sql_get, (key,)).fetchone()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return None if row is None else _row_to_record(row)
+
+    def claim(self, record: Record) -> Record | None:
+        params = (*_record_values(record), record.key)
+        while True:
+            conn = self._getconn()
+            try:
+                row = conn.execute(self._sql_claim, params).fetchone()
+            except psycopg.Error as exc:
+                raise self._translate(exc) from exc
+            finally:
+                self._pool.putconn(conn)
+            assert row is not None
+            if row[0]:
+                return None
+            if row[1] is not None:
+                return _row_to_record(row, 1)
+            # Neither inserted nor visible: another transaction inserted the key and committed after our
+            # snapshot was taken (our INSERT waited for it). Read it now; if a purge deleted it again in
+            # between, claim again.
+            current = self.get(record.key)
+            if current is not None:
+                return current
+
+    def insert(self, record: Record) -> bool:
+        conn = self._getconn()
+        try:
+            cur = conn.execute(self._sql_insert, _record_values(record))
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return cur.rowcount == 1
+
+    def swap(self, record: Record, expected: Record) -> bool:
+        sql, values = self._update_sql(record, expected)
+        conn = self._getconn()
+        try:
+            cur = conn.execute(sql, values)
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return cur.rowcount == 1
+
+    def delete(self, key: str, expected_version: int) -> bool:
+        conn = self._getconn()
+        try:
+            cur = conn.execute(self._sql_delete, (key, expected_version))
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return cur.rowcount == 1
+
+    def scan(self, query: Query) -> list[Record]:
+        built = self._scan_sql(query)
+        if built is None:
+            return []
+        conn = self._getconn()
+        try:
+            rows = conn.execute(built[0], built[1]).fetchall()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return [_row_to_record(r) for r in rows]
+
+    def count_by_state(self) -> dict[State, int]:
+        conn = self._getconn()
+        try:
+            rows = conn.execute(f"SELECT state, count(*) FROM {self._table} GROUP BY state").fetchall()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return {_STATES[s]: int(n) for s, n in rows}
+
+    def _watch(self, key: str, version: int) -> bool:
+        """Mark the row watched if it is still at ``version``; ``False``: it changed or is gone."""
+        conn = self._getconn()
+        try:
+            cur = conn.execute(self._sql_watch, (key, version))
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.putconn(conn)
+        return cur.rowcount == 1
+
+    def wait_for_change(self, key: str, version: int, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        listener = self._listener
+        if listener is None or not listener.start():
+            time.sleep(timeout)  # polling: the caller reads again after the pause
+            return
+        waiter = _Waiter(version)
+        status = listener.register(key, waiter)
+        if status is None:
+            time.sleep(timeout)
+            return
+        try:
+            if status:
+                # Mark the row after LISTEN is in force, and check the version in the same statement:
+                # a change before it fails the update, a change after it notifies us.
+                try:
+                    if not self._watch(key, version):
+                        return
+                except StoreError:
+                    time.sleep(timeout)  # the caller's next read reports the outage
+                    return
+                listener.flagged(key, waiter)
+            assert waiter.event is not None
+            waiter.event.wait(timeout)
+        finally:
+            listener.unregister(key, waiter)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            apools, self._apools = self._apools, {}
+        if self._listener is not None:
+            wake = None
+            with contextlib.suppress(psycopg.Error):
+                wake = self._pool.getconn(timeout=1.0)
+            try:
+                self._listener.stop(wake)
+            finally:
+                if wake is not None:
+                    self._pool.putconn(wake)
+        self._pool.close()
+        for loop, pool in apools.items():
+            _close_elsewhere(loop, pool)
+
+    # --- the primitives, async --------------------------------------------------------------------------
+
+    async def aget(self, key: str) -> Record | None:
+        pool, conn = await self._agetconn()
+        try:
+            cur = await conn.execute(self._sql_get, (key,))
+            row = await cur.fetchone()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            await pool.putconn(conn)
+        return None if row is None else _row_to_record(row)
+
+    async def aclaim(self, record: Record) -> Record | None:
+        params = (*_record_values(record), record.key)
+        while True:
+            pool, conn = await self._agetconn()
+            try:
+                cur = await conn.execute(self._sql_claim, params)
+                row = await cur.fetchone()
+            except psycopg.Error as exc:
+                raise self._translate(exc) from exc
+            finally:
+                await pool.putconn(conn)
+            assert row is not None
+            if row[0]:
+                return None
+            if row[1] is not None:
+                return _row_to_record(row, 1)
+            current = await self.aget(record.key)  # see claim(): a concurrent insert we could not see
+            if current is not None:
+                return current
+
+    async def _awrite(self, sql: str, params: Sequence[Any]) -> int:
+        pool, conn = await self._agetconn()
+        try:
+            cur = await conn.execute(sql, params)
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            await pool.putconn(conn)
+        return cur.rowcount
+
+    async def ainsert(self, record: Record) -> bool:
+        return await self._awrite(self._sql_insert, _record_values(record)) == 1
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        sql, values = self._update_sql(record, expected)
+        return await self._awrite(sql, values) == 1
+
+    async def adelete(self, key: str, expected_version: int) -> bool:
+        return await self._awrite(self._sql_delete, (key, expected_version)) == 1
+
+    async def ascan(self, query: Query) -> list[Record]:
+        built = self._scan_sql(query)
+        if built is None:
+            return []
+        pool, conn = await self._agetconn()
+        try:
+            cur = await conn.execute(built[0], built[1])
+            rows = await cur.fetchall()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            await pool.putconn(conn)
+        return [_row_to_record(r) for r in rows]
+
+    async def await_for_change(self, key: str, version: int, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        listener = self._listener
+        # Connecting the listener blocks: off the loop, once.
+        if listener is None or not (listener.alive or await asyncio.to_thread(listener.start)):
+            await asyncio.sleep(timeout)
+            return
+        waiter = _Waiter(version, asyncio.get_running_loop())
+        status = listener.register(key, waiter)
+        if status is None:
+            await asyncio.sleep(timeout)
+            return
+        try:
+            if status:
+                try:
+                    if await self._awrite(self._sql_watch, (key, version)) != 1:
+                        return
+                except StoreError:
+                    await asyncio.sleep(timeout)
+                    return
+                listener.flagged(key, waiter)
+            assert waiter.future is not None
+            await asyncio.wait((waiter.future,), timeout=timeout)
+        finally:
+            listener.unregister(key, waiter)
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pool = self._apools.pop(loop, None)
+        if pool is not None:
+            await pool.close()
+        await asyncio.to_thread(self.close)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({_mask(self.url)!r})"
+
+
+def _close_elsewhere(loop: asyncio.AbstractEventLoop, pool: AsyncConnectionPool[Any]) -> None:
+    """Close an async pool from sync code, as far as its event loop allows."""
+    if loop.is_closed():
+        return  # its tasks ended with the loop; its idle connections close when collected
+    if loop.is_running():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            # close() was called from inside that loop, synchronously: finish it in the background.
+            task = loop.create_task(pool.close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+            return
+        # Best effort: the loop may be shutting down.
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=5.0)
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop.run_until_complete(pool.close())
+
+
+_closing: set[asyncio.Task[None]] = set()
