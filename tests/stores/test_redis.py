@@ -1,0 +1,538 @@
+"""What only the Redis store promises: one hash slot per script, consistent indexes, no KEYS or SCAN,
+the persistence warning, waiting on pub/sub, and its URL. Each test runs on the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from onceonly import states as st
+from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.states import HELD, Record, State
+from onceonly.stores import Query
+from tests.conftest import RUN_ID
+
+redis = pytest.importorskip("redis")
+from onceonly.stores.redis import RedisStore, parse_redis_url  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+NOW = 1_800_000_000.0
+AWKWARD = ["plain", "a{b}c", "{x}", "}{", "{", "glob*?[x]", "quo'te\"", "é-中文-🙂", "k" * 255, "::{}::"]
+
+
+def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW, tool: str = "t", scope: str = "s") -> Record:
+    return st.new_record(
+        key=key, scope=scope, tool=tool, fingerprint="f" * 64, args_json='{"a":1}', state=state,
+        owner="host:1:1", now=now, lease_seconds=30,
+    )  # fmt: skip
+
+
+def _url(base: str, **options: Any) -> str:
+    query = "&".join(
+        f"{k}={v}" for k, v in {"prefix": f"onceonly-test-{RUN_ID}-{uuid.uuid4().hex[:8]}", **options}.items()
+    )
+    return f"{base}{'&' if '?' in base else '?'}{query}"
+
+
+@pytest.fixture(name="url")
+def fixture_url(redis_base_url: str) -> str:
+    """A fresh prefix on the test Redis, removed at the end of the run with the rest."""
+    return _url(redis_base_url, warn_persistence="false")
+
+
+@pytest.fixture(name="store")
+def fixture_store(url: str) -> Iterator[RedisStore]:
+    """An empty Redis store."""
+    store = RedisStore(url)
+    yield store
+    store.close()
+
+
+@pytest.fixture(name="raw")
+def fixture_raw(redis_base_url: str) -> Iterator[Any]:
+    """A plain client on the same server, to look under the store."""
+    client = redis.Redis.from_url(redis_base_url)
+    yield client
+    client.close()
+
+
+# --- one hash slot per script ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", AWKWARD)
+def test_every_key_of_a_script_is_in_one_slot(store: RedisStore, key: str) -> None:
+    """The record and its shard's indexes share the hash tag, whatever braces the ledger key has."""
+    from redis.crc import key_slot
+
+    names = store.script_keys(key)
+    assert len({key_slot(n.encode()) for n in names}) == 1
+    assert names[0].endswith(f":r:{key}")
+    assert all(n.startswith(f"{store.prefix}:{{{store.prefix}:") for n in names)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(name="cluster_url")
+def fixture_cluster_url(tmp_path: Path) -> Iterator[str]:
+    """A one-node Redis Cluster of our own (it owns all 16384 slots): it refuses cross-slot scripts."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed: cannot start a cluster-mode node")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file",
+         str(tmp_path / "nodes.conf"), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        for _ in range(100):
+            if b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"):
+                break
+            time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0?warn_persistence=false"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_cluster_node_accepts_every_script(cluster_url: str) -> None:
+    """On a node in cluster mode (which checks slots), every transition and scan works, awkward keys too."""
+    probe = redis.Redis.from_url(cluster_url.split("?", maxsplit=1)[0])
+    try:
+        # The control: this node does refuse a script whose keys span two slots.
+        with pytest.raises(redis.ResponseError, match=r"CROSSSLOT|same slot"):
+            probe.eval("return 1", 2, "a", "b")
+    finally:
+        probe.close()
+    store = RedisStore(cluster_url)
+    try:
+        for key in AWKWARD:
+            rec = make(key)
+            assert store.claim(rec) is None
+            assert store.claim(rec) == rec
+            done = st.confirm(rec, result_json="1", now=NOW + 1, ttl=10, via="run", by=None)
+            assert store.swap(done, rec)
+            assert store.get(key) == done
+        assert sorted(r.key for r in store.scan(Query(limit=100))) == sorted(AWKWARD)
+        assert len(store.scan(Query(expires_before=NOW + 100))) == len(AWKWARD)
+        assert store.count_by_state() == {State.CONFIRMED: len(AWKWARD)}
+        for key in AWKWARD:
+            assert store.delete(key, 2)
+    finally:
+        store.close()
+
+
+# --- the indexes ----------------------------------------------------------------------------------
+
+
+def _random_walk(store: RedisStore, rng: random.Random, keys: list[str], steps: int) -> dict[str, Record]:
+    """Drive records through random legal transitions (and deletes); return what should be stored."""
+    model: dict[str, Record] = {}
+    now = NOW
+    for _ in range(steps):
+        now += rng.random()
+        key = rng.choice(keys)
+        cur = model.get(key)
+        if cur is None:
+            rec = make(key, state=rng.choice([State.IN_FLIGHT, State.PENDING]), now=now)
+            assert store.claim(rec) is None
+            model[key] = rec
+            continue
+        allowed = st.ALLOWED[cur.state]
+        moves = ["delete", "stale"]
+        moves += [m for m, to in (("confirm", State.CONFIRMED), ("fail", State.FAILED), ("unknown", State.UNKNOWN),
+                                  ("park", State.NEEDS_REVIEW)) if to in allowed]  # fmt: skip
+        if cur.state in HELD:
+            moves.append("beat")
+        if State.IN_FLIGHT in allowed and cur.state is not State.CONFIRMED:
+            moves.append("again")
+        move = rng.choice(moves)
+        if move == "confirm":
+            new = st.confirm(cur, result_json='{"ok":1}', now=now, ttl=rng.choice([None, 50.0]), via="run", by=None)
+        elif move == "fail":
+            new = st.fail(cur, error="no", now=now, retry_at=now + 1, ttl=30, by=None)
+        elif move == "unknown":
+            new = st.mark_unknown(cur, now=now, reason="lost", by=None)
+        elif move == "park":
+            new = st.park(cur, now=now, reason="review", by=None)
+        elif move == "beat":
+            new = st.extend_lease(cur, now=now, lease_seconds=rng.choice([1.0, 100.0]))
+        elif move == "again":
+            new = st.claim_again(cur, state=State.IN_FLIGHT, owner="o", now=now, lease_seconds=5, reason="again")
+            new = st.replace_args(new, fingerprint="e" * 64, args_json=f'{{"n":{rng.randrange(9)}}}')
+        elif move == "delete":
+            assert store.delete(key, cur.version)
+            del model[key]
+            continue
+        else:
+            # A stale swap is refused and changes nothing.
+            stale = st.replace(cur, version=cur.version - 1)
+            assert not store.swap(st.replace(cur, version=cur.version + 1, error="stale"), stale)
+            continue
+        assert store.swap(new, cur)
+        model[key] = new
+    return model
+
+
+def test_indexes_match_the_records_after_many_transitions(store: RedisStore, raw: Any) -> None:
+    """After a random walk, every index and counter agrees with the records as stored."""
+    rng = random.Random(7)
+    keys = [f"k{i}" for i in range(60)] + AWKWARD
+    model = _random_walk(store, rng, keys, 1500)
+    for key, rec in model.items():
+        assert store.get(key) == rec
+    expected_counts: dict[State, int] = {}
+    for rec in model.values():
+        expected_counts[rec.state] = expected_counts.get(rec.state, 0) + 1
+    assert store.count_by_state() == expected_counts
+
+    def members(name: str) -> dict[str, float]:
+        return {m.decode(): s for m, s in raw.zrange(name, 0, -1, withscores=True)}
+
+    for shard in range(store.shards):
+        all_k, open_k, held_k, exp_k, _ = store._indexes[shard]
+        mine = {k: r for k, r in model.items() if store._shard(k) == shard}
+        assert set(members(all_k)) == set(mine)
+        assert set(members(open_k)) == {k for k, r in mine.items() if r.state in (State.UNKNOWN, State.NEEDS_REVIEW)}
+        assert members(held_k) == {
+            k: (float("-inf") if r.lease_until is None else r.lease_until) for k, r in mine.items() if r.state in HELD
+        }
+        assert members(exp_k) == {k: r.expires_at for k, r in mine.items() if r.expires_at is not None}
+
+
+def _expected(model: dict[str, Record], q: Query) -> list[str]:
+    """What the SQLite store would answer: the contract, evaluated on the model."""
+    out = []
+    for key in sorted(model, key=lambda k: k.encode()):
+        r = model[key]
+        if q.states is not None:
+            if r.state not in q.states:
+                continue
+            if (
+                r.state in HELD
+                and q.lease_expired_before is not None
+                and not (r.lease_until is None or r.lease_until < q.lease_expired_before)
+            ):
+                continue
+        elif q.lease_expired_before is not None and (
+            r.state not in HELD or not (r.lease_until is None or r.lease_until < q.lease_expired_before)
+        ):
+            continue
+        if q.tool is not None and r.tool != q.tool:
+            continue
+        if q.scope is not None and r.scope != q.scope:
+            continue
+        if q.expires_before is not None and (r.expires_at is None or r.expires_at >= q.expires_before):
+            continue
+        if q.after is not None and key.encode() <= q.after.encode():
+            continue
+        out.append(key)
+    return out[: q.limit]
+
+
+def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str) -> None:
+    """Scans over 4 shards, with filters that drop most candidates and small pages, list exactly the
+    records the contract names, in key order; paging with `after` visits each match once."""
+    store = RedisStore(_url(redis_base_url, warn_persistence="false", shards=4))
+    try:
+        rng = random.Random(11)
+        model: dict[str, Record] = {}
+        for i in range(700):
+            key = f"op-{i:04d}-{rng.choice(AWKWARD)[:20]}"
+            rec = make(key, tool=rng.choice(["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]), scope=rng.choice("xy"),
+                       now=NOW - rng.choice([0, 100]))  # fmt: skip
+            move = rng.randrange(5)
+            if move == 1:
+                rec = st.confirm(rec, result_json="1", now=NOW, ttl=rng.choice([10.0, 1000.0]), via="run", by=None)
+            elif move == 2:
+                rec = st.mark_unknown(rec, now=NOW, reason="r", by=None)
+            elif move == 3:
+                rec = st.park(st.mark_unknown(rec, now=NOW, reason="r", by=None), now=NOW, reason="r", by=None)
+            assert store.insert(rec)
+            model[key] = rec
+        queries = [
+            Query(limit=1000),
+            Query(tool="c", limit=7),
+            Query(tool="j", scope="y", limit=3),
+            Query(states=[State.UNKNOWN], limit=10),
+            Query(states=[State.UNKNOWN, State.NEEDS_REVIEW], scope="x", limit=25),
+            Query(states=[State.UNKNOWN, State.IN_FLIGHT], lease_expired_before=NOW, limit=40),
+            Query(lease_expired_before=NOW, limit=40),
+            Query(states=[State.IN_FLIGHT], limit=40),
+            Query(states=[State.CONFIRMED, State.FAILED], expires_before=NOW + 100, limit=30),
+            Query(expires_before=NOW + 5000, tool="a", limit=5),
+            Query(states=[State.CONFIRMED], tool="b", limit=9),
+        ]
+        for q in queries:
+            pages: list[str] = []
+            after = None
+            while True:
+                page = [r.key for r in store.scan(Query(**{**_fields(q), "after": after}))]
+                pages += page
+                if len(page) < q.limit:
+                    break
+                after = page[-1]
+            everything = _expected(model, Query(**{**_fields(q), "limit": 10_000}))
+            assert pages == everything, q
+            assert [r.key for r in store.scan(q)] == _expected(model, q), q
+            assert all(r == model[r.key] for r in store.scan(q))
+    finally:
+        store.close()
+
+
+def _fields(q: Query) -> dict[str, Any]:
+    return {f: getattr(q, f) for f in Query.__dataclass_fields__}
+
+
+def _monitor(redis_base_url: str, stop_token: str, seen: list[tuple[str, str]], ready: threading.Event) -> None:
+    client = redis.Redis.from_url(redis_base_url)
+    try:
+        with client.monitor() as mon:
+            ready.set()
+            for cmd in mon.listen():
+                seen.append((f"{cmd.get('client_address')}:{cmd.get('client_port')}", cmd["command"]))
+                if stop_token in cmd["command"]:
+                    return
+    finally:
+        client.close()
+
+
+def test_scans_and_counts_never_use_keys_or_scan(redis_base_url: str) -> None:
+    """Watched with MONITOR, the store's own connections send no KEYS and no SCAN of any kind while the
+    reconciler's, purge's and the operations' queries run (they read the indexes instead)."""
+    name = f"onceonly-probe-{uuid.uuid4().hex[:8]}"
+    store = RedisStore(_url(redis_base_url, warn_persistence="false", client_name=name))
+    seen: list[tuple[str, str]] = []
+    ready = threading.Event()
+    token = f"stop-{uuid.uuid4().hex}"
+    watcher = threading.Thread(target=_monitor, args=(redis_base_url, token, seen, ready), daemon=True)
+    try:
+        for i in range(30):
+            rec = make(f"k{i}", now=NOW - 100 * (i % 2))
+            if i % 3 == 0:
+                rec = st.confirm(rec, result_json="1", now=NOW, ttl=5, via="run", by=None)
+            elif i % 3 == 1:
+                rec = st.mark_unknown(rec, now=NOW, reason="r", by=None)
+            store.insert(rec)
+        watcher.start()
+        assert ready.wait(10)
+        store.scan(Query(states=[State.UNKNOWN, State.IN_FLIGHT, State.PENDING], lease_expired_before=NOW))
+        store.scan(Query(states=[State.CONFIRMED, State.FAILED, State.ABANDONED], expires_before=NOW + 10))
+        store.scan(Query(tool="t", scope="s", after="k1", limit=5))
+        store.scan(Query(states=[State.NEEDS_REVIEW]))
+        store.count_by_state()
+        ours = {
+            f"{c['addr'].rsplit(':', 1)[0]}:{c['addr'].rsplit(':', 1)[1]}"
+            for c in store._client.client_list()
+            if c.get("name") == name
+        }
+        store._client.echo(token)
+        watcher.join(10)
+    finally:
+        store.close()
+    mine = [cmd for addr, cmd in seen if addr in ours]
+    assert any(cmd.startswith("ZRANGEBYSCORE") for cmd in mine), "the watch saw none of the store's reads"
+    assert any(cmd.startswith("ZRANGEBYLEX") for cmd in mine)
+    words = {cmd.split(" ", 1)[0].strip('"').upper() for cmd in mine}
+    assert not words & {"KEYS", "SCAN", "HSCAN", "ZSCAN", "SSCAN"}, words
+
+
+# --- opening ------------------------------------------------------------------------------------------
+
+
+def _persists(raw: Any) -> bool:
+    aof = raw.config_get("appendonly").get("appendonly")
+    save = raw.config_get("save").get("save")
+    return aof == "yes" or bool(save)
+
+
+def test_warns_when_the_server_persists_nothing(
+    redis_base_url: str, raw: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Opening a ledger on a Redis that persists nothing logs a warning saying a restart loses it."""
+    with caplog.at_level(logging.WARNING, logger="onceonly.stores.redis"):
+        RedisStore(_url(redis_base_url)).close()
+    warned = [r for r in caplog.records if "persists nothing" in r.getMessage()]
+    if _persists(raw):
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert "a restart would lose the ledger" in warned[0].getMessage()
+        assert "appendonly" in warned[0].getMessage()
+
+
+def test_the_warning_can_be_turned_off(redis_base_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """warn_persistence=false: the user knows; no warning."""
+    with caplog.at_level(logging.WARNING, logger="onceonly.stores.redis"):
+        RedisStore(_url(redis_base_url, warn_persistence="false")).close()
+    assert not [r for r in caplog.records if "persists nothing" in r.getMessage()]
+
+
+def test_an_unreachable_server_is_store_unavailable() -> None:
+    """Nothing listens there: opening says so as StoreUnavailable, with the address."""
+    port = _free_port()
+    with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}"):
+        RedisStore(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=1")
+
+
+def test_the_shard_count_is_fixed_per_prefix(url: str) -> None:
+    """Reopening a prefix with another shard count would lose its records: refused with the fix."""
+    RedisStore(url).close()
+    with pytest.raises(ValueError, match="shards=16"):
+        RedisStore(url + "&shards=8")
+
+
+def test_url_options() -> None:
+    """Onceonly's options are taken out of the URL; redis-py's stay; bad values are explained."""
+    client_url, opts = parse_redis_url("redis://h:1/2?prefix=app&shards=4&socket_timeout=2&client_name=x")
+    assert opts == {"prefix": "app", "shards": 4, "warn_persistence": True}
+    assert "prefix" not in client_url and "socket_timeout=2" in client_url and "client_name=x" in client_url
+    assert "socket_connect_timeout=5" in client_url
+    with pytest.raises(ValueError, match="braces"):
+        parse_redis_url("redis://h/0?prefix=a{b}")
+    with pytest.raises(ValueError, match="shards"):
+        parse_redis_url("redis://h/0?shards=0")
+    with pytest.raises(ValueError, match="warn_persistence"):
+        parse_redis_url("redis://h/0?warn_persistence=maybe")
+
+
+def test_foreign_data_under_the_prefix_is_store_corrupt(store: RedisStore, raw: Any) -> None:
+    """A key of another type where a record belongs reads as StoreCorrupt, and nothing is changed."""
+    raw.set(store.script_keys("k")[0], "not a hash")
+    with pytest.raises(StoreCorrupt):
+        store.get("k")
+    with pytest.raises(StoreCorrupt):
+        store.claim(make("k"))
+    assert raw.get(store.script_keys("k")[0]) == b"not a hash"
+    raw.hset(store.script_keys("j")[0], mapping={"v": "1", "s": "in_flight", "d": "[1,2]"})
+    with pytest.raises(StoreCorrupt, match="not an onceonly record"):
+        store.get("j")
+
+
+def test_a_lost_connection_is_store_unavailable_then_recovers(store: RedisStore, raw: Any) -> None:
+    """A connection killed under the store: the call that was on it fails as StoreUnavailable (or
+    succeeds on a fresh one); the store then works without being reopened."""
+    store.insert(make("a"))
+    raw.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    try:
+        assert store.get("a") == make("a")
+    except StoreUnavailable:
+        assert store.get("a") == make("a")
+    assert store.claim(make("b")) is None
+
+
+# --- waiting --------------------------------------------------------------------------------------
+
+
+def _started_hub(store: RedisStore) -> None:
+    """Start the listener and wait until it is subscribed (the first wait starts it)."""
+    store.wait_for_change("warm-up", 1, 0.01)
+    hub = store._change_hub()
+    assert hub is not None and hub.subscribed.wait(10)
+
+
+def test_wait_for_change_wakes_on_a_change(store: RedisStore) -> None:
+    """A waiter with a 30 s timeout returns once another thread swaps the record, not at the timeout."""
+    rec = make("w")
+    store.insert(rec)
+    _started_hub(store)
+    returned: list[float] = []
+
+    def wait() -> None:
+        store.wait_for_change("w", rec.version, 30.0)
+        returned.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    swapped_at = time.monotonic()
+    assert store.swap(st.confirm(rec, result_json="1", now=NOW, ttl=None, via="run", by=None), rec)
+    waiter.join(20)
+    assert not waiter.is_alive(), "the waiter slept on although the record changed"
+    assert returned[0] >= swapped_at
+
+
+def test_a_change_before_the_wait_returns_at_once(store: RedisStore) -> None:
+    """Read, then the record changes, then the wait starts: the wait returns without sleeping its timeout."""
+    rec = make("w2")
+    store.insert(rec)
+    _started_hub(store)
+    assert store.swap(st.mark_unknown(rec, now=NOW, reason="x", by=None), rec)
+    hub = store._change_hub()
+    assert hub is not None
+    deadline = time.monotonic() + 10
+    while hub._seen.get("w2") != rec.version + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the listener has the message once it is in its memory
+    done = threading.Event()
+    threading.Thread(target=lambda: (store.wait_for_change("w2", rec.version, 30.0), done.set()), daemon=True).start()
+    assert done.wait(10)
+
+
+def test_await_for_change_wakes_on_a_change(store: RedisStore) -> None:
+    """The async face waits on the same notifications: a swap from a thread ends a 30 s wait."""
+    rec = make("aw")
+    store.insert(rec)
+    _started_hub(store)
+
+    async def main() -> bool:
+        timer = threading.Timer(
+            0.1, lambda: store.swap(st.confirm(rec, result_json="1", now=NOW, ttl=None, via="run", by=None), rec)
+        )
+        timer.start()
+        try:
+            await asyncio.wait_for(store.await_for_change("aw", rec.version, 30.0), 20)
+        finally:
+            timer.join()
+        return (await store.aget("aw")) is not None and (await store.aget("aw")).state is State.CONFIRMED  # type: ignore[union-attr]
+
+    assert asyncio.run(main())
+
+
+def test_async_clients_close_with_their_loop(url: str) -> None:
+    """A loop that ends without aclose() still closes the store's async connections: no leak warnings."""
+    store = RedisStore(url)
+    try:
+
+        async def write() -> None:
+            assert await store.aclaim(make("x")) is None
+
+        async def read() -> None:
+            assert await store.aget("x") == make("x")
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            asyncio.run(write())
+            asyncio.run(read())  # a second loop: a second client, the first one's loop is gone
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    finally:
+        store.close()
