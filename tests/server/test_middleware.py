@@ -1,0 +1,363 @@
+"""IdempotencyMiddleware in store mode: every status rule, over a real uvicorn server on 127.0.0.1,
+for each store. The counting app's ``runs`` is the side effect that must happen once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from onceonly import states as st
+from onceonly.server import client_hash, store_key
+from onceonly.server._http import fingerprint_start
+from onceonly.states import State
+
+from .conftest import Served
+
+Serve = Callable[..., Served]
+K = {"Idempotency-Key": "key-1"}
+
+
+def _problem(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    doc: dict[str, object] = response.json()
+    assert doc["status"] == status
+    assert str(doc["type"]).startswith("urn:onceonly:problem:")
+    return doc
+
+
+def _key_of(key: str, authorization: str = "") -> str:
+    return store_key("http", client_hash(authorization), key)
+
+
+def test_missing_key_is_400(serve: Serve) -> None:
+    """A POST without a key is refused with a problem document, and the handler never runs."""
+    s = serve()
+    with s.client() as c:
+        doc = _problem(c.post("/echo", content=b"x"), 400)
+    assert "Idempotency-Key" in str(doc["title"])
+    assert s.runs["echo"] == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("k" * 256, id="256-chars"),
+        pytest.param("", id="empty"),
+        pytest.param('""', id="empty-quoted"),
+        pytest.param('"a b"', id="space-inside-quotes"),
+        pytest.param('"abc', id="unterminated-quote"),
+        pytest.param('"a\\x"', id="bad-escape"),
+        pytest.param('"a"b"', id="inner-quote"),
+        pytest.param("a\tb", id="tab-inside"),
+        pytest.param(b"caf\xc3\xa9", id="non-ascii"),
+    ],
+)
+def test_malformed_key_is_400(serve: Serve, value: str | bytes) -> None:
+    """A key that is not 1-255 visible ASCII characters (after unquoting) is a 400, nothing runs."""
+    s = serve()
+    with s.client() as c:
+        _problem(c.post("/echo", content=b"x", headers={"Idempotency-Key": value}), 400)
+    assert s.runs["echo"] == 0
+
+
+def test_two_differing_keys_are_400(serve: Serve) -> None:
+    """Idempotency-Key and X-Idempotency-Key that disagree: the server cannot pick one."""
+    s = serve()
+    with s.client() as c:
+        _problem(c.post("/echo", headers={"Idempotency-Key": "a", "X-Idempotency-Key": "b"}), 400)
+    assert s.runs["echo"] == 0
+
+
+def test_quoted_bare_and_x_header_are_one_key(serve: Serve) -> None:
+    """The draft's sf-string, a bare token and X-Idempotency-Key name the same key; 255 chars is fine."""
+    s = serve()
+    long_key = "k" * 255
+    with s.client() as c:
+        first = c.post("/echo", content=b"x", headers={"Idempotency-Key": '"abc-1"'})
+        again = c.post("/echo", content=b"x", headers={"Idempotency-Key": "abc-1"})
+        third = c.post("/echo", content=b"x", headers={"X-Idempotency-Key": "abc-1"})
+        escaped = c.post("/echo", content=b"y", headers={"Idempotency-Key": '"q\\"q"'})
+        escaped_bare = c.post("/echo", content=b"y", headers={"Idempotency-Key": 'q"q'})
+        longest = c.post("/echo", content=b"z", headers={"Idempotency-Key": long_key})
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true" and again.json() == first.json()
+    assert third.headers["idempotent-replayed"] == "true"
+    assert escaped_bare.headers["idempotent-replayed"] == "true" and escaped_bare.json() == escaped.json()
+    assert longest.status_code == 201
+    assert s.runs["echo"] == 3
+    assert s.store.get(_key_of(long_key)) is not None  # long keys are hashed to fit the store
+
+
+def test_replay_has_status_allowed_headers_and_body(serve: Serve) -> None:
+    """A completed key answers its stored status, allow-listed headers and body, marked replayed."""
+    s = serve()
+    with s.client() as c:
+        first = c.post("/echo?a=1", content=b"hello", headers=K)
+        replay = c.post("/echo?a=1", content=b"hello", headers=K)
+    assert first.status_code == replay.status_code == 201
+    assert replay.content == first.content
+    assert replay.headers["location"] == first.headers["location"] == "/things/1"
+    assert replay.headers["content-type"] == "application/json"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert first.headers["x-secret"] == "not-replayed" and "x-secret" not in replay.headers
+    assert "set-cookie" not in replay.headers
+    assert s.runs["echo"] == 1
+    rec = s.store.get(_key_of("key-1"))
+    assert rec is not None and rec.state is State.CONFIRMED and rec.tool == "http"
+
+
+def test_in_flight_is_409_with_retry_after(serve: Serve) -> None:
+    """While the first request runs, the same key gets 409 and Retry-After; afterwards a replay."""
+    s = serve(retry_after=2)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=10) as c:
+            first = asyncio.ensure_future(c.post("/slow", headers=K))
+            await asyncio.to_thread(s.entered.wait, 5)
+            second = await c.post("/slow", headers=K)
+            s.gate.set()
+            done = await first
+            return done, second, await c.post("/slow", headers=K)
+
+    done, second, third = asyncio.run(scenario())
+    doc = _problem(second, 409)
+    assert second.headers["retry-after"] == "2"
+    assert doc["key"] == "key-1"
+    assert done.status_code == 200 and third.headers["idempotent-replayed"] == "true"
+    assert s.runs["slow"] == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        pytest.param(("POST", "/echo", b"a"), ("POST", "/echo", b"b"), id="body"),
+        pytest.param(("POST", "/echo?x=1", b"a"), ("POST", "/echo?x=2", b"a"), id="query"),
+        pytest.param(("POST", "/status/200", b""), ("POST", "/status/201", b""), id="path"),
+        pytest.param(("POST", "/echo", b"a"), ("PATCH", "/echo", b"a"), id="method"),
+    ],
+)
+def test_other_fingerprint_is_422(serve: Serve, first: tuple[str, str, bytes], second: tuple[str, str, bytes]) -> None:
+    """The same key with another method, path, query or body is refused with 422; nothing runs twice."""
+    s = serve()
+    with s.client() as c:
+        ok = c.request(first[0], first[1], content=first[2], headers=K)
+        refused = c.request(second[0], second[1], content=second[2], headers=K)
+    assert ok.status_code < 300
+    _problem(refused, 422)
+    assert sum(s.runs.values()) == 1
+
+
+def test_handler_exception_releases_the_key(serve: Serve) -> None:
+    """A handler that raises leaves no claim: a retry with the same key runs again."""
+    s = serve()
+    for _ in range(2):
+        # One connection each: after an exception uvicorn closes the connection it answered 500 on.
+        with s.client() as c:
+            assert c.post("/boom", headers=K).status_code == 500
+    assert s.runs["boom"] == 2
+    assert s.store.get(_key_of("key-1")) is None
+
+
+@pytest.mark.parametrize("code", [500, 502, 503, 504, 429, 408])
+def test_5xx_and_refusals_release_the_key(serve: Serve, code: int) -> None:
+    """A 5xx (and 408/429: not executed) is passed on and released, so the retry runs again."""
+    s = serve()
+    with s.client() as c:
+        first = c.post(f"/status/{code}", headers=K)
+        second = c.post(f"/status/{code}", headers=K)
+    assert first.status_code == second.status_code == code
+    assert "idempotent-replayed" not in second.headers
+    assert s.runs["status"] == 2
+
+
+def test_4xx_is_stored_and_replayed(serve: Serve) -> None:
+    """A 4xx is the handler's answer: stored and replayed like a success (Stripe does the same)."""
+    s = serve()
+    with s.client() as c:
+        first = c.post("/status/404", headers=K)
+        second = c.post("/status/404", headers=K)
+    assert first.status_code == second.status_code == 404
+    assert second.headers["idempotent-replayed"] == "true"
+    assert s.runs["status"] == 1
+
+
+def test_other_client_cannot_replay_the_response(serve: Serve) -> None:
+    """The same key from another Authorization runs as its own operation: no access to the first
+    client's response, and no 422 that would reveal the key is taken."""
+    s = serve()
+    with (
+        s.client(headers={"Authorization": "Bearer alice"}) as alice,
+        s.client(headers={"Authorization": "Bearer bob"}) as bob,
+    ):
+        a1 = alice.post("/echo", content=b"alice's secret", headers=K)
+        b1 = bob.post("/echo", content=b"alice's secret", headers=K)
+        b2 = bob.post("/echo", content=b"something else", headers=K)
+        a2 = alice.post("/echo", content=b"alice's secret", headers=K)
+    assert a1.json()["run"] == 1
+    assert b1.status_code == 201 and "idempotent-replayed" not in b1.headers and b1.json()["run"] == 2
+    _problem(b2, 422)  # bob's own key, bound to bob's own first request
+    assert a2.json() == a1.json() and a2.headers["idempotent-replayed"] == "true"
+    assert s.runs["echo"] == 2
+    assert _key_of("key-1", "Bearer alice") != _key_of("key-1", "Bearer bob")
+    assert s.store.get(_key_of("key-1", "Bearer alice")) is not None
+
+
+def test_response_over_the_limit_is_passed_through_not_stored(serve: Serve) -> None:
+    """A body above max_stored_body reaches the client whole, is not kept, and a retry runs again."""
+    s = serve(max_stored_body=50)
+    with s.client() as c:
+        big1 = c.post("/big?size=100", headers=K)
+        big2 = c.post("/big?size=100", headers=K)
+        assert c.post("/big?size=50", headers={"Idempotency-Key": "small"}).status_code == 200
+        small2 = c.post("/big?size=50", headers={"Idempotency-Key": "small"})
+    assert big1.content == big2.content == b"x" * 100
+    assert "idempotent-replayed" not in big2.headers
+    assert small2.headers["idempotent-replayed"] == "true" and small2.content == b"x" * 50
+    assert s.runs["big"] == 3
+    assert s.store.get(_key_of("key-1")) is None
+
+
+def test_streaming_and_binary_bodies_replay_exactly(serve: Serve) -> None:
+    """A streamed response is kept whole; a body that is not UTF-8 comes back byte for byte."""
+    s = serve()
+    with s.client() as c:
+        st1 = c.post("/stream", headers=K)
+        st2 = c.post("/stream", headers=K)
+        bin1 = c.post("/binary", headers={"Idempotency-Key": "bin"})
+        bin2 = c.post("/binary", headers={"Idempotency-Key": "bin"})
+    assert st1.content == st2.content == b"chunk0-1;chunk1-1;chunk2-1;chunk3-1;"
+    assert bin2.headers["idempotent-replayed"] == "true"
+    assert bin1.content == bin2.content == bytes(range(256)) + b"\x01"
+    assert s.runs["stream"] == 1 and s.runs["binary"] == 1
+
+
+def test_methods_not_configured_pass_through(serve: Serve) -> None:
+    """GET (and PUT by default) need no key and are never replayed; ``methods=`` changes the set."""
+    s = serve()
+    with s.client() as c:
+        assert c.get("/echo").status_code == 200
+        assert c.get("/echo", headers=K).json() == {"run": 2}
+        assert c.put("/echo").status_code == 201
+    assert s.runs["get"] == 2
+    s2 = serve(methods=("PUT",))
+    with s2.client() as c:
+        _problem(c.put("/echo"), 400)
+        assert c.post("/echo").status_code == 201  # POST is not in methods any more
+
+
+def test_key_optional_when_not_required(serve: Serve) -> None:
+    """With require_key=False a request without a key runs every time; with a key, once."""
+    s = serve(require_key=False)
+    with s.client() as c:
+        c.post("/echo")
+        c.post("/echo")
+        c.post("/echo", headers=K)
+        c.post("/echo", headers=K)
+    assert s.runs["echo"] == 3
+
+
+def test_request_body_over_the_limit_is_413(serve: Serve) -> None:
+    """A body larger than max_request_body is refused before anything is claimed or run."""
+    s = serve(max_request_body=10)
+    with s.client() as c:
+        _problem(c.post("/echo", content=b"x" * 11, headers=K), 413)
+        assert c.post("/echo", content=b"x" * 10, headers=K).status_code == 201
+    assert s.runs["echo"] == 1
+
+
+def _plant(s: Served, *, lease_left: float, body: bytes = b"") -> None:
+    """A claim on key-1 for POST /echo as a server that is gone (or still running) left it."""
+    digest = fingerprint_start("POST", "/echo", b"")
+    digest.update(body)
+    now = time.time()
+    rec = st.new_record(
+        key=_key_of("key-1"), scope="http:x", tool="http", fingerprint=digest.hexdigest(), args_json="{}",
+        state=State.IN_FLIGHT, owner="other-host:1:1", now=now - 60, lease_seconds=60 + lease_left,
+    )  # fmt: skip
+    assert s.store.insert(rec)
+
+
+def test_stale_claim_of_a_stopped_server_runs_again(serve: Serve) -> None:
+    """A claim whose lease ran out (its server stopped) no longer blocks: the retry runs."""
+    s = serve()
+    _plant(s, lease_left=-1.0, body=b"a")
+    with s.client() as c:
+        response = c.post("/echo", content=b"a", headers=K)
+    assert response.status_code == 201
+    assert s.runs["echo"] == 1
+    rec = s.store.get(_key_of("key-1"))
+    assert rec is not None and rec.state is State.CONFIRMED and rec.attempts == 2
+
+
+def test_live_claim_of_another_server_is_409(serve: Serve) -> None:
+    """A claim held by another server (lease still running) gets 409, even from this server."""
+    s = serve()
+    _plant(s, lease_left=30.0, body=b"a")
+    with s.client() as c:
+        _problem(c.post("/echo", content=b"a", headers=K), 409)
+    assert s.runs["echo"] == 0
+
+
+def test_long_request_keeps_its_claim(serve: Serve) -> None:
+    """A handler running past processing_timeout renews its claim: a retry meanwhile gets 409."""
+    s = serve(processing_timeout=0.6)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=10) as c:
+            first = asyncio.ensure_future(c.post("/slow", headers=K))
+            await asyncio.to_thread(s.entered.wait, 5)
+            await asyncio.sleep(1.3)  # more than two leases
+            second = await c.post("/slow", headers=K)
+            s.gate.set()
+            return await first, second
+
+    done, second = asyncio.run(scenario())
+    assert done.status_code == 200
+    _problem(second, 409)
+    assert s.runs["slow"] == 1
+
+
+def test_expired_key_runs_again(serve: Serve) -> None:
+    """After ``ttl`` a completed key is free: the same key runs as a new operation."""
+    s = serve(ttl=0.3)
+    with s.client() as c:
+        c.post("/echo", content=b"a", headers=K)
+        time.sleep(0.5)
+        again = c.post("/echo", content=b"b", headers=K)  # even with another body: the old one is gone
+    assert again.status_code == 201 and "idempotent-replayed" not in again.headers
+    assert s.runs["echo"] == 2
+
+
+def test_store_down_is_503_and_nothing_runs(serve: Serve) -> None:
+    """When the store cannot record the key, the request is refused (503), not run unprotected."""
+    s = serve(retry_after=3)
+    s.store.close()
+    with s.client() as c:
+        response = c.post("/echo", headers=K)
+    _problem(response, 503)
+    assert response.headers["retry-after"] == "3"
+    assert s.runs["echo"] == 0
+
+
+def test_fifty_concurrent_requests_run_once(serve: Serve) -> None:
+    """50 requests with one key at once: one run, the 49 others replayed or told 409."""
+    s = serve()
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=50)
+        async with httpx.AsyncClient(base_url=s.url, timeout=30, limits=limits) as c:
+            return await asyncio.gather(*(c.post("/echo", content=b"same", headers=K) for _ in range(50)))
+
+    responses = asyncio.run(burst())
+    fresh = [r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers]
+    replayed = [r for r in responses if r.headers.get("idempotent-replayed") == "true"]
+    busy = [r for r in responses if r.status_code == 409]
+    assert len(fresh) == 1
+    assert len(replayed) + len(busy) == 49
+    assert all(r.json() == fresh[0].json() for r in replayed)
+    assert s.runs["echo"] == 1

@@ -1,0 +1,275 @@
+"""IdempotencyTable: the key and the business write commit together or not at all, on SQLite and
+PostgreSQL, through plain DB-API connections (sqlite3, psycopg) and SQLAlchemy 2 sessions."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from onceonly.errors import InProgress, KeyConflict
+from onceonly.server import IdempotencyTable, Replay, StoredResponse
+from onceonly.server.transactional import _convert
+
+FP = "f" * 64
+
+
+class Db:
+    """One database reached one way: opens transactions, writes and counts a business row."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind = kind
+        self.url = url
+        self.name = f"idem_{uuid.uuid4().hex[:8]}"
+        self.business = f"biz_{uuid.uuid4().hex[:8]}"
+        self.engine: Any = None
+        if kind.startswith("sqlalchemy"):
+            import sqlalchemy
+
+            self.engine = sqlalchemy.create_engine(url)
+        with self.transaction() as tx:
+            self.run(tx, f"CREATE TABLE {self.business} (k VARCHAR(300), note VARCHAR(100))")
+
+    def connect(self) -> Any:
+        if self.kind == "sqlite3":
+            return sqlite3.connect(self.url, isolation_level=None, timeout=5)
+        import psycopg
+
+        return psycopg.connect(self.url)
+
+    @contextlib.contextmanager
+    def transaction(self, **options: Any) -> Iterator[Any]:
+        """A transaction: committed at the end of the block, rolled back on an exception."""
+        if self.engine is not None:
+            from sqlalchemy.orm import Session
+
+            with Session(self.engine) as session, session.begin():
+                yield session
+            return
+        conn = self.connect()
+        try:
+            if self.kind == "sqlite3":
+                conn.execute(options.get("begin", "BEGIN IMMEDIATE"))
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback() if self.kind != "sqlite3" else conn.execute("ROLLBACK")
+                raise
+            conn.commit() if self.kind != "sqlite3" else conn.execute("COMMIT")
+        finally:
+            conn.close()
+
+    def run(self, tx: Any, sql: str, *args: Any) -> list[Any]:
+        if self.engine is not None:
+            import sqlalchemy
+
+            params = {f"p{i}": a for i, a in enumerate(args)}
+            for i in range(len(args)):
+                sql = sql.replace("?", f":p{i}", 1)
+            result = tx.execute(sqlalchemy.text(sql), params)
+            return list(result.fetchall()) if result.returns_rows else []
+        if self.kind == "psycopg":
+            sql = sql.replace("?", "%s")
+        cur = tx.cursor()
+        cur.execute(sql, args)
+        rows = cur.fetchall() if cur.description else []
+        cur.close()
+        return list(rows)
+
+    def business_rows(self) -> int:
+        with self.transaction() as tx:
+            return int(self.run(tx, f"SELECT COUNT(*) FROM {self.business}")[0][0])
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.dispose()
+
+
+@pytest.fixture(name="db", params=["sqlite3", "psycopg", "sqlalchemy-sqlite", "sqlalchemy-postgres"])
+def fixture_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Db]:
+    """An empty database of each kind, reached through each API."""
+    kind: str = request.param
+    if kind == "sqlite3":
+        url = str(tmp_path / "app.db")
+    elif kind == "sqlalchemy-sqlite":
+        url = f"sqlite:///{tmp_path / 'app.db'}"
+    else:
+        base = request.getfixturevalue("postgres_database_url")
+        url = base.replace("postgresql://", "postgresql+psycopg://", 1) if kind.startswith("sqlalchemy") else base
+    db = Db(kind, url)
+    yield db
+    db.close()
+
+
+def _table(db: Db, **kwargs: Any) -> IdempotencyTable:
+    table = IdempotencyTable(db.name, **kwargs)
+    with db.transaction() as tx:
+        table.create(tx)
+    return table
+
+
+def _write(db: Db, table: IdempotencyTable, key: str, note: str, fp: str = FP) -> StoredResponse:
+    """The handler: take the key, write the business row, store the response, commit."""
+    with db.transaction() as tx:
+        slot = table.begin(tx, key, fp)
+        db.run(tx, f"INSERT INTO {db.business} (k, note) VALUES (?, ?)", key, note)
+        return slot.complete(201, f'{{"note":"{note}"}}', {"Content-Type": "application/json"})
+
+
+def test_commit_then_replay(db: Db) -> None:
+    """After the commit a second begin replays the stored response and writes nothing."""
+    table = _table(db)
+    stored = _write(db, table, "k1", "first")
+    with pytest.raises(Replay) as caught, db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+    assert caught.value.response == stored
+    assert caught.value.response.headers == (("content-type", "application/json"),)
+    assert db.business_rows() == 1
+    with db.transaction() as tx:
+        assert table.get(tx, "k1") == stored
+
+
+def test_crash_before_commit_leaves_neither(db: Db) -> None:
+    """A failure between the business write and the commit rolls back both: the retry runs again."""
+    table = _table(db)
+
+    def handler() -> None:
+        with db.transaction() as tx:
+            table.begin(tx, "k1", FP)
+            db.run(tx, f"INSERT INTO {db.business} (k, note) VALUES (?, ?)", "k1", "lost")
+            raise RuntimeError("crash before commit")
+
+    with pytest.raises(RuntimeError):
+        handler()
+    assert db.business_rows() == 0
+    with db.transaction() as tx:
+        assert table.get(tx, "k1") is None
+    _write(db, table, "k1", "retry")
+    assert db.business_rows() == 1
+
+
+def test_other_fingerprint_is_a_key_conflict(db: Db) -> None:
+    """The same key with another request's fingerprint is refused."""
+    table = _table(db)
+    _write(db, table, "k1", "first")
+    with pytest.raises(KeyConflict) as caught, db.transaction() as tx:
+        table.begin(tx, "k1", "0" * 64)
+    assert caught.value.key == "k1"
+    assert db.business_rows() == 1
+
+
+def test_expired_key_runs_again(db: Db) -> None:
+    """After ttl the key is free: the expired row is replaced inside the new transaction."""
+    now = [1000.0]
+    table = _table(db, ttl=60, clock=lambda: now[0])
+    _write(db, table, "k1", "first")
+    now[0] += 61
+    _write(db, table, "k1", "second", fp="1" * 64)  # even with another fingerprint: the old one is gone
+    assert db.business_rows() == 2
+    with db.transaction() as tx:
+        assert table.purge(tx, before=now[0] + 120) == 1
+        assert table.get(tx, "k1") is None
+
+
+def test_committed_unfinished_row_is_in_progress(db: Db) -> None:
+    """begin() committed without complete() (two transactions: a misuse) reads as in progress."""
+    table = _table(db)
+    with db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+    with pytest.raises(InProgress), db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+
+
+def test_complete_without_begin_row_fails_loudly(db: Db) -> None:
+    """complete() after the row vanished (a rolled-back begin) refuses instead of storing nothing."""
+    table = _table(db)
+    with db.transaction() as tx:
+        slot = table.begin(tx, "k1", FP)
+        db.run(tx, f"DELETE FROM {db.name}")
+        with pytest.raises(RuntimeError, match="no row in progress"):
+            slot.complete(200, b"x")
+
+
+def test_concurrent_begin_waits_then_replays(db: Db) -> None:
+    """A second transaction on a held key waits for the first's commit, then replays its response."""
+    table = _table(db)
+    holding, release = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def first() -> None:
+        with db.transaction() as tx:
+            slot = table.begin(tx, "k1", FP)
+            db.run(tx, f"INSERT INTO {db.business} (k, note) VALUES (?, ?)", "k1", "first")
+            holding.set()
+            release.wait(10)
+            outcome["first"] = slot.complete(201, b"done")
+
+    def second() -> None:
+        try:
+            with db.transaction() as tx:
+                table.begin(tx, "k1", FP)
+                db.run(tx, f"INSERT INTO {db.business} (k, note) VALUES (?, ?)", "k1", "second")
+        except Replay as exc:
+            outcome["second"] = exc.response
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert holding.wait(10)
+    t2 = threading.Thread(target=second)
+    t2.start()
+    time.sleep(0.3)  # the second is now blocked on the key's lock
+    assert "second" not in outcome
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    assert outcome["second"] == outcome["first"]
+    assert db.business_rows() == 1
+
+
+@pytest.mark.parametrize("db", ["sqlite3", "psycopg"], indirect=True)
+def test_lock_timeout_is_in_progress(db: Db) -> None:
+    """A transaction that cannot get the key's lock in time gets InProgress (409), not a crash."""
+    table = _table(db)
+    with db.transaction() as holder:
+        table.begin(holder, "k1", FP)
+        conn = db.connect()
+        try:
+            if db.kind == "sqlite3":
+                conn.execute("PRAGMA busy_timeout = 100")
+                conn.execute("BEGIN")  # deferred: the INSERT is what waits for the write lock
+            else:
+                conn.execute("SET lock_timeout = '100ms'")
+            with pytest.raises(InProgress):
+                table.begin(conn, "k1", FP)
+        finally:
+            conn.rollback() if db.kind == "psycopg" else conn.execute("ROLLBACK")
+            conn.close()
+
+
+def test_table_name_is_checked() -> None:
+    """Only plain identifiers (optionally schema-qualified) reach the SQL text."""
+    IdempotencyTable("app.idem_keys")
+    with pytest.raises(ValueError, match="table name"):
+        IdempotencyTable("keys; DROP TABLE users")
+
+
+@pytest.mark.parametrize(
+    ("style", "sql", "args"),
+    [
+        ("qmark", "a = ? AND b = ?", [1, 2]),
+        ("numeric", "a = :1 AND b = :2", [1, 2]),
+        ("format", "a = %s AND b = %s", [1, 2]),
+        ("pyformat", "a = %(a)s AND b = %(b)s", {"a": 1, "b": 2}),
+        ("named", "a = :a AND b = :b", {"a": 1, "b": 2}),
+    ],
+)
+def test_placeholders_follow_the_driver(style: str, sql: str, args: Any) -> None:
+    """``:name`` placeholders become each PEP 249 paramstyle."""
+    assert _convert("a = :a AND b = :b", {"a": 1, "b": 2}, style) == (sql, args)
