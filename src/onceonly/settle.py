@@ -560,6 +560,7 @@ def reconcile(
     ledger: Ledger,
     *,
     tools: Mapping[str, _BaseTool[Any, Any]] | None = None,
+    scope: str | None = None,
     review_after: float = DEFAULT_REVIEW_AFTER,
     wait: float = 0.0,
     batch: int = 200,
@@ -574,6 +575,7 @@ def reconcile(
     Args:
         ledger: the ledger; its ``tools`` registry says how each tool settles.
         tools: another registry (tool name → tool), e.g. the tools of the same app on another ledger.
+        scope: only the records of this scope (a task, a tenant); default: every record.
         review_after: seconds an unknown record that nothing can settle automatically waits (counted
             from the start of its last attempt) before it is parked as ``needs_review``.
         wait: seconds this run may sleep for records that become due soon (a probe's settle time, a
@@ -610,7 +612,9 @@ def reconcile(
     lines: dict[str, ReconcileLine] = {}
     after: str | None = None
     while True:
-        page = ledger.store.scan(Query(states=_SCANNED, lease_expired_before=clock(), after=after, limit=batch))
+        page = ledger.store.scan(
+            Query(states=_SCANNED, scope=scope, lease_expired_before=clock(), after=after, limit=batch)
+        )
         for found in page:
             lines[found.key] = worker.settle(found)
         if len(page) < batch:

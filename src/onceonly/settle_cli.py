@@ -121,6 +121,7 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     "--once, 0 with --every.",
 )
 @click.option("--by", default=None, help="Who reconciles, for the records' histories (default: reconcile@host:pid).")
+@click.option("--scope", default=None, help="Only the records of this scope (default: all).")
 @click.option("--batch", default=200, show_default=True, help="Records read per page.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
@@ -133,6 +134,7 @@ def reconcile_command(
     review_after: float,
     wait: float | None,
     by: str | None,
+    scope: str | None,
     batch: int,
     as_json: bool,
     verbose: bool,
@@ -164,7 +166,7 @@ def reconcile_command(
             "[yellow]no tools registered[/yellow]: expired leases are still settled, but unknown records "
             "need their tools' probes: pass --app module:ledger"
         )
-    kwargs: dict[str, Any] = {"tools": tools, "review_after": review_after, "by": by, "batch": batch}
+    kwargs: dict[str, Any] = {"tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch}
 
     def show(report: ReconcileReport) -> None:
         if as_json:

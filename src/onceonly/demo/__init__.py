@@ -1,0 +1,17 @@
+"""``onceonly demo``: agents creating tickets under injected faults, three strategies side by side.
+
+    from onceonly.demo import DemoConfig, run_demo
+
+    result = run_demo(DemoConfig(agents=8, ops=200, fault_rate=0.2, seed=7))
+    print(result.to_dict())   # {"seed": 7, "strategies": [{"name": "naive", ...}, ...]}
+
+Embedded: the reference ticket service on 127.0.0.1 (a free port), SQLite files in a temporary
+directory, agents in threads. Needs the ``server`` and ``http`` extras. See docs/demo.md.
+"""
+
+from __future__ import annotations
+
+from onceonly.demo.run import DemoConfig, DemoResult, StrategyResult, run_demo
+from onceonly.demo.workload import Ask, Workload, make_workload
+
+__all__ = ["Ask", "DemoConfig", "DemoResult", "StrategyResult", "Workload", "make_workload", "run_demo"]

@@ -1,0 +1,224 @@
+"""The three ways the demo's agents call "create ticket", side by side.
+
+- ``naive``: a plain POST with a client timeout, retried on any error. No key: a lost answer or an
+  answer later than the timeout makes the retry create the ticket again.
+- ``key-only``: the sources' first layer alone. One ``Idempotency-Key`` per logical call, stable
+  across its retries (``onceonly.http.Client``), against a server whose idempotency middleware is
+  on. It fixes lost and late answers; it cannot know that a re-planned call or a second agent asks
+  for the same ticket, since each of them makes a new key. And it needs that middleware.
+- ``onceonly``: the tool guarded by a ledger, keyed by the business fields (session, title), its
+  unknowns settled by a probe (``GET /tickets?session_id=&title=``) and, at the end, by the
+  reconciler. Against the server with its middleware *off*: the hardest case, where only the
+  agent's side can prevent a duplicate.
+
+Each strategy answers an ask with ``"done"``, ``"failed"`` (definitely not done) or ``"unsettled"``
+(it does not know). Its agents run in threads; every HTTP client here is per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from onceonly.demo.workload import Ask
+from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
+from onceonly.guard import NOT_FOUND
+from onceonly.http import Client as KeyClient
+from onceonly.ledger import Ledger, Tool
+from onceonly.policy import Retry
+from onceonly.settle import ReconcileReport, reconcile
+from onceonly.states import State
+
+__all__ = ["STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "Strategy"]
+
+DONE, FAILED, UNSETTLED = "done", "failed", "unsettled"
+
+
+class Strategy:
+    """What the runner needs from a strategy. Subclasses implement ``ask``."""
+
+    name = ""
+    #: whether the ticket server runs its idempotency middleware for this strategy
+    idempotency = False
+
+    def __init__(self, *, timeout: float, attempts: int = 5) -> None:
+        self.timeout = timeout
+        self.attempts = attempts
+        self.url = ""
+        self._local = threading.local()
+        self._clients: list[Any] = []
+        self._lock = threading.Lock()
+
+    def start(self, url: str, workdir: Path) -> None:
+        """The server is up at ``url``; ``workdir`` is this strategy's own directory."""
+        self.url = url
+
+    def ask(self, ask: Ask) -> str:
+        """Run one ask in the calling agent's thread: ``"done"``, ``"failed"`` or ``"unsettled"``."""
+        raise NotImplementedError
+
+    def finish(self, operations: list[tuple[str, str]]) -> dict[int, str] | None:
+        """After every agent is done: the final status of each operation (by its index in
+        ``operations``, the business keys), when the strategy knows better than its asks' answers."""
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    def _client(self, make: Callable[[], Any]) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = make()
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+
+class Naive(Strategy):
+    """POST, and on any error or 5xx try again (up to ``attempts``), with a short backoff."""
+
+    name = "naive"
+    idempotency = False
+
+    def ask(self, ask: Ask) -> str:
+        client: httpx.Client = self._client(lambda: httpx.Client(base_url=self.url, timeout=self.timeout))
+        body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
+        for attempt in range(self.attempts):
+            try:
+                response = client.post("/tickets", json=body)
+            except httpx.HTTPError:
+                pass  # timeout, reset: "it failed", says the naive loop, and tries again
+            else:
+                if response.status_code == 201:
+                    return DONE
+                if response.status_code < 500:
+                    return FAILED
+            time.sleep(0.02 * 2**attempt)
+        return UNSETTLED
+
+
+class KeyOnly(Strategy):
+    """One fresh key per logical call, kept across its retries; the server's middleware dedups them."""
+
+    name = "key-only"
+    idempotency = True
+
+    def ask(self, ask: Ask) -> str:
+        client: KeyClient = self._client(
+            lambda: KeyClient(
+                self.url, timeout=self.timeout, retry=Retry(attempts=self.attempts, base=0.05, cap=1.0), wait=30.0
+            )
+        )
+        body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
+        try:
+            # A new logical call: a new key (prefix:session:op:rand, as the sources make them). A
+            # re-planned call is a new call to this agent, and a second agent has its own keys.
+            client.post("/tickets", json=body, idempotency_key=f"demo:{ask.session_id}:{uuid.uuid4().hex}")
+        except httpx.HTTPStatusError as exc:
+            return FAILED if exc.response.status_code < 500 else UNSETTLED
+        except (httpx.HTTPError, InProgress, KeyConflict):
+            return UNSETTLED
+        return DONE
+
+
+class OnceOnly(Strategy):
+    """The agents' tool guarded by a ledger; unknowns settled by a probe, then by the reconciler."""
+
+    name = "onceonly"
+    idempotency = False  # the hardest case: the server dedups nothing
+
+    def __init__(self, *, timeout: float, attempts: int = 6, url: str | None = None, settle: float = 1.0) -> None:
+        super().__init__(timeout=timeout, attempts=attempts)
+        self.ledger_url = url
+        self.settle = settle
+        self.ledger: Ledger | None = None
+        self.tool: Tool[..., Any] | None = None
+        self.report: ReconcileReport | None = None
+
+    def start(self, url: str, workdir: Path) -> None:
+        super().start(url, workdir)
+        # A scope of its own, so that runs on a shared store (Redis, PostgreSQL) never meet.
+        scope = f"demo-{uuid.uuid4().hex[:12]}"
+        self.ledger = Ledger.open(self.ledger_url or f"sqlite:///{workdir / 'ledger.db'}", scope=scope)
+
+        def http() -> httpx.Client:
+            return self._client(lambda: httpx.Client(base_url=url, timeout=self.timeout))  # type: ignore[no-any-return]
+
+        def find_ticket(args: dict[str, Any], key: str) -> Any:
+            """The probe: ask the service for the ticket by its business key."""
+            response = http().get("/tickets", params={"session_id": args["session_id"], "title": args["title"]})
+            response.raise_for_status()
+            found = response.json()["tickets"]
+            return found[0] if found else NOT_FOUND
+
+        @self.ledger.tool(
+            name="create_ticket",
+            key=("session_id", "title"),  # the business key: a re-plan or a second agent is the same call
+            on_unknown="probe",
+            probe=find_ticket,
+            settle=self.settle,  # longer than the server takes to finish a request it received
+            on_conflict="replay",  # a re-worded body for the same ticket gets the ticket made
+            retry=Retry(attempts=self.attempts, base=0.05, cap=1.0),
+            wait=60.0,
+        )
+        def create_ticket(session_id: str, title: str, body: str, *, idempotency_key: str) -> dict[str, Any]:
+            response = http().post(
+                "/tickets",
+                json={"session_id": session_id, "title": title, "body": body},
+                headers={"Idempotency-Key": idempotency_key},  # sent on; this server ignores it
+            )
+            response.raise_for_status()
+            result: dict[str, Any] = response.json()
+            return result
+
+        self.tool = create_ticket
+
+    def ask(self, ask: Ask) -> str:
+        assert self.tool is not None
+        try:
+            self.tool(ask.session_id, ask.title, ask.body)
+        except (OutcomeUnknown, InProgress):
+            return UNSETTLED
+        except AttemptsExhausted:
+            return FAILED
+        except httpx.HTTPStatusError:
+            return FAILED  # a definite refusal (4xx), recorded as failed
+        return DONE
+
+    def finish(self, operations: list[tuple[str, str]]) -> dict[int, str]:
+        """Run the reconciler for what stayed unsettled, then read each operation's record."""
+        assert self.ledger is not None and self.tool is not None
+        self.report = reconcile(self.ledger, scope=self.ledger.scope, wait=self.settle + 2.0, review_after=3600)
+        statuses: dict[int, str] = {}
+        for op, (session_id, title) in enumerate(operations):
+            rec = self.ledger.get(self.tool.key_for(session_id, title, ""))
+            if rec is not None and rec.state is State.CONFIRMED:
+                statuses[op] = DONE
+            elif rec is not None and rec.state in (State.FAILED, State.ABANDONED):
+                statuses[op] = FAILED
+            else:
+                statuses[op] = UNSETTLED
+        return statuses
+
+    def close(self) -> None:
+        super().close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+#: name → factory(timeout=, url=, settle=)
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "naive": lambda *, timeout, url=None, settle=1.0: Naive(timeout=timeout),
+    "key-only": lambda *, timeout, url=None, settle=1.0: KeyOnly(timeout=timeout),
+    "onceonly": lambda *, timeout, url=None, settle=1.0: OnceOnly(timeout=timeout, url=url, settle=settle),
+}

@@ -1,0 +1,98 @@
+"""What the demo's agents ask for, drawn from one seed. Pure, no I/O.
+
+An *operation* is one ticket an agent means to create: a session and a title (the business key). An
+*ask* is one call of the agent's tool for it. Most operations are asked once; two patterns ask again:
+
+- re-planning: the same agent asks for the same ticket a few steps later, the body re-worded (an LLM
+  that lost track of what it did, or re-planned after an error);
+- shared: a second agent of the same session asks for the same ticket at about the same time.
+
+The same seed gives the same asks, in the same order per agent, to every strategy.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+__all__ = ["Ask", "Workload", "make_workload"]
+
+_TOPICS = (
+    "Printer on fire", "VPN drops every hour", "Refund order", "Reset password", "Laptop will not boot",
+    "Invoice has the wrong address", "Disk almost full", "Access to the finance share", "Broken monitor",
+    "Phone lost", "Badge does not open door", "Slow Wi-Fi on floor", "Update the payroll bank account",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One call of an agent's tool: create the ticket ``(session_id, title)`` with ``body``.
+
+    Attributes:
+        op: the operation's index (asks of the same operation share it).
+        kind: ``"first"``, ``"replan"`` (the same agent again, body re-worded) or ``"shared"`` (another
+            agent of the session).
+    """
+
+    op: int
+    session_id: str
+    title: str
+    body: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Every agent's asks, in order."""
+
+    seed: int
+    agents: tuple[tuple[Ask, ...], ...]
+    operations: int
+
+    @property
+    def asks(self) -> int:
+        return sum(len(a) for a in self.agents)
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The business key of each operation, by its index."""
+        found: dict[int, tuple[str, str]] = {}
+        for agent in self.agents:
+            for ask in agent:
+                found.setdefault(ask.op, (ask.session_id, ask.title))
+        return [found[n] for n in range(self.operations)]
+
+
+def make_workload(
+    *, seed: int, agents: int, operations: int, replan_rate: float = 0.1, shared_rate: float = 0.1
+) -> Workload:
+    """Draw the asks of ``agents`` agents for ``operations`` tickets from ``seed``.
+
+    Agents ``2k`` and ``2k+1`` work in one session (a planner and a worker), so that a shared
+    ticket is asked by two agents of the same session.
+    """
+    if agents < 1 or operations < 1:
+        raise ValueError(f"agents={agents}, operations={operations}: at least one of each")
+    if not (0 <= replan_rate <= 1 and 0 <= shared_rate <= 1):
+        raise ValueError("replan_rate and shared_rate are probabilities between 0 and 1")
+    rng = random.Random(seed)
+    lists: list[list[Ask]] = [[] for _ in range(agents)]
+    later: list[list[tuple[int, Ask]]] = [[] for _ in range(agents)]  # (position, ask) to insert
+    for op in range(operations):
+        agent = op % agents
+        session = f"s{seed}-{agent // 2}"
+        title = f"{rng.choice(_TOPICS)} #{op}"
+        body = f"Reported by agent {agent}: {title.lower()}, please look into it."
+        first = Ask(op, session, title, body, "first")
+        lists[agent].append(first)
+        position = len(lists[agent])
+        if rng.random() < replan_rate:
+            reworded = Ask(op, session, title, f"{body} (Re-planned: the user asked again.)", "replan")
+            later[agent].append((position + rng.randint(1, 4), reworded))
+        partner = agent ^ 1
+        if partner < agents and rng.random() < shared_rate:
+            later[partner].append((len(lists[partner]), Ask(op, session, title, body, "shared")))
+    for agent, extra in enumerate(later):
+        # Insert from the back so that earlier positions stay right.
+        for position, ask in sorted(extra, key=lambda pa: pa[0], reverse=True):
+            lists[agent].insert(min(position, len(lists[agent])), ask)
+    return Workload(seed=seed, agents=tuple(tuple(a) for a in lists), operations=operations)
