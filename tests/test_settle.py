@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from onceonly import NOT_FOUND, Ledger, OutcomeUnknown, Retry, State
+from onceonly import NOT_FOUND, AttemptsExhausted, Ledger, OutcomeUnknown, Retry, State
 from onceonly import states as st
 from onceonly.guard import Policy
 from onceonly.settle import (
@@ -569,3 +569,89 @@ def test_several_reconcilers_settle_each_record_once(store_url: str, effects: Ef
         stats = check.stats()
     assert stats["confirmed"] == n_ops // 2 + n_ops // 4 and stats["failed"] == n_ops // 4
     assert stats["unknown"] == stats["in_flight"] == 0
+
+
+def test_reconcile_one_scope_only(ledger: Ledger, effects: Effects) -> None:
+    """scope= limits a run to one scope's records: another tenant's records are not touched."""
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: effects.find(a["op"]))
+    def create(op: str) -> None: ...
+
+    with ledger.task("tenant-a"):
+        mine = dead_holder(ledger, create, "x")
+    with ledger.task("tenant-b"):
+        theirs = dead_holder(ledger, create, "x")
+    report = reconcile(ledger, scope="tenant-a")
+    assert [ln.key for ln in report.lines] == [mine.key]
+    untouched = ledger.get(theirs.key)
+    assert untouched is not None and untouched.state is State.IN_FLIGHT
+
+
+# --- probes end to end, against the reference ticket service ------------------------------------------
+
+
+@pytest.fixture(name="tickets")
+def fixture_tickets(tmp_path: Path) -> Iterator[Any]:
+    """The ticket service on 127.0.0.1 with its idempotency middleware off (it dedups nothing)."""
+    from onceonly.tickets import serve_in_thread
+
+    server = serve_in_thread(db_path=tmp_path / "tickets.db", idempotency=False, faults={"delay_seconds": 0.6})
+    yield server
+    server.stop()
+    server.app.state.db.close()  # type: ignore[attr-defined]
+
+
+def test_probes_end_to_end_against_the_ticket_service(tickets: Any, sqlite_url: str) -> None:
+    """Answers lost, answers late, failures before the commit, a probe that fails: one ticket each."""
+    import httpx
+
+    admin = httpx.Client(base_url=tickets.url, timeout=5)
+    http = httpx.Client(base_url=tickets.url, timeout=0.3)
+    probe_up = True
+
+    def find(args: dict[str, Any], key: str) -> Any:
+        if not probe_up:
+            raise httpx.ConnectError("search is down")
+        found = http.get("/tickets", params={"session_id": args["session_id"], "title": args["title"]}).json()
+        return found["tickets"][0] if found["tickets"] else NOT_FOUND
+
+    ledger = Ledger.open(sqlite_url)
+
+    @ledger.tool(name="create_ticket", key=("session_id", "title"), on_unknown="probe", probe=find, settle=0.2,
+                 retry=Retry(attempts=2, base=0.01, cap=0.05))  # fmt: skip
+    def create_ticket(session_id: str, title: str) -> dict[str, Any]:
+        response = http.post("/tickets", json={"session_id": session_id, "title": title})
+        response.raise_for_status()
+        return response.json()  # type: ignore[no-any-return]
+
+    def faults(**probabilities: float) -> None:
+        admin.put("/admin/faults", json={**probabilities, "delay_seconds": 0.6}).raise_for_status()
+
+    def count(title: str) -> int:
+        return len(admin.get("/tickets", params={"session_id": "s", "title": title}).json()["tickets"])
+
+    try:
+        faults(lost=1.0)  # committed, the answer lost: the probe finds it
+        out = create_ticket.outcome("s", "lost")
+        assert out.via == "probe" and out.result["title"] == "lost" and count("lost") == 1
+        faults(delay=1.0)  # committed, the answer later than the client's timeout
+        out = create_ticket.outcome("s", "late")
+        assert out.via == "probe" and count("late") == 1
+        faults(fail=1.0)  # 503 before the commit: not executed, retried while attempts last
+        with pytest.raises(AttemptsExhausted) as info:
+            create_ticket("s", "refused")
+        assert "503" in str(info.value.last_exception)
+        assert count("refused") == 0
+        faults(lost=1.0)
+        probe_up = False  # the answer lost and the probe down: it stays unknown
+        with pytest.raises(OutcomeUnknown, match="probe failed"):
+            create_ticket("s", "unprobed")
+        faults()
+        probe_up = True
+        report = reconcile(ledger, wait=1.0)
+        assert [ln.settlement for ln in report.lines] == [Settlement.CONFIRMED]
+        assert create_ticket("s", "unprobed")["title"] == "unprobed" and count("unprobed") == 1
+    finally:
+        ledger.close()
+        admin.close()
+        http.close()
