@@ -118,8 +118,8 @@ def _print_table(console: Console, result: Any) -> None:
         ]
         if row.duplicates:
             lines.append(
-                f"Duplicates: {row.duplicates - row.duplicates_reasked} after lost or late answers, "
-                f"{row.duplicates_reasked} from asking again (a re-plan, a second agent)."
+                f"Duplicates: {row.duplicates - row.duplicates_reasked} on operations asked once (lost or late "
+                f"answers), {row.duplicates_reasked} on operations asked again (a re-plan, a second agent)."
             )
         if row.reconciled:
             lines.append("Reconciler: " + ", ".join(f"{n} {what}" for what, n in row.reconciled.items()) + ".")
