@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +56,7 @@ CREATE INDEX IF NOT EXISTS tickets_by_session ON tickets (session_id, title);
 CREATE INDEX IF NOT EXISTS tickets_by_key ON tickets (client, idempotency_key)
 """
 _COLUMNS = "id, session_id, title, body, created_at"
+_MAX_ID = 2**63 - 1  # SQLite's INTEGER
 
 
 # --- the API's shapes, for validation and the OpenAPI spec ----------------------------------------
@@ -114,7 +115,8 @@ class FaultState(BaseModel):
     requests: int
 
 
-_PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
+_PROBLEM_CONTENT: dict[str, Any] = {"content": {"application/problem+json": {"schema": Problem.model_json_schema()}}}
+_PROBLEM: dict[str, Any] = {"description": "A problem (RFC 9457)", **_PROBLEM_CONTENT}
 
 
 class InjectedFailure(Exception):
@@ -270,25 +272,42 @@ def create_app(
     async def injected_failure(request: Request, exc: InjectedFailure) -> JSONResponse:
         return _problem(503, "Injected failure", str(exc), "injected-failure", {"Retry-After": "1"})
 
+    key_parameter = {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": idempotency,
+        "description": "One key per logical operation, the same on every retry: 1-255 visible ASCII "
+        "characters, bare or as a quoted sf-string (X-Idempotency-Key is accepted too).",
+        "schema": {"type": "string", "pattern": "^[!-~]{1,255}$"},
+    }
+
     @app.post(
         "/tickets",
         status_code=201,
         response_model=Ticket,
-        responses={400: _PROBLEM, 409: _PROBLEM, 413: _PROBLEM, 422: {"description": "Invalid body, or key reused"},
-                   503: _PROBLEM},
+        responses={
+            400: {
+                "description": "A bad key (problem+json), or a body that is not JSON (application/json)",
+                "content": {
+                    **_PROBLEM_CONTENT["content"],
+                    "application/json": {"schema": {"type": "object", "properties": {"detail": {}}}},
+                },
+            },
+            409: _PROBLEM,
+            413: _PROBLEM,
+            422: {
+                "description": "Invalid body (application/json), or the key was used with another body",
+                "content": {
+                    **_PROBLEM_CONTENT["content"],
+                    "application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}},
+                },
+            },
+            503: _PROBLEM,
+        },
         summary="Create a ticket",
-    )  # fmt: skip
-    def create_ticket(
-        ticket: TicketIn,
-        request: Request,
-        idempotency_key: Annotated[
-            str | None,
-            Header(
-                alias="Idempotency-Key",
-                description="One key per logical operation, the same on every retry (1-255 visible ASCII)",
-            ),
-        ] = None,
-    ) -> Response:
+        openapi_extra={"parameters": [key_parameter]},
+    )
+    def create_ticket(ticket: TicketIn, request: Request) -> Response:
         fault = request.scope.get(FAULT_KEY)
         ctx = idempotency_context(request)
         key: str | None
@@ -344,7 +363,7 @@ def create_app(
         return found
 
     @app.get("/tickets/{ticket_id}", response_model=Ticket, responses={404: _PROBLEM}, summary="One ticket")
-    def get_ticket(ticket_id: int) -> Any:
+    def get_ticket(ticket_id: Annotated[int, PathParam(ge=1, le=_MAX_ID)]) -> Any:
         found = db.get(ticket_id)
         if found is None:
             return _problem(404, "No such ticket", f"there is no ticket {ticket_id}", "not-found")
