@@ -655,3 +655,61 @@ def test_probes_end_to_end_against_the_ticket_service(tickets: Any, sqlite_url: 
         ledger.close()
         admin.close()
         http.close()
+
+
+def test_resend_unknown_again_is_re_sent_by_a_later_run(ledger: Ledger, clock: FakeClock) -> None:
+    """A re-send whose outcome is unknown again stays unknown (unsettled); the next run re-sends it."""
+    server: dict[str, str] = {}
+    sent: list[str] = []
+
+    @ledger.tool(name="post", on_unknown="resend", retry=Retry(attempts=4, base=5.0, cap=5.0))
+    def post(title: str, *, idempotency_key: str) -> dict[str, str]:
+        sent.append(idempotency_key)
+        server.setdefault(idempotency_key, title)
+        if len(sent) == 1:
+            raise TimeoutError("read timed out")  # applied by the server, the answer lost
+        return {"title": server[idempotency_key]}
+
+    rec = dead_holder(ledger, post, "t")
+    [first] = reconcile(ledger).lines
+    assert first.settlement is Settlement.UNSETTLED and first.after is State.UNKNOWN
+    clock.now += 10
+    [second] = reconcile(ledger).lines
+    assert second.settlement is Settlement.CONFIRMED
+    assert sent == [rec.key, rec.key] and server == {rec.key: "t"}  # one key, one ticket
+
+
+def test_resend_not_sent_is_failed_for_a_new_call(ledger: Ledger) -> None:
+    """A re-send refused before sending (connection refused) leaves it failed: a new call may run it."""
+
+    @ledger.tool(name="post", on_unknown="resend", retry=Retry(attempts=3, base=5.0, cap=5.0))
+    def post(title: str) -> None:
+        raise ConnectionRefusedError("nobody listens")
+
+    rec = dead_holder(ledger, post, "t")
+    [line] = reconcile(ledger).lines
+    assert line.settlement is Settlement.FAILED and line.after is State.FAILED
+    assert "ConnectionRefusedError" in line.detail
+    failed = ledger.get(rec.key)
+    assert failed is not None and failed.next_attempt_at is not None
+
+
+def test_resend_stops_when_the_record_moved_on(ledger: Ledger, clock: FakeClock) -> None:
+    """A reconciler that decided on an old version never re-sends: someone else acted first."""
+    from onceonly.settle import _Reconciler
+
+    calls: list[str] = []
+
+    @ledger.tool(name="post", on_unknown="resend")
+    def post(title: str) -> None:
+        calls.append(title)
+
+    rec = dead_holder(ledger, post, "t")
+    unknown = st.mark_unknown(rec, now=clock.now, reason="lease expired", by="another")
+    assert ledger.store.swap(unknown, rec)
+    settled = st.confirm(unknown, result_json="null", now=clock.now, ttl=60, via="probe", by="another")
+    assert ledger.store.swap(settled, unknown)
+    worker = _Reconciler(ledger, ledger.tools, review_after=0, by="late", sleep_budget=lambda: 0.0)
+    line = worker._resend(ledger.tools["post"], unknown, State.UNKNOWN)  # decided on the stale version
+    assert line.settlement is Settlement.SKIPPED and "confirmed" in line.detail
+    assert calls == []

@@ -467,7 +467,7 @@ class _Reconciler:
             key=rec.key, scope=rec.scope, tool=rec.tool, fingerprint=rec.fingerprint, args_json=rec.args_json,
             owner=f"reconcile@{ledger._new_owner()}", policy=tool.policy, clock=ledger.clock, rng=ledger.rng,
         )  # fmt: skip
-        gen = _as_reconciler(plan(call), self.sleep_budget, ledger.clock)
+        gen = _as_reconciler(plan(call), rec.version, self.sleep_budget, ledger.clock)
         kwargs = rec.args
 
         def line(settlement: Settlement, detail: str, due: float | None = None) -> ReconcileLine:
@@ -480,7 +480,14 @@ class _Reconciler:
             else:
                 out = ledger._drive(gen, tool, call, (), kwargs)
         except _Stop as stop:
-            return line(stop.settlement, stop.detail, stop.due_at)
+            if stop.settlement is not Settlement.WAITING:
+                return line(stop.settlement, stop.detail, stop.due_at)
+            # Our own attempt ended and the plan would wait past this run's budget before the next.
+            cur = self.store.get(rec.key)
+            if cur is not None and cur.state is State.FAILED:
+                detail = f"re-sent, not sent or refused ({cur.error}); a new call may run it"
+                return line(Settlement.FAILED, detail[:500])
+            return line(Settlement.UNSETTLED, f"re-sent, the outcome is unknown again; {stop.detail}", stop.due_at)
         except OutcomeUnknown as exc:
             parked = exc.record is not None and exc.record.state is State.NEEDS_REVIEW
             if parked:
@@ -504,17 +511,18 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
-def _as_reconciler(gen: Plan, sleep_budget: Callable[[], float], clock: Callable[[], float]) -> Plan:
-    """The guard's plan, run by the reconciler on a record that exists.
+def _as_reconciler(gen: Plan, version: int, sleep_budget: Callable[[], float], clock: Callable[[], float]) -> Plan:
+    """The guard's plan, run by the reconciler on the record it decided on (at ``version``).
 
-    Four actions change meaning: the first claim only reads (the reconciler never creates a record);
-    the plan's first backoff before re-sending is skipped, since ``decide`` already waited the tool's
-    settle time and the reconciler's own schedule spaces its runs; a later wait past this run's budget
-    stops it (a later run looks again); waiting on a live holder stops it (someone is settling it now).
+    Four actions change meaning. The first claim only reads: the reconciler never creates a record,
+    and stops when the record moved on since it decided (someone else acted). The plan's backoff
+    before the re-send is skipped: ``decide`` already waited the tool's settle time, and the
+    reconciler's own schedule spaces its runs (a backoff after its own attempt is kept). A later
+    wait past this run's budget stops it. A wait on a live holder stops it: someone settles it now.
     """
     send: Any = None
     error: BaseException | None = None
-    executed = False
+    skipped_backoff = executed = False
     while True:
         try:
             action: Action = gen.throw(error) if error is not None else gen.send(send)
@@ -522,22 +530,21 @@ def _as_reconciler(gen: Plan, sleep_budget: Callable[[], float], clock: Callable
             return stop.value  # type: ignore[no-any-return]
         error = None
         if isinstance(action, Claim):
-            action = Get(action.record.key)
-            try:
-                send = yield action
-            except StoreError as exc:
-                error = exc
-                continue
-            if send is None:
+            current = yield Get(action.record.key)  # a store error here ends this record's run
+            if current is None or current.version != version:
                 gen.close()
-                raise _Stop(Settlement.SKIPPED, "the record is gone")
+                now = "gone" if current is None else current.state.value
+                raise _Stop(Settlement.SKIPPED, f"someone else acted on it first (now {now})")
+            send = current
             continue
-        if isinstance(action, Sleep) and not executed:
-            send = None
-            continue
-        if isinstance(action, Sleep) and action.seconds > sleep_budget():
-            gen.close()
-            raise _Stop(Settlement.WAITING, f"backoff: due in {action.seconds:.1f}s", clock() + action.seconds)
+        if isinstance(action, Sleep):
+            if not (skipped_backoff or executed):
+                skipped_backoff = True
+                send = None
+                continue
+            if action.seconds > sleep_budget():
+                gen.close()
+                raise _Stop(Settlement.WAITING, f"backoff: due in {action.seconds:.1f}s", clock() + action.seconds)
         if isinstance(action, WaitChange):
             gen.close()
             raise _Stop(Settlement.SKIPPED, "another caller holds it now")
