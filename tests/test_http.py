@@ -1,0 +1,365 @@
+"""onceonly.http: one key per logical call, kept across retries, 409 waited on, 422 as KeyConflict,
+errors classified. Against real servers on 127.0.0.1: the ticket service (with its faults) and a
+scripted ASGI app that answers a planned sequence and records what it received."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import onceonly
+from onceonly import Retry
+from onceonly.http import DEFAULT_RETRY, AsyncClient, Client, header_key, is_replayed
+from onceonly.states import State
+from onceonly.tickets import RunningServer, serve_in_thread
+
+TICKET = {"session_id": "s-1", "title": "printer broken", "body": "on floor 2"}
+
+
+class Scripted:
+    """Answers each request with the next planned (status, headers, body); records every request."""
+
+    def __init__(self) -> None:
+        self.plan: list[tuple[int, dict[str, str], bytes]] = []
+        self.seen: list[dict[str, str]] = []
+        self.on_request: Callable[[dict[str, str]], None] | None = None
+
+    def then(self, status: int, body: bytes = b"{}", **headers: str) -> Scripted:
+        self.plan.append((status, {k.replace("_", "-"): v for k, v in headers.items()}, body))
+        return self
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        seen = {k.decode(): v.decode() for k, v in scope["headers"]}
+        seen[":method"] = scope["method"]
+        self.seen.append(seen)
+        if self.on_request is not None:
+            self.on_request(seen)
+        status, headers, body = self.plan.pop(0) if self.plan else (200, {}, b"{}")
+        headers.setdefault("content-type", "application/json")
+        raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+    def keys(self) -> list[str | None]:
+        return [s.get("idempotency-key") for s in self.seen]
+
+
+@pytest.fixture(name="scripted")
+def fixture_scripted() -> Iterator[tuple[Scripted, str]]:
+    """A scripted app on uvicorn; yields it and its URL."""
+    app = Scripted()
+    with serve_in_thread(app) as server:
+        yield app, server.url
+
+
+@pytest.fixture(name="tickets")
+def fixture_tickets(tmp_path: Path) -> Iterator[RunningServer]:
+    """The ticket service (transactional idempotency), faults off until a test sets them."""
+    server = serve_in_thread(db_path=tmp_path / "tickets.db")
+    yield server
+    server.stop()
+    server.app.state.db.close()  # type: ignore[attr-defined]
+
+
+def _faults(server: RunningServer, **faults: float) -> None:
+    httpx.put(f"{server.url}/admin/faults", json=faults, timeout=5).raise_for_status()
+
+
+def _count(server: RunningServer) -> int:
+    return int(server.app.state.db.count())  # type: ignore[attr-defined]
+
+
+class Sleeps(list[float]):
+    """Records the waits instead of sleeping; ``then`` runs at the first one (the network heals…)."""
+
+    def __init__(self, then: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.then = then
+
+    def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+        if self.then is not None and len(self) == 1:
+            self.then()
+
+    async def asleep(self, seconds: float) -> None:
+        self(seconds)
+
+
+# --- the key, kept across retries ------------------------------------------------------------------
+
+
+def test_lost_answer_is_resent_with_the_same_key_and_replayed(tickets: RunningServer) -> None:
+    """The first answer is lost after the commit (a reset); the client re-sends with the same key
+    and gets the one ticket that was made, marked replayed."""
+    _faults(tickets, lost=1.0)
+    sleeps = Sleeps(then=lambda: _faults(tickets))
+    with Client(tickets.url, sleep=sleeps) as c:
+        response = c.post("/tickets", json=TICKET)
+    assert response.status_code == 201 and is_replayed(response)
+    assert len(sleeps) == 1
+    key = response.request.headers["Idempotency-Key"]
+    assert httpx.get(f"{tickets.url}/tickets/by-idempotency-key/{key}").json() == response.json()
+    assert _count(tickets) == 1
+
+
+def test_read_timeout_is_resent_with_the_same_key(tickets: RunningServer) -> None:
+    """A read timeout (the answer is late) is an unknown outcome: re-sent with the key, one ticket."""
+    _faults(tickets, delay=1.0, delay_seconds=1.0)
+    sleeps = Sleeps(then=lambda: _faults(tickets))
+    with Client(tickets.url, sleep=sleeps, timeout=0.3) as c:
+        response = c.post("/tickets", json=TICKET)
+    assert is_replayed(response)
+    assert _count(tickets) == 1
+
+
+def test_explicit_and_quoted_keys(tickets: RunningServer) -> None:
+    """An explicit key is sent as given (bare or as the draft's sf-string) and is the same key."""
+    with Client(tickets.url, sleep=Sleeps()) as bare, Client(tickets.url, quoted=True, sleep=Sleeps()) as quoted:
+        first = bare.post("/tickets", json=TICKET, idempotency_key="order-42")
+        second = quoted.post("/tickets", json=TICKET, idempotency_key="order-42")
+    assert first.request.headers["Idempotency-Key"] == "order-42"
+    assert second.request.headers["Idempotency-Key"] == '"order-42"'
+    assert is_replayed(second) and second.json() == first.json()
+    assert _count(tickets) == 1
+
+
+def test_each_logical_call_gets_its_own_key(scripted: tuple[Scripted, str]) -> None:
+    """Two calls, two keys; a GET carries none."""
+    app, url = scripted
+    with Client(url) as c:
+        c.post("/a", json={})
+        c.post("/a", json={})
+        c.get("/a")
+    keys = app.keys()
+    assert keys[0] and keys[1] and keys[0] != keys[1] and keys[2] is None
+
+
+def test_header_key_keeps_or_hashes() -> None:
+    """A key that is header-safe travels as is; anything else as the SHA-256 of it."""
+    assert header_key("default:create_ticket:abc") == "default:create_ticket:abc"
+    hashed = header_key("tâche-1:create:abc")
+    assert hashed.startswith("sha256:") and len(hashed) == 71
+    assert header_key("x" * 300).startswith("sha256:")
+
+
+# --- statuses --------------------------------------------------------------------------------------
+
+
+def test_409_waits_retry_after_without_spending_attempts(scripted: tuple[Scripted, str]) -> None:
+    """409 (in progress): wait Retry-After and ask again with the same key; no attempt is spent."""
+    app, url = scripted
+    app.then(409, retry_after="2").then(409, retry_after="1").then(201, b'{"id":1}')
+    sleeps = Sleeps()
+    with Client(url, sleep=sleeps, retry=Retry(attempts=1)) as c:
+        response = c.post("/tickets", json=TICKET)
+    assert response.status_code == 201
+    assert sleeps == [2.0, 1.0]
+    assert len(set(app.keys())) == 1 and len(app.keys()) == 3
+
+
+def test_409_for_too_long_is_in_progress(scripted: tuple[Scripted, str]) -> None:
+    """After ``wait`` seconds of 409s the call ends with InProgress, naming the key to retry with."""
+    app, url = scripted
+    for _ in range(5):
+        app.then(409, retry_after="1")
+    sleeps = Sleeps()
+    with Client(url, sleep=sleeps, wait=2.5) as c, pytest.raises(onceonly.InProgress) as caught:
+        c.post("/tickets", json=TICKET)
+    assert sleeps == [1.0, 1.0]
+    assert caught.value.key == app.keys()[0]
+
+
+def test_422_problem_is_a_key_conflict(tickets: RunningServer) -> None:
+    """The same key with another body: the server's 422 problem becomes onceonly.KeyConflict."""
+    with Client(tickets.url) as c:
+        c.post("/tickets", json=TICKET, idempotency_key="k-1")
+        with pytest.raises(onceonly.KeyConflict) as caught:
+            c.post("/tickets", json={**TICKET, "body": "re-worded"}, idempotency_key="k-1")
+    assert caught.value.key == "k-1"
+    assert "another request" in str(caught.value)
+
+
+def test_422_validation_error_is_not_a_key_conflict(tickets: RunningServer) -> None:
+    """A 422 that is not a problem document (FastAPI's body validation) is a definite failure."""
+    with Client(tickets.url) as c, pytest.raises(httpx.HTTPStatusError) as caught:
+        c.post("/tickets", json={"title": "no session"})
+    assert caught.value.response.status_code == 422
+
+
+def test_503_is_retried_after_retry_after(scripted: tuple[Scripted, str]) -> None:
+    """503 (not executed) is retried with the key, waiting at least Retry-After."""
+    app, url = scripted
+    app.then(503, retry_after="3").then(201)
+    sleeps = Sleeps()
+    with Client(url, sleep=sleeps) as c:
+        assert c.post("/x", json={}).status_code == 201
+    assert sleeps[0] >= 3.0
+    assert app.keys()[0] == app.keys()[1]
+
+
+def test_500_is_resent_with_the_key_unless_told_not_to(scripted: tuple[Scripted, str]) -> None:
+    """500 is an unknown outcome: re-sent with the same key (the server replays or runs once).
+    With resend_unknown=False it is final: HTTPStatusError, one request."""
+    app, url = scripted
+    app.then(500).then(201)
+    with Client(url, sleep=Sleeps()) as c:
+        assert c.post("/x", json={}).status_code == 201
+    assert len(app.keys()) == 2 and app.keys()[0] == app.keys()[1]
+    app.then(500)
+    with Client(url, sleep=Sleeps(), resend_unknown=False) as c, pytest.raises(httpx.HTTPStatusError):
+        c.post("/x", json={})
+    assert len(app.keys()) == 3
+
+
+def test_other_4xx_is_final(scripted: tuple[Scripted, str]) -> None:
+    """404 and friends are definite failures: no retry; raised, or returned with raise_for_status=False."""
+    app, url = scripted
+    app.then(404).then(404)
+    with Client(url, sleep=Sleeps()) as c, pytest.raises(httpx.HTTPStatusError):
+        c.post("/x", json={})
+    with Client(url, sleep=Sleeps(), raise_for_status=False) as c:
+        assert c.post("/x", json={}).status_code == 404
+    assert len(app.keys()) == 2
+
+
+def test_attempts_run_out_on_5xx(scripted: tuple[Scripted, str]) -> None:
+    """After the last attempt the final 5xx is raised for the caller (or its ledger) to classify."""
+    app, url = scripted
+    for _ in range(3):
+        app.then(502)
+    sleeps = Sleeps()
+    retry = Retry(attempts=3, base=0.5, cap=8)
+    with Client(url, sleep=sleeps, retry=retry) as c, pytest.raises(httpx.HTTPStatusError) as caught:
+        c.post("/x", json={})
+    assert caught.value.response.status_code == 502
+    assert len(app.keys()) == 3 and len(set(app.keys())) == 1
+    assert onceonly.classify(caught.value).verdict is onceonly.Verdict.UNKNOWN
+
+
+def test_connect_error_backs_off_with_full_jitter(tmp_path: Path) -> None:
+    """Nothing listening: not sent, so retried; the waits are the full-jitter draws of the policy."""
+    from onceonly.tickets._serve import bind
+
+    sock = bind()  # bound, never listening: connections are refused
+    port = sock.getsockname()[1]
+    sleeps = Sleeps()
+    retry = Retry(attempts=4, base=0.5, cap=8)
+    try:
+        client = Client(f"http://127.0.0.1:{port}", sleep=sleeps, retry=retry, rng=random.Random(7))
+        with client as c, pytest.raises(httpx.ConnectError):
+            c.post("/x", json={})
+    finally:
+        sock.close()
+    expected = random.Random(7)
+    assert sleeps == [retry.backoff(n, expected) for n in (1, 2, 3)]
+    assert DEFAULT_RETRY.attempts == 4
+
+
+# --- inside a guarded tool ----------------------------------------------------------------------
+
+
+def test_guarded_tool_sends_the_ledger_key(tickets: RunningServer, sqlite_url: str) -> None:
+    """Inside a guarded tool the key is the ledger's: a crash-and-retry of the tool sends the same."""
+    ledger = onceonly.Ledger.open(sqlite_url)
+
+    @ledger.tool(name="create_ticket", key=("session_id", "title"))
+    def create_ticket(session_id: str, title: str, body: str) -> dict[str, Any]:
+        with Client(tickets.url) as c:
+            response = c.post("/tickets", json={"session_id": session_id, "title": title, "body": body})
+            out: dict[str, Any] = response.json()
+            out["sent_key"] = response.request.headers["Idempotency-Key"]
+            return out
+
+    try:
+        result = create_ticket(**TICKET)
+        assert result["sent_key"] == header_key(create_ticket.key_for(**TICKET))
+        assert create_ticket(**TICKET) == result  # replayed by the ledger: no second request at all
+        assert _count(tickets) == 1
+    finally:
+        ledger.close()
+
+
+def test_reports_dispatch_tool_is_marked_sent_before_the_request(
+    scripted: tuple[Scripted, str], sqlite_url: str
+) -> None:
+    """A ``reports_dispatch`` tool is pending until the client sends: the request arrives in_flight."""
+    app, url = scripted
+    ledger = onceonly.Ledger.open(sqlite_url)
+    states: list[State] = []
+    pending_before: list[State] = []
+
+    @ledger.tool(name="send", reports_dispatch=True)
+    def send(n: int) -> int:
+        info = onceonly.current_call()
+        assert info is not None
+        rec = ledger.get(info.key)
+        assert rec is not None
+        pending_before.append(rec.state)
+        app.on_request = lambda _seen: states.append(ledger.get(info.key).state)  # type: ignore[union-attr]
+        with Client(url) as c:
+            c.post("/x", json={"n": n})
+        return n
+
+    try:
+        assert send(1) == 1
+    finally:
+        ledger.close()
+    assert pending_before == [State.PENDING]
+    assert states == [State.IN_FLIGHT]
+
+
+# --- async ----------------------------------------------------------------------------------------
+
+
+def test_async_client_lost_answer_and_409(tickets: RunningServer, scripted: tuple[Scripted, str]) -> None:
+    """AsyncClient: the same rules, awaited (lost answer re-sent and replayed; 409 waited on)."""
+    app, url = scripted
+    app.then(409, retry_after="1").then(201)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, Sleeps, Sleeps]:
+        _faults(tickets, lost=1.0)
+        lost_sleeps = Sleeps(then=lambda: _faults(tickets))
+        busy_sleeps = Sleeps()
+        async with AsyncClient(tickets.url, sleep=lost_sleeps.asleep) as c:
+            replayed = await c.post("/tickets", json=TICKET)
+        async with AsyncClient(url, sleep=busy_sleeps.asleep) as c:
+            waited = await c.post("/x", json={})
+        return replayed, waited, lost_sleeps, busy_sleeps
+
+    replayed, waited, lost_sleeps, busy_sleeps = asyncio.run(scenario())
+    assert is_replayed(replayed) and len(lost_sleeps) == 1
+    assert waited.status_code == 201 and busy_sleeps == [1.0]
+    assert _count(tickets) == 1
+
+
+def test_async_guarded_tool_uses_the_ledger_key_and_marks_sent(scripted: tuple[Scripted, str], sqlite_url: str) -> None:
+    """An async guarded tool sends the ledger's key and, with reports_dispatch, is in_flight on arrival."""
+    app, url = scripted
+    ledger = onceonly.Ledger.open(sqlite_url)
+    states: list[State] = []
+
+    @ledger.tool(name="asend", reports_dispatch=True)
+    async def asend(n: int) -> str:
+        info = onceonly.current_call()
+        assert info is not None
+        app.on_request = lambda _seen: states.append(ledger.get(info.key).state)  # type: ignore[union-attr]
+        async with AsyncClient(url) as c:
+            response = await c.post("/x", json={"n": n})
+        return str(response.request.headers["Idempotency-Key"])
+
+    try:
+        sent = asyncio.run(asend(1))
+    finally:
+        ledger.close()
+    assert sent == header_key(asend.key_for(1))
+    assert states == [State.IN_FLIGHT]
