@@ -90,8 +90,10 @@ def test_demo_json_numbers_at_the_default_fault_rate() -> None:
     keys = {"name", "asked", "created", "duplicates", "missing", "unsettled", "p50_ms", "p99_ms"}
     assert all(set(s) == keys for s in data["strategies"])
     naive, key_only, onceonly = data["strategies"]
-    assert naive["duplicates"] > 0, "the fault injection did not bite: naive retry made no duplicate"
-    assert key_only["duplicates"] > 0  # re-plans and second agents make new keys
+    # Re-plans and second agents duplicate under both (each makes a new key, or none); only the faults
+    # make naive's retries duplicate on top: more duplicates than key-only means the faults bit.
+    assert key_only["duplicates"] > 0
+    assert naive["duplicates"] > key_only["duplicates"], "the fault injection did not bite"
     assert (onceonly["duplicates"], onceonly["missing"], onceonly["unsettled"]) == (0, 0, 0)
     assert onceonly["created"] == onceonly["asked"] == 36
 
