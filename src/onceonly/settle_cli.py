@@ -10,6 +10,7 @@ from types import FrameType
 from typing import Any
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -69,7 +70,7 @@ _COLOURS = {
 def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -> None:
     lines = report.lines if verbose else report.acted
     if lines:
-        table = Table(title=f"reconcile by {report.by}")
+        table = Table(title=f"reconcile by {report.by}", box=box.SIMPLE_HEAD)
         for col in ("key", "tool", "was", "now", "done", "detail"):
             table.add_column(col, overflow="fold")
         for ln in lines:
