@@ -109,11 +109,14 @@ end
 # ARGV: 1 key, 2 version, 3 state, 4 lease score or '', 5 expiry score or '', 6 d, 7 a.
 # Returns 1 when written (the caller holds the record), else the stored {d, a}: one round trip for
 # both a first call and a replay.
-_CLAIM = (
+_CLAIM_TEMPLATE = (
     _INDEX
     + """
 local cur = redis.call('HMGET', KEYS[1], 'd', 'a')
-if cur[1] then return cur end
+if cur[1] then
+  %(existing)s
+  return cur
+end
 redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[7])
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 reindex(false, ARGV[3], ARGV[1], ARGV[4], ARGV[5])
@@ -122,11 +125,14 @@ return 1
 )
 
 # ARGV: 1-6 as the claim, 7 the expected version, 8 (only when the arguments changed) a.
-_SWAP = (
+_SWAP_TEMPLATE = (
     _INDEX
     + """
 local cur = redis.call('HMGET', KEYS[1], 'v', 's')
-if cur[1] ~= ARGV[7] then return 0 end
+if cur[1] ~= ARGV[7] then
+  %(mismatch)s
+  return 0
+end
 if #ARGV > 7 then
   redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[8])
 else
@@ -137,6 +143,18 @@ changed(ARGV[2], ARGV[1])
 return 1
 """
 )
+
+_CLAIM = _CLAIM_TEMPLATE % {"existing": ""}
+_SWAP = _SWAP_TEMPLATE % {"mismatch": ""}
+# The "again" twins re-run a claim or swap whose reply was lost. The first run may have landed, so
+# they tell the caller's own write apart from anyone else's: the stored ``d`` is byte for byte the
+# one this call sent (it holds this call's owner and timestamps: no other writer produces it). A
+# re-run then answers exactly what the first run did: written (1), or not (the stored record, 0),
+# whichever way the connection failed — even if the first run is executed after the re-run.
+_CLAIM_AGAIN = _CLAIM_TEMPLATE % {"existing": "if cur[1] == ARGV[6] then return 1 end"}
+_SWAP_AGAIN = _SWAP_TEMPLATE % {
+    "mismatch": "if cur[1] == ARGV[2] and redis.call('HGET', KEYS[1], 'd') == ARGV[6] then return 1 end"
+}
 
 # ARGV: 1 key, 2 the expected version.
 _DELETE = (
@@ -154,6 +172,9 @@ changed('0', ARGV[1])
 return 1
 """
 )
+
+#: How many times a claim or swap whose connection failed is re-run (with its "again" twin).
+_RERUNS = 2
 
 
 # --- the record as stored ---------------------------------------------------------------------------
@@ -417,7 +438,7 @@ class _AsyncSide:
     ``finally`` closes the client there, even when nobody called ``aclose()``.
     """
 
-    __slots__ = ("claim", "client", "closer", "delete", "loop", "swap")
+    __slots__ = ("claim", "claim_again", "client", "closer", "delete", "loop", "swap", "swap_again")
 
     def __init__(self, url: str, loop: asyncio.AbstractEventLoop) -> None:
         from redis.asyncio.retry import Retry as AsyncRetry
@@ -425,7 +446,9 @@ class _AsyncSide:
         self.loop = loop
         self.client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
         self.claim = self.client.register_script(_CLAIM)
+        self.claim_again = self.client.register_script(_CLAIM_AGAIN)
         self.swap = self.client.register_script(_SWAP)
+        self.swap_again = self.client.register_script(_SWAP_AGAIN)
         self.delete = self.client.register_script(_DELETE)
         self.closer = self._close_at_shutdown()
 
@@ -466,7 +489,9 @@ class RedisStore:
         self._client: redis.Redis = redis.Redis.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
         self._command: Callable[..., Any] = self._client.execute_command
         self._claim = self._client.register_script(_CLAIM)
+        self._claim_again = self._client.register_script(_CLAIM_AGAIN)
         self._swap = self._client.register_script(_SWAP)
+        self._swap_again = self._client.register_script(_SWAP_AGAIN)
         self._delete = self._client.register_script(_DELETE)
         self._tags = [f"{self.prefix}:{{{self.prefix}:{s}}}" for s in range(self.shards)]
         self._records = [f"{tag}:r:" for tag in self._tags]
@@ -476,6 +501,8 @@ class RedisStore:
         self._hub_pid = 0
         self._hub_lock = threading.Lock()
         self._closed = False
+        #: Writes re-run (exactly, by their "again" twin) after their connection failed.
+        self.reruns = 0
         try:
             self._open(warn=opts["warn_persistence"])
         except BaseException:
@@ -491,7 +518,7 @@ class RedisStore:
             pipe.hsetnx(meta, "schema", SCHEMA_VERSION)
             pipe.hsetnx(meta, "shards", self.shards)
             pipe.hgetall(meta)
-            for script in (self._claim, self._swap, self._delete):
+            for script in (self._claim, self._claim_again, self._swap, self._swap_again, self._delete):
                 pipe.script_load(script.script)
             pipe.config_get("appendonly")
             pipe.config_get("save")
@@ -506,7 +533,7 @@ class RedisStore:
                     "use another prefix= in the URL"
                 )
             raise self._unavailable(stored, "opening the ledger")
-        for answer in answers[3:6]:
+        for answer in answers[3:8]:
             if isinstance(answer, Exception):
                 raise self._unavailable(answer, "loading the ledger's scripts")
         schema = int(stored.get(b"schema", 0))
@@ -523,7 +550,7 @@ class RedisStore:
                 f"records (and could run their operations again): open it with shards={shards}"
             )
         if warn:
-            self._check_persistence(answers[6], answers[7])
+            self._check_persistence(answers[8], answers[9])
 
     def _check_persistence(self, appendonly: Any, save: Any) -> None:
         if isinstance(appendonly, Exception) or isinstance(save, Exception):
@@ -592,16 +619,29 @@ class RedisStore:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
+    def _write(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
+        """Run a write script; if its connection fails, re-run its "again" twin, which is exact."""
+        try:
+            try:
+                return script(keys, args)
+            except RedisConnectionError:
+                pass
+            # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
+            for attempt in range(_RERUNS):
+                self.reruns += 1
+                try:
+                    return again(keys, args)
+                except RedisConnectionError:
+                    if attempt == _RERUNS - 1:
+                        raise
+        except RedisError as exc:
+            raise self._unavailable(exc, what) from exc
+
     def claim(self, record: Record) -> Record | None:
         self._check_open()
         lease, expiry = _scores(record)
-        try:
-            got = self._claim(
-                self._keys(record.key),
-                (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json),
-            )
-        except RedisError as exc:
-            raise self._unavailable(exc, f"claiming {record.key!r}") from exc
+        args = (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json)
+        got = self._write(self._claim, self._claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
     def insert(self, record: Record) -> bool:
@@ -615,10 +655,9 @@ class RedisStore:
         )  # fmt: skip
         if record.args_json != expected.args_json:
             args += (record.args_json,)
-        try:
-            return bool(self._swap(self._keys(record.key), args) == 1)
-        except RedisError as exc:
-            raise self._unavailable(exc, f"writing {record.key!r}") from exc
+        return bool(
+            self._write(self._swap, self._swap_again, self._keys(record.key), args, f"writing {record.key!r}") == 1
+        )
 
     def delete(self, key: str, expected_version: int) -> bool:
         self._check_open()
@@ -708,16 +747,29 @@ class RedisStore:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
+    async def _awrite(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
+        """``_write`` awaited: a write script, and its exact "again" twin if the connection fails."""
+        try:
+            try:
+                return await script(keys, args)
+            except RedisConnectionError:
+                pass
+            for attempt in range(_RERUNS):
+                self.reruns += 1
+                try:
+                    return await again(keys, args)
+                except RedisConnectionError:
+                    if attempt == _RERUNS - 1:
+                        raise
+        except RedisError as exc:
+            raise self._unavailable(exc, what) from exc
+
     async def aclaim(self, record: Record) -> Record | None:
         self._check_open()
+        side = await self._side()
         lease, expiry = _scores(record)
-        try:
-            got = await (await self._side()).claim(
-                self._keys(record.key),
-                (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json),
-            )
-        except RedisError as exc:
-            raise self._unavailable(exc, f"claiming {record.key!r}") from exc
+        args = (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json)
+        got = await self._awrite(side.claim, side.claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
     async def ainsert(self, record: Record) -> bool:
@@ -725,16 +777,17 @@ class RedisStore:
 
     async def aswap(self, record: Record, expected: Record) -> bool:
         self._check_open()
+        side = await self._side()
         lease, expiry = _scores(record)
         args: tuple[Any, ...] = (
             record.key, record.version, record.state.value, lease, expiry, _encode(record), expected.version,
         )  # fmt: skip
         if record.args_json != expected.args_json:
             args += (record.args_json,)
-        try:
-            return bool(await (await self._side()).swap(self._keys(record.key), args) == 1)
-        except RedisError as exc:
-            raise self._unavailable(exc, f"writing {record.key!r}") from exc
+        written = await self._awrite(
+            side.swap, side.swap_again, self._keys(record.key), args, f"writing {record.key!r}"
+        )
+        return bool(written == 1)
 
     async def adelete(self, key: str, expected_version: int) -> bool:
         self._check_open()
