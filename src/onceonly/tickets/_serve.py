@@ -44,7 +44,9 @@ class AbortableH11Protocol(H11Protocol):
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: a free one, chosen by the OS)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that say they are TCP, and with
+    # Nagle on every response waits ~40 ms for a delayed ACK between its header and body writes.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -143,6 +143,8 @@ class TicketDB:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[sqlite3.Connection] = []
+        #: Held around every write transaction of this process.
+        self.write_lock = threading.Lock()
         conn = self.conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -316,28 +318,31 @@ def create_app(
         else:
             client, key = client_hash(authorization_identity(request.scope)), _raw_key(request.scope)
         conn = db.conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            slot = table.begin_request(conn, ctx) if transactional and ctx is not None else None
-            if fault == "fail":
-                _fail()
-            created = _now()
-            cur = conn.execute(
-                "INSERT INTO tickets (session_id, title, body, created_at, client, idempotency_key) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (ticket.session_id, ticket.title, ticket.body, created, client, key),
-            )
-            if fault == "crash":
-                os._exit(CRASH_EXIT_CODE)  # after the business write, before the commit
-            out = {"id": cur.lastrowid, **ticket.model_dump(), "created_at": created}
-            body = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-            headers = {"content-type": "application/json", "location": f"/tickets/{cur.lastrowid}"}
-            if slot is not None:
-                slot.complete(201, body, headers)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+        # One writer at a time in this process: SQLite allows one anyway, and its busy handler would
+        # make the others sleep in steps of milliseconds instead of queueing behind a lock.
+        with db.write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                slot = table.begin_request(conn, ctx) if transactional and ctx is not None else None
+                if fault == "fail":
+                    _fail()
+                created = _now()
+                cur = conn.execute(
+                    "INSERT INTO tickets (session_id, title, body, created_at, client, idempotency_key) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (ticket.session_id, ticket.title, ticket.body, created, client, key),
+                )
+                if fault == "crash":
+                    os._exit(CRASH_EXIT_CODE)  # after the business write, before the commit
+                out = {"id": cur.lastrowid, **ticket.model_dump(), "created_at": created}
+                body = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                headers = {"content-type": "application/json", "location": f"/tickets/{cur.lastrowid}"}
+                if slot is not None:
+                    slot.complete(201, body, headers)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
         if fault == "crash_after_commit":
             os._exit(CRASH_EXIT_CODE)
         return Response(body, status_code=201, headers=headers)
