@@ -81,16 +81,26 @@ class RunningServer:
     .. versionadded:: 0.1
     """
 
-    def __init__(self, server: uvicorn.Server, thread: threading.Thread, url: str, app: ASGIApp) -> None:
+    def __init__(
+        self, server: uvicorn.Server, thread: threading.Thread, url: str, app: ASGIApp, *, owns_app: bool = False
+    ) -> None:
         self.server = server
         self.thread = thread
         self.url = url
         self.app = app
+        self._owns_app = owns_app
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop accepting, finish the requests running (up to a few seconds), join the thread."""
+        """Stop accepting, finish the requests running (up to a few seconds), join the thread.
+
+        A ticket service made by ``serve_in_thread`` also closes its database connections.
+        """
         self.server.should_exit = True
         self.thread.join(timeout)
+        if self._owns_app:
+            db = getattr(getattr(self.app, "state", None), "db", None)
+            if db is not None:
+                db.close()
 
     def __enter__(self) -> RunningServer:
         return self
@@ -120,6 +130,7 @@ def serve_in_thread(
 
     .. versionadded:: 0.1
     """
+    owns_app = app is None
     if app is None:
         from onceonly.tickets.app import create_app
 
@@ -148,7 +159,7 @@ def serve_in_thread(
             server.should_exit = True
             raise RuntimeError(f"the server did not start within {startup_timeout} s")
         time.sleep(0.005)
-    return RunningServer(server, thread, _url(sock), app)
+    return RunningServer(server, thread, _url(sock), app, owns_app=owns_app)
 
 
 def serve(
