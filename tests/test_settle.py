@@ -597,8 +597,7 @@ def fixture_tickets(tmp_path: Path) -> Iterator[Any]:
 
     server = serve_in_thread(db_path=tmp_path / "tickets.db", idempotency=False, faults={"delay_seconds": 0.6})
     yield server
-    server.stop()
-    server.app.state.db.close()  # type: ignore[attr-defined]
+    server.stop()  # also closes the ticket database
 
 
 def test_probes_end_to_end_against_the_ticket_service(tickets: Any, sqlite_url: str) -> None:

@@ -258,8 +258,7 @@ def run_strategy(
         injected = dict(server.app.state.faults.snapshot()["injected"])  # type: ignore[attr-defined]
     finally:
         strategy.close()
-        server.stop()
-        server.app.state.db.close()  # type: ignore[attr-defined]
+        server.stop()  # also closes the ticket database it made
     asks_per_op = {op: len(got) for op, got in asked.items()}
     row = count(strategy.name, operations, _tickets(db_path), statuses, latencies, asks_per_op)
     report = getattr(strategy, "report", None)
