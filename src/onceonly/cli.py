@@ -52,31 +52,6 @@ if _MISSING_CLI is None:
     def cli() -> None:
         """onceonly: make the side-effecting tool calls of AI agents happen exactly once."""
 
-    @cli.command()
-    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-    def demo(as_json: bool) -> None:
-        """A timed-out tool call, settled without a duplicate (embedded: no servers needed)."""
-        from onceonly._demo_basic import run_basic_demo
-
-        result = run_basic_demo()
-        if as_json:
-            click.echo(json.dumps(result, indent=2))
-            return
-        console = Console()
-        console.print(
-            "[bold]A tool creates a ticket, then its answer is lost[/bold] (the call times out after the "
-            "ticket was written). The agent calls again."
-        )
-        table = Table(title="what happened")
-        for col in ("strategy", "calls made", "tickets created", "duplicates", "result returned"):
-            table.add_column(col)
-        for row in result["strategies"]:
-            table.add_row(
-                row["name"], str(row["calls"]), str(row["created"]), str(row["duplicates"]), str(row["returned"])
-            )
-        console.print(table)
-        console.print(f"ledger history of the onceonly call: {result['history']}")
-
     @cli.command("ls")
     @_url_option
     @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]))
