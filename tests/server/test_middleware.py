@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+import onceonly
 from onceonly import states as st
 from onceonly.server import client_hash, store_key
 from onceonly.server._http import fingerprint_start
@@ -305,13 +306,13 @@ def test_live_claim_of_another_server_is_409(serve: Serve) -> None:
 
 def test_long_request_keeps_its_claim(serve: Serve) -> None:
     """A handler running past processing_timeout renews its claim: a retry meanwhile gets 409."""
-    s = serve(processing_timeout=0.6)
+    s = serve(processing_timeout=1.0)
 
     async def scenario() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=s.url, timeout=10) as c:
             first = asyncio.ensure_future(c.post("/slow", headers=K))
             await asyncio.to_thread(s.entered.wait, 5)
-            await asyncio.sleep(1.3)  # more than two leases
+            await asyncio.sleep(2.2)  # more than two leases
             second = await c.post("/slow", headers=K)
             s.gate.set()
             return await first, second
@@ -361,3 +362,28 @@ def test_fifty_concurrent_requests_run_once(serve: Serve) -> None:
     assert len(replayed) + len(busy) == 49
     assert all(r.json() == fresh[0].json() for r in replayed)
     assert s.runs["echo"] == 1
+
+
+def test_store_opened_from_a_url_is_closed_at_shutdown(sqlite_url: str) -> None:
+    """A store the middleware opened itself (from a URL) is closed at the lifespan shutdown."""
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    middleware = IdempotencyMiddleware(Starlette(), store=sqlite_url)
+    store = middleware.store
+    assert store is not None and store.get("x") is None
+    events = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+
+    async def receive() -> dict[str, str]:
+        return events.pop(0)
+
+    async def send(message: dict[str, str]) -> None:
+        sent.append(message["type"])
+
+    asyncio.run(middleware({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert middleware.store is None
+    with pytest.raises(onceonly.StoreUnavailable):
+        store.get("x")

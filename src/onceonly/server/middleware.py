@@ -161,6 +161,7 @@ class IdempotencyMiddleware:
             raise ValueError(f"processing_timeout={processing_timeout}: give a positive number of seconds")
         self.app = app
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
+        self._owns_store = isinstance(store, str)
         if store_calls == "auto":
             if isinstance(self.store, SQLiteStore):
                 store_calls = "inline"
@@ -186,6 +187,9 @@ class IdempotencyMiddleware:
     # --- the ASGI entry point -------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" and self._owns_store:
+            await self.app(scope, self._closing_at_shutdown(receive), send)
+            return
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
@@ -486,6 +490,30 @@ class IdempotencyMiddleware:
             held.done = True
         if held.beat is not None:
             held.beat.cancel()
+
+    # --- closing -------------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the store, if the middleware opened it from a URL (a ``Store`` you passed is yours).
+
+        Runs by itself at the application's lifespan shutdown, when the server sends lifespan events.
+        """
+        if not self._owns_store or self.store is None:
+            return
+        store, self.store = self.store, None
+        closer = getattr(store, "aclose", None)
+        if closer is not None:
+            await closer()  # the async face's connections belong to this loop: close them on it
+        store.close()
+
+    def _closing_at_shutdown(self, receive: Receive) -> Receive:
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.aclose()
+            return message
+
+        return wrapped
 
     # --- helpers ------------------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ def _config(app: ASGIApp, log_level: str) -> uvicorn.Config:
         http=AbortableH11Protocol,
         log_level=log_level,
         access_log=False,
-        lifespan="off",
+        lifespan="auto",
         timeout_graceful_shutdown=3,
     )
 
