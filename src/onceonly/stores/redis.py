@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from typing import Any, TypeVar
@@ -70,6 +71,15 @@ _STATES = {s.value: s for s in State}
 _OPEN = frozenset({State.UNKNOWN, State.NEEDS_REVIEW})
 _HELD_VALUES = frozenset(s.value for s in HELD)
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+_fork_generation = 0
+
+
+def _after_fork() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork)
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
 _loads = json.loads
 
@@ -486,8 +496,15 @@ class RedisStore:
         self.prefix: str = opts["prefix"]
         self.shards: int = opts["shards"]
         self._where = _where(url)
-        self._client: redis.Redis = redis.Redis.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
-        self._command: Callable[..., Any] = self._client.execute_command
+        # One pool. Pipelines, scans, the pub/sub listener and opening use it through `_client`; the
+        # hot primitives use one single-connection client per thread on the same pool (`_thread`):
+        # that skips the pool's check-out and its "has this idle connection data?" probe, about a
+        # third of redis-py's own cost per command. A connection killed while idle then fails on its
+        # next command instead: reads retry once, writes re-run exactly (`_write`).
+        self._pool = redis.ConnectionPool.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
+        self._client: redis.Redis = redis.Redis(connection_pool=self._pool)
+        self._local = threading.local()
+        self._thread_clients: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
         self._claim = self._client.register_script(_CLAIM)
         self._claim_again = self._client.register_script(_CLAIM_AGAIN)
         self._swap = self._client.register_script(_SWAP)
@@ -605,6 +622,17 @@ class RedisStore:
         """The pub/sub channels, one per shard."""
         return [f"{tag}:c" for tag in self._tags]
 
+    def _thread(self) -> Any:
+        """This thread's single-connection client (a new one after a fork: sockets are not shared)."""
+        local = self._local
+        client = getattr(local, "client", None)
+        if client is None or local.generation != _fork_generation:
+            self._check_open()
+            client = redis.Redis(connection_pool=self._pool, single_connection_client=True)
+            local.client, local.generation = client, _fork_generation
+            self._thread_clients.add(client)
+        return client
+
     # --- the primitives, sync ---------------------------------------------------------------------
 
     def get(self, key: str) -> Record | None:
@@ -612,9 +640,9 @@ class RedisStore:
         rk = self._records[self._shard(key)] + key
         try:
             try:
-                d, a = self._command("HMGET", rk, "d", "a")
+                d, a = self._thread().execute_command("HMGET", rk, "d", "a")
             except _TRANSIENT:
-                d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
+                d, a = self._thread().execute_command("HMGET", rk, "d", "a")  # a read is safe to repeat
         except RedisError as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
@@ -623,14 +651,14 @@ class RedisStore:
         """Run a write script; if its connection fails, re-run its "again" twin, which is exact."""
         try:
             try:
-                return script(keys, args)
+                return script(keys, args, self._thread())
             except RedisConnectionError:
                 pass
             # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
             for attempt in range(_RERUNS):
                 self.reruns += 1
                 try:
-                    return again(keys, args)
+                    return again(keys, args, self._thread())
                 except RedisConnectionError:
                     if attempt == _RERUNS - 1:
                         raise
@@ -662,7 +690,7 @@ class RedisStore:
     def delete(self, key: str, expected_version: int) -> bool:
         self._check_open()
         try:
-            return bool(self._delete(self._keys(key), (key, expected_version)) == 1)
+            return bool(self._delete(self._keys(key), (key, expected_version), self._thread()) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
@@ -716,7 +744,10 @@ class RedisStore:
             hub, self._hub = self._hub, None
         if hub is not None:
             hub.close()
+        for client in list(self._thread_clients):
+            client.close()
         self._client.close()
+        self._pool.disconnect()
         # The async clients close on their own loops (aclose(), or the loop's shutdown: _AsyncSide).
         self._async = {}
 

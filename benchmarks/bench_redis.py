@@ -1,0 +1,269 @@
+"""Redis: the guard's per-call cost next to two raw round trips, and next to Powertools' idempotency.
+
+    python benchmarks/bench.py --stores redis                 # the table (bench())
+    python benchmarks/bench_redis.py --throughput 8           # 8 processes: guarded vs raw calls/s
+    python benchmarks/bench_redis.py --preload 1000000        # per-call cost with 1M records stored
+
+Every contender uses the same redis-py client settings as the store (retries off, 5 s timeouts), the
+same server ($ONCEONLY_BENCH_REDIS_URL, default redis://127.0.0.1:6379/0) and does the same work:
+
+- floor: what any Redis ledger pays: a ``SET NX`` of a record-shaped value (the claim) and a ``SET``
+  of the settled value (the settle): two round trips, no script, no index.
+- guarded first call / replay: ``@ledger.tool`` on a RedisStore: the claim script (one round trip,
+  indexes and counters updated inside), the tool, the settle script.
+- Powertools: ``@idempotent_function`` with ``RedisCachePersistenceLayer`` on a client made the same
+  way, first call and replay.
+
+Each run uses a prefix of its own and deletes what it wrote at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _harness import Contender, interleave, report
+
+import onceonly
+from onceonly.stores.redis import RedisStore
+
+URL = os.environ.get("ONCEONLY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _url(prefix: str) -> str:
+    sep = "&" if "?" in URL else "?"
+    return f"{URL}{sep}prefix={prefix}&warn_persistence=false"
+
+
+def floor(store: RedisStore, prefix: str) -> Callable[[int], None]:
+    """Two raw round trips per call on the store's own client: claim (SET NX), settle (SET)."""
+    client = store._thread()  # the single-connection client the store's primitives use
+    now = time.time()
+    entry = {"at": now, "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
+    history_1 = json.dumps([entry])
+    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
+
+    def run(i: int) -> None:
+        key = f"{prefix}:floor:default:bench.tool:{i:032d}"
+        t = time.time()
+        claim = json.dumps(["default", "bench.tool", "f" * 64, "in_flight", 1, 1, 1, "h:1:1", t + 30, None, None,
+                            t, t, None, None, history_1, None, 0, f'{{"i":{i}}}'])  # fmt: skip
+        client.set(key, claim, nx=True)
+        settled = json.dumps(["default", "bench.tool", "f" * 64, "confirmed", 1, 1, 2, None, None, None, t + 86400,
+                              t, t, f'{{"ok":true,"i":{i}}}', None, history_2, "run", 0, f'{{"i":{i}}}'])  # fmt: skip
+        client.set(key, settled)
+
+    return run
+
+
+def powertools(prefix: str) -> tuple[Callable[[int], object], Callable[[int], object]]:
+    """Powertools' idempotent function on Redis: (first call, replay)."""
+    import warnings
+
+    import redis
+    from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
+    from aws_lambda_powertools.utilities.idempotency.persistence.redis import RedisCachePersistenceLayer
+
+    client = redis.Redis.from_url(
+        URL, retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), socket_timeout=5, single_connection_client=True
+    )
+    layer = RedisCachePersistenceLayer(client=client)
+    config = IdempotencyConfig(expires_after_seconds=86400)
+    # Outside Lambda it warns on every call that it cannot tell the remaining time; not our concern.
+    warnings.filterwarnings("ignore", message="Couldn't determine the remaining time left")
+
+    @idempotent_function(data_keyword_argument="order", persistence_store=layer, config=config, key_prefix=prefix)
+    def tool(order: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "i": order["i"]}
+
+    done: list[int] = []
+
+    def first(i: int) -> object:
+        out = tool(order={"i": i, "run": prefix})
+        done.append(i)
+        return out
+
+    def replay(i: int) -> object:
+        return tool(order={"i": done[i % len(done)], "run": prefix})
+
+    first(0)
+    return first, replay
+
+
+def _cleanup(prefix: str) -> None:
+    """Delete what this run wrote (benchmark clean-up only; the store itself never scans)."""
+    import redis
+
+    client = redis.Redis.from_url(URL)
+    try:
+        for pattern in (f"{prefix}*", f"*{prefix}*"):
+            batch = list(client.scan_iter(match=pattern, count=1000))
+            for i in range(0, len(batch), 500):
+                client.delete(*batch[i : i + 500])
+    finally:
+        client.close()
+
+
+def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
+    prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
+    ledger = onceonly.Ledger.open(_url(prefix))
+    store = ledger.store
+    assert isinstance(store, RedisStore)
+
+    def tool_body(i: int) -> dict[str, object]:
+        return {"ok": True, "i": i}
+
+    guarded = ledger.tool(name="bench.tool")(tool_body)
+    done: list[int] = []
+
+    def first(i: int) -> None:
+        guarded(i)
+        done.append(i)
+
+    def replay(i: int) -> None:
+        guarded(done[i % len(done)])
+
+    first(0)
+    contenders = [
+        Contender("bare tool", tool_body),
+        Contender("floor: 2 raw round trips", floor(store, prefix)),
+        Contender("guarded first call", first),
+        Contender("replay (from the store)", replay),
+    ]
+    try:
+        pt_first, pt_replay = powertools(prefix)
+        contenders += [Contender("powertools first call", pt_first), Contender("powertools replay", pt_replay)]
+    except ImportError as exc:
+        print(f"redis: Powertools not installed ({exc}): pip install 'aws-lambda-powertools[redis]'", file=sys.stderr)
+    try:
+        interleave(contenders, rounds, batch)
+    finally:
+        ledger.close()
+        _cleanup(prefix)
+    rows = report("redis", contenders)
+    by = {str(r["what"]): r for r in rows}
+    if "powertools first call" in by:
+        ratio = float(str(by["guarded first call"]["us_per_call"])) / float(
+            str(by["powertools first call"]["us_per_call"])
+        )
+        print(f"redis: guarded first call / Powertools first call = {ratio:.2f}")
+    return rows
+
+
+# --- opt-in: throughput with 8 processes, and the cost with a million records stored ------------------
+
+
+def _throughput_worker(kind: str, prefix: str, worker: int, seconds: float, start: Any, out: Any) -> None:
+    store = RedisStore(_url(prefix))
+    if kind == "guarded":
+        ledger = onceonly.Ledger(store)
+        call: Callable[[int], object] = ledger.tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
+    else:
+        call = floor(store, f"{prefix}:{worker}")
+    start.wait()
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        call(worker * 10_000_000 + n)
+        n += 1
+    store.close()
+    out.put(n)
+
+
+def throughput(processes: int = 8, seconds: float = 5.0) -> dict[str, float]:
+    """Calls per second of ``processes`` processes on one ledger: guarded first calls vs the floor."""
+    ctx = multiprocessing.get_context("spawn")
+    rates: dict[str, float] = {}
+    for kind in ("floor", "guarded"):
+        prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
+        start, out = ctx.Barrier(processes), ctx.Queue()
+        procs = [
+            ctx.Process(target=_throughput_worker, args=(kind, prefix, w, seconds, start, out))
+            for w in range(processes)
+        ]
+        for p in procs:
+            p.start()
+        total = sum(out.get() for _ in procs)
+        for p in procs:
+            p.join()
+        _cleanup(prefix)
+        rates[kind] = total / seconds
+    rates["ratio"] = rates["guarded"] / rates["floor"]
+    print(f"redis, {processes} processes: guarded {rates['guarded']:.0f} calls/s, floor {rates['floor']:.0f} "
+          f"calls/s, ratio {rates['ratio']:.2f}")  # fmt: skip
+    return rates
+
+
+def preload(records: int, rounds: int = 10, batch: int = 200) -> list[dict[str, object]]:
+    """Per-call cost with ``records`` confirmed records already stored (loaded by pipelined claims)."""
+    prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
+    ledger = onceonly.Ledger.open(_url(prefix))
+    store = ledger.store
+    assert isinstance(store, RedisStore)
+    from onceonly import states as st
+
+    started = time.monotonic()
+    chunk = 2000
+    now = time.time()
+    for base in range(0, records, chunk):
+        pipe = store._client.pipeline(transaction=False)
+        for i in range(base, min(base + chunk, records)):
+            rec = st.new_record(key=f"default:preload:{i:012d}", scope="default", tool="preload", fingerprint="f" * 64,
+                                args_json=f'{{"i":{i}}}', state=onceonly.State.IN_FLIGHT, owner="h:1:1", now=now,
+                                lease_seconds=30)  # fmt: skip
+            rec = st.confirm(rec, result_json='{"ok":true}', now=now, ttl=86400, via="run", by="h:1:1")
+            lease, expiry = "", repr(rec.expires_at)
+            from onceonly.stores.redis import _encode
+
+            store._claim(store._keys(rec.key), (rec.key, rec.version, rec.state.value, lease, expiry, _encode(rec),
+                                                rec.args_json), client=pipe)  # fmt: skip
+        pipe.execute()
+    print(f"redis: {records} records loaded in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    guarded = ledger.tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
+    done: list[int] = []
+
+    def first(i: int) -> None:
+        guarded(i)
+        done.append(i)
+
+    first(0)
+    contenders = [
+        Contender("floor: 2 raw round trips", floor(store, prefix)),
+        Contender(f"guarded first call, {records} stored", first),
+        Contender(f"replay, {records} stored", lambda i: guarded(done[i % len(done)])),
+    ]
+    try:
+        interleave(contenders, rounds, batch)
+    finally:
+        ledger.close()
+        _cleanup(prefix)
+    return report("redis", contenders)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
+    args = parser.parse_args(argv)
+    if args.throughput:
+        throughput(args.throughput, args.seconds)
+    elif args.preload:
+        preload(args.preload, args.rounds, args.batch)
+    else:
+        bench(args.rounds, args.batch, Path("."))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
