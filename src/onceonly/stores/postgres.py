@@ -19,9 +19,9 @@ never notifies unless someone waits on that very key: NOTIFY takes a database-wi
 would otherwise serialise every settle. One LISTEN connection per store, in a daemon thread, wakes the
 waiters of both faces; when it cannot listen, waiting falls back to polling.
 
-The sync face uses a ``ConnectionPool``; the async face an ``AsyncConnectionPool`` per event loop,
-made on first use in that loop (a pool's tasks and locks belong to one loop). docs/postgres.md has the
-URL options, the indexes and what they cost, and the measured figures.
+The sync face uses a ``psycopg_pool.ConnectionPool``; the async face keeps its own idle connections
+per event loop, made on first use in that loop (``_LoopConnections`` says why not an async pool).
+docs/postgres.md has the URL options, the indexes and what they cost, and the measured figures.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import select
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import HELD, Record, State
@@ -324,7 +324,7 @@ class _Listener:
     needs no write to mark it. Any notification for a key, or losing the connection, forgets it.
     """
 
-    RETRY_AFTER = 1.0  # seconds between attempts to (re)connect; meanwhile waiters poll
+    RETRY_AFTER = 2.0  # seconds after a failed connect before the next; meanwhile waiters poll
     FLAGGED_LIMIT = 4096
 
     def __init__(self, conninfo: str, channel: str) -> None:
@@ -378,7 +378,7 @@ class _Listener:
                         break
                     self._dispatch(note.payload)
         except psycopg.Error:
-            self._failed_at = time.monotonic()
+            pass  # the connection was lost: reconnect at the next wait (a failed connect then backs off)
         finally:
             # Whatever happened while we were not listening is lost: forget what was flagged and
             # wake everyone, so each waiter reads its record again.
@@ -441,6 +441,101 @@ class _Listener:
         thread.join(timeout=2.0)
 
 
+# --- the async face's connections -------------------------------------------------------------------
+
+
+class _LoopConnections:
+    """The async face's connections in one event loop: the idle ones, and a bound on how many.
+
+    Not a ``psycopg_pool.AsyncConnectionPool``: its maintenance tasks swallow the cancellation that
+    ``asyncio.run`` sends at its end when one of them is connecting, and ``asyncio.run`` then never
+    returns (psycopg_pool 3.3). This has no task of its own, so a loop may end at any moment: its
+    keeper, an async generator the loop closes at shutdown, closes the idle connections.
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        self.slots = asyncio.Semaphore(store.options.pool_max_size)
+        self.closed = False
+        self._keeper: AsyncGenerator[None, None] | None = None
+
+    async def start(self) -> None:
+        keeper = self._keep()
+        await keeper.__anext__()  # from now on the loop closes it in shutdown_asyncgens()
+        self._keeper = keeper
+
+    async def _keep(self) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            self.close_now()
+
+    async def get(self) -> psycopg.AsyncConnection[Any]:
+        store = self.store
+        if self.closed:
+            raise StoreUnavailable(f"{store._where} was closed")
+        if self.slots.locked():
+            try:
+                await asyncio.wait_for(self.slots.acquire(), store.options.pool_timeout)
+            except TimeoutError:
+                raise StoreUnavailable(
+                    f"{store._where}: all {store.options.pool_max_size} async connections stayed busy for "
+                    f"{store.options.pool_timeout:g}s (raise pool_max_size or pool_timeout in the URL)"
+                ) from None
+        else:
+            await self.slots.acquire()  # free: returns without suspending
+        try:
+            while self.idle:
+                conn = self.idle.pop()
+                dead = _is_dead(conn)
+                if dead is None:
+                    try:
+                        await conn.execute("")
+                        dead = False
+                    except psycopg.Error:
+                        dead = True
+                if not dead:
+                    return conn
+                _close_now(conn)
+            return await psycopg.AsyncConnection.connect(store._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            self.slots.release()
+            raise store._translate(exc) from exc
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def put(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        # Keep it only if it is healthy and idle (an error or a cancellation mid-statement may leave it
+        # in a transaction or broken).
+        if self.closed or conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            _close_now(conn)
+        else:
+            self.idle.append(conn)
+        self.slots.release()
+
+    def close_now(self) -> None:
+        self.closed = True
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            _close_now(conn)
+
+
+def _close_now(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Close an async connection without a loop: its ``close()`` never suspends, so run it to its end."""
+    closing = conn.close()
+    try:
+        closing.send(None)
+    except StopIteration:
+        return
+    except psycopg.Error:
+        pass
+    else:
+        closing.close()  # it wanted to wait after all: drop it and close the socket below
+    conn.pgconn.finish()
+
+
 # --- the store -------------------------------------------------------------------------------------
 
 
@@ -487,7 +582,7 @@ class PostgresStore:
         self._updates: dict[tuple[str, ...], str] = {}
         self._closed = False
         self._lock = threading.Lock()
-        self._apools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
+        self._aconnections: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
         self._listener = _Listener(self._conninfo, _channel(self.schema)) if options.listen else None
 
         self._ensure_schema()
@@ -652,52 +747,20 @@ class PostgresStore:
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
 
-    async def _apool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+    async def _aconns(self) -> _LoopConnections:
         loop = asyncio.get_running_loop()
-        pool = self._apools.get(loop)
-        if pool is not None:
-            return pool
-        if self._closed:
-            raise StoreUnavailable(f"{self._where} was closed")
-        pool = AsyncConnectionPool(
-            self._conninfo,
-            min_size=self.options.pool_min_size,
-            max_size=self.options.pool_max_size,
-            timeout=self.options.pool_timeout,
-            kwargs={"autocommit": True},
-            name=f"onceonly-async[{self.schema}]",
-            open=False,
-        )
-        await pool.open(wait=False)
+        conns = self._aconnections.get(loop)
+        if conns is not None and not conns.closed:
+            return conns
         with self._lock:
-            # A loop that ended took its pool's tasks with it; its idle connections close when the pool
-            # is collected (pooled connections close quietly).
-            for old in [lp for lp in self._apools if lp.is_closed()]:
-                del self._apools[old]
-            other = self._apools.setdefault(loop, pool)
-        if other is not pool:
-            await pool.close()
-        return other
-
-    async def _agetconn(self) -> tuple[AsyncConnectionPool[psycopg.AsyncConnection[Any]], psycopg.AsyncConnection[Any]]:
-        pool = await self._apool()
-        try:
-            for _ in range(self.options.pool_max_size + 1):
-                conn = await pool.getconn()
-                dead = _is_dead(conn)
-                if dead is None:
-                    try:
-                        await conn.execute("")
-                        dead = False
-                    except psycopg.Error:
-                        dead = True
-                if not dead:
-                    return pool, conn
-                await conn.close()
-                await pool.putconn(conn)
-            return pool, await pool.getconn()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
+            if self._closed:
+                raise StoreUnavailable(f"{self._where} was closed")
+            # Loops that ended: their connections were closed by their keeper, or are closed here.
+            for old in [lp for lp in self._aconnections if lp.is_closed()]:
+                self._aconnections.pop(old).close_now()
+            conns = self._aconnections[loop] = _LoopConnections(self)
+        await conns.start()
+        return conns
 
     def _update_sql(self, record: Record, expected: Record) -> tuple[str, list[Any]]:
         # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
@@ -891,7 +954,7 @@ class PostgresStore:
             if self._closed:
                 return
             self._closed = True
-            apools, self._apools = self._apools, {}
+            aconnections, self._aconnections = self._aconnections, {}
         if self._listener is not None:
             wake = None
             with contextlib.suppress(psycopg.Error):
@@ -902,33 +965,37 @@ class PostgresStore:
                 if wake is not None:
                     self._pool.putconn(wake)
         self._pool.close()
-        for loop, pool in apools.items():
-            _close_elsewhere(loop, pool)
+        # Idle async connections are closed here, whatever their loop: closing one is a plain call.
+        # Those in use are closed when handed back.
+        for conns in aconnections.values():
+            conns.close_now()
 
     # --- the primitives, async --------------------------------------------------------------------------
 
     async def aget(self, key: str) -> Record | None:
-        pool, conn = await self._agetconn()
+        conns = await self._aconns()
+        conn = await conns.get()
         try:
             cur = await conn.execute(self._sql_get, (key,))
             row = await cur.fetchone()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         finally:
-            await pool.putconn(conn)
+            await conns.put(conn)
         return None if row is None else _row_to_record(row)
 
     async def aclaim(self, record: Record) -> Record | None:
         params = (*_record_values(record), record.key)
         while True:
-            pool, conn = await self._agetconn()
+            conns = await self._aconns()
+            conn = await conns.get()
             try:
                 cur = await conn.execute(self._sql_claim, params)
                 row = await cur.fetchone()
             except psycopg.Error as exc:
                 raise self._translate(exc) from exc
             finally:
-                await pool.putconn(conn)
+                await conns.put(conn)
             assert row is not None
             if row[0]:
                 return None
@@ -939,13 +1006,14 @@ class PostgresStore:
                 return current
 
     async def _awrite(self, sql: str, params: Sequence[Any]) -> int:
-        pool, conn = await self._agetconn()
+        conns = await self._aconns()
+        conn = await conns.get()
         try:
             cur = await conn.execute(sql, params)
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         finally:
-            await pool.putconn(conn)
+            await conns.put(conn)
         return cur.rowcount
 
     async def ainsert(self, record: Record) -> bool:
@@ -962,14 +1030,15 @@ class PostgresStore:
         built = self._scan_sql(query)
         if built is None:
             return []
-        pool, conn = await self._agetconn()
+        conns = await self._aconns()
+        conn = await conns.get()
         try:
             cur = await conn.execute(built[0], built[1])
             rows = await cur.fetchall()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         finally:
-            await pool.putconn(conn)
+            await conns.put(conn)
         return [_row_to_record(r) for r in rows]
 
     async def await_for_change(self, key: str, version: int, timeout: float) -> None:
@@ -1000,40 +1069,7 @@ class PostgresStore:
             listener.unregister(key, waiter)
 
     async def aclose(self) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            pool = self._apools.pop(loop, None)
-        if pool is not None:
-            await pool.close()
         await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
         return f"PostgresStore({_mask(self.url)!r})"
-
-
-def _close_elsewhere(loop: asyncio.AbstractEventLoop, pool: AsyncConnectionPool[Any]) -> None:
-    """Close an async pool from sync code, as far as its event loop allows."""
-    if loop.is_closed():
-        return  # its tasks ended with the loop; its idle connections close when collected
-    if loop.is_running():
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            # close() was called from inside that loop, synchronously: finish it in the background.
-            task = loop.create_task(pool.close())
-            _closing.add(task)
-            task.add_done_callback(_closing.discard)
-            return
-        # Best effort: the loop may be shutting down.
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=5.0)
-        return
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        loop.run_until_complete(pool.close())
-
-
-_closing: set[asyncio.Task[None]] = set()
