@@ -20,12 +20,16 @@ Cluster and every script declares all the keys it touches. Keys, members and cha
 safe: a ledger key may hold ``:``, ``*``, ``?``, ``[``, ``{``, quotes and any Unicode. ``scan``
 reads the indexes (``ZRANGEBYLEX``, ``ZRANGEBYSCORE``) and never ``KEYS`` or a pattern ``SCAN``.
 
-Retries: the clients are built with redis-py's retries off. A retried script is not a no-op: a claim
-whose reply was lost would, run again, find its own record and report it as someone else's (the
-caller would then wait on itself until its lease ran out), and a retried swap would report "not
-written" for its own write. So a lost reply surfaces as ``StoreUnavailable`` and the guard re-reads
-the record to learn whether the write landed (it compares the stored history with its own), which
-is exact. Reads (``get``, ``scan``, ``count_by_state``) are retried once: they change nothing.
+Retries: the clients are built with redis-py's retries off. A blindly re-run script is not a no-op:
+a claim whose reply was lost would, run again, find its own record and report it as someone else's
+(the caller would then wait on itself until its lease ran out), and a re-run swap would report "not
+written" for its own write. So a claim or swap whose connection fails is re-run (at most twice) by
+an "again" twin of its script, which recognises the caller's own earlier write byte for byte and
+answers exactly what the first run did, whether or not it landed, and even if the first run is
+executed after the re-run. Timeouts are not re-run (they have already waited ``socket_timeout``).
+What still fails surfaces as ``StoreUnavailable``, and the guard re-reads the record to learn
+whether its write landed. Reads (``get``, ``scan``, ``count_by_state``) are retried once: they
+change nothing.
 """
 
 from __future__ import annotations
