@@ -276,12 +276,12 @@ def plan(call: Call) -> Plan:
     )  # fmt: skip
     try:
         rec = yield Claim(first)
+        claimed = rec is None
     except StoreError:
-        # Did the claim land before the store failed? Only the record can say.
+        # Did the claim land before the store failed? Only the record can say: ours, someone
+        # else's, or none at all (then the loop below inserts it; we must not run without one).
         rec = yield Get(key)
-        if rec is not None and rec.lease_owner == owner and rec.history_json == first.history_json:
-            rec = None
-    claimed = rec is None
+        claimed = rec is not None and rec.lease_owner == owner and rec.history_json == first.history_json
     rec = first if claimed else rec
     while True:
         now = call.clock()
