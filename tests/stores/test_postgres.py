@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from onceonly import states as st  # noqa: E402
 from onceonly.errors import StoreCorrupt, StoreUnavailable  # noqa: E402
 from onceonly.states import Record, State  # noqa: E402
 from onceonly.stores import Query, open_store  # noqa: E402
-from onceonly.stores.postgres import SCHEMA_VERSION, PostgresStore, parse_postgres_url  # noqa: E402
+from onceonly.stores.postgres import SCHEMA_VERSION, PostgresStore, _record_values, parse_postgres_url  # noqa: E402
 
 pytestmark = pytest.mark.postgres
 
@@ -414,6 +415,70 @@ def test_claim_racing_an_uncommitted_insert(store: PostgresStore, admin: Any, ta
 
 
 # --- lost connections -------------------------------------------------------------------------------
+
+
+def _blocked_pids(admin: Any, tag: str, not_in: AbstractSet[int] = frozenset()) -> set[int]:
+    """The store's backends waiting on a lock, once at least one other than ``not_in`` waits."""
+    for _ in range(200):
+        pids = {
+            r[0]
+            for r in admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'", (tag,)
+            )
+        }
+        if pids - not_in:
+            return pids
+        time.sleep(0.02)
+    raise AssertionError("the store's statement never waited on the lock")
+
+
+@pytest.mark.parametrize("primitive", ["claim", "insert", "swap"])
+def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
+    store: PostgresStore, admin: Any, tag: str, primitive: str
+) -> None:
+    """The store's write waits on a lock; its backend is terminated; the rerun on a fresh connection
+    then finds the very row this write meant to leave (as if the first run had landed before the cut):
+    it reports the write as its own (claim → holder, insert/swap → True), not as someone else's."""
+    old = make("cut")
+    new = st.confirm(old, result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
+    if primitive == "swap":
+        store.insert(old)
+    mine = old if primitive != "swap" else new
+    # "The first run": the same statement with the same values, in a transaction held open.
+    other = psycopg.connect(store.options.conninfo)
+    try:
+        if primitive == "swap":
+            sql, values = store._update_sql(new, old)
+            assert other.execute(sql, values).rowcount == 1
+        else:
+            assert other.execute(store._sql_insert, _record_values(old)).rowcount == 1
+        result: list[object] = []
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                if primitive == "claim":
+                    result.append(store.claim(old))
+                elif primitive == "insert":
+                    result.append(store.insert(old))
+                else:
+                    result.append(store.swap(new, old))
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        first = _blocked_pids(admin, tag)
+        admin.execute("SELECT pg_terminate_backend(pid, 5000) FROM unnest(%s::int[]) AS pid", (list(first),))
+        _blocked_pids(admin, tag, not_in=first)  # the rerun waits on the same lock
+        other.commit()
+        thread.join(timeout=30)
+    finally:
+        other.close()
+    assert not errors, errors
+    assert store.reruns == 1
+    assert result == [None if primitive == "claim" else True]
+    assert store.get("cut") == mine
 
 
 def _terminate(admin: Any, tag: str) -> int:

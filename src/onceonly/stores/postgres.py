@@ -66,6 +66,7 @@ _OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEEDS_REVIE
 # Record fields a swap may change (key never changes; version is always written) → their column.
 _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+_ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
 
 
 def _literals(states: Sequence[State]) -> str:
@@ -246,6 +247,8 @@ def _mask(url: str) -> str:
 # --- rows ----------------------------------------------------------------------------------------
 
 
+# Rows are read in binary: float8 arrives as its eight bytes (exact by construction, and cheaper to
+# load than text), text as text.
 def _row_to_record(row: Sequence[Any], at: int = 0) -> Record:
     return Record(
         row[at], row[at + 1], row[at + 2], row[at + 3], _STATES[row[at + 4]], row[at + 5], row[at + 6],
@@ -579,6 +582,9 @@ class PostgresStore:
         )
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
+        self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
+        #: Statements run a second time after their connection was lost (see ``_run``).
+        self.reruns = 0
         self._updates: dict[tuple[str, ...], str] = {}
         self._closed = False
         self._lock = threading.Lock()
@@ -824,102 +830,81 @@ class PostgresStore:
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 
+    def _run(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
+        """Run one statement: (its row, rows or row count, whether it ran a second time).
+
+        A statement whose connection was lost (the backend terminated, the network cut) runs once more
+        on a fresh connection when ``rerun``: reads freely, writes only where the caller can tell its
+        own earlier write from the rerun's answer (``claim``, ``insert``, ``swap``). A second failure,
+        or any other error, is translated and raised.
+        """
+        again = False
+        while True:
+            conn = self._getconn()
+            try:
+                cur = conn.execute(sql, params, binary=True)
+                if fetch == _ONE:
+                    return cur.fetchone(), again
+                return (cur.fetchall() if fetch == _ALL else cur.rowcount), again
+            except psycopg.Error as exc:
+                if again or not rerun or not (conn.closed or conn.broken):
+                    raise self._translate(exc) from exc
+                again = True
+                self.reruns += 1
+            finally:
+                self._pool.putconn(conn)
+
     def get(self, key: str) -> Record | None:
-        conn = self._getconn()
-        try:
-            row = conn.execute(self._sql_get, (key,)).fetchone()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
+        row, _ = self._run(self._sql_get, (key,), _ONE)
         return None if row is None else _row_to_record(row)
 
     def claim(self, record: Record) -> Record | None:
         params = (*_record_values(record), record.key)
         while True:
-            conn = self._getconn()
-            try:
-                row = conn.execute(self._sql_claim, params).fetchone()
-            except psycopg.Error as exc:
-                raise self._translate(exc) from exc
-            finally:
-                self._pool.putconn(conn)
-            assert row is not None
+            row, again = self._run(self._sql_claim, params, _ONE)
             if row[0]:
                 return None
-            if row[1] is not None:
-                return _row_to_record(row, 1)
-            # Neither inserted nor visible: another transaction inserted the key and committed after our
-            # snapshot was taken (our INSERT waited for it). Read it now; if a purge deleted it again in
-            # between, claim again.
-            current = self.get(record.key)
-            if current is not None:
-                return current
+            found = _row_to_record(row, 1) if row[1] is not None else None
+            if found is None:
+                # Neither inserted nor visible: another transaction inserted the key and committed after
+                # our snapshot was taken (our INSERT waited for it). Read it now; if a purge deleted it
+                # again in between, claim again.
+                found = self.get(record.key)
+                if found is None:
+                    continue
+            # A rerun finds the first run's row if that one landed: our own record, byte for byte (its
+            # owner is unique to this call), which means we hold it.
+            return None if again and found == record else found
 
     def insert(self, record: Record) -> bool:
-        conn = self._getconn()
-        try:
-            cur = conn.execute(self._sql_insert, _record_values(record))
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
-        return cur.rowcount == 1
+        count, again = self._run(self._sql_insert, _record_values(record), _COUNT)
+        return count == 1 or (again and self.get(record.key) == record)
 
     def swap(self, record: Record, expected: Record) -> bool:
         sql, values = self._update_sql(record, expected)
-        conn = self._getconn()
-        try:
-            cur = conn.execute(sql, values)
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
-        return cur.rowcount == 1
+        count, again = self._run(sql, values, _COUNT)
+        return count == 1 or (again and self.get(record.key) == record)
 
     def delete(self, key: str, expected_version: int) -> bool:
-        conn = self._getconn()
-        try:
-            cur = conn.execute(self._sql_delete, (key, expected_version))
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
-        return cur.rowcount == 1
+        # Not rerun: after a lost connection nobody can tell whose delete removed the row.
+        count, _ = self._run(self._sql_delete, (key, expected_version), _COUNT, rerun=False)
+        return count == 1  # type: ignore[no-any-return]
 
     def scan(self, query: Query) -> list[Record]:
         built = self._scan_sql(query)
         if built is None:
             return []
-        conn = self._getconn()
-        try:
-            rows = conn.execute(built[0], built[1]).fetchall()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
+        rows, _ = self._run(built[0], built[1], _ALL)
         return [_row_to_record(r) for r in rows]
 
     def count_by_state(self) -> dict[State, int]:
-        conn = self._getconn()
-        try:
-            rows = conn.execute(f"SELECT state, count(*) FROM {self._table} GROUP BY state").fetchall()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
+        rows, _ = self._run(self._sql_count, (), _ALL)
         return {_STATES[s]: int(n) for s, n in rows}
 
     def _watch(self, key: str, version: int) -> bool:
         """Mark the row watched if it is still at ``version``; ``False``: it changed or is gone."""
-        conn = self._getconn()
-        try:
-            cur = conn.execute(self._sql_watch, (key, version))
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._pool.putconn(conn)
-        return cur.rowcount == 1
+        count, _ = self._run(self._sql_watch, (key, version), _COUNT, rerun=False)
+        return count == 1  # type: ignore[no-any-return]
 
     def wait_for_change(self, key: str, version: int, timeout: float) -> None:
         if timeout <= 0:
@@ -972,73 +957,60 @@ class PostgresStore:
 
     # --- the primitives, async --------------------------------------------------------------------------
 
-    async def aget(self, key: str) -> Record | None:
+    async def _arun(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
+        """``_run``, awaited: the same single rerun after a lost connection."""
+        again = False
         conns = await self._aconns()
-        conn = await conns.get()
-        try:
-            cur = await conn.execute(self._sql_get, (key,))
-            row = await cur.fetchone()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await conns.put(conn)
+        while True:
+            conn = await conns.get()
+            try:
+                cur = await conn.execute(sql, params, binary=True)
+                if fetch == _ONE:
+                    return await cur.fetchone(), again
+                return (await cur.fetchall() if fetch == _ALL else cur.rowcount), again
+            except psycopg.Error as exc:
+                if again or not rerun or not (conn.closed or conn.broken):
+                    raise self._translate(exc) from exc
+                again = True
+                self.reruns += 1
+            finally:
+                await conns.put(conn)
+
+    async def aget(self, key: str) -> Record | None:
+        row, _ = await self._arun(self._sql_get, (key,), _ONE)
         return None if row is None else _row_to_record(row)
 
     async def aclaim(self, record: Record) -> Record | None:
         params = (*_record_values(record), record.key)
         while True:
-            conns = await self._aconns()
-            conn = await conns.get()
-            try:
-                cur = await conn.execute(self._sql_claim, params)
-                row = await cur.fetchone()
-            except psycopg.Error as exc:
-                raise self._translate(exc) from exc
-            finally:
-                await conns.put(conn)
-            assert row is not None
+            row, again = await self._arun(self._sql_claim, params, _ONE)
             if row[0]:
                 return None
-            if row[1] is not None:
-                return _row_to_record(row, 1)
-            current = await self.aget(record.key)  # see claim(): a concurrent insert we could not see
-            if current is not None:
-                return current
-
-    async def _awrite(self, sql: str, params: Sequence[Any]) -> int:
-        conns = await self._aconns()
-        conn = await conns.get()
-        try:
-            cur = await conn.execute(sql, params)
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await conns.put(conn)
-        return cur.rowcount
+            found = _row_to_record(row, 1) if row[1] is not None else None
+            if found is None:  # see claim(): a concurrent insert our snapshot could not see
+                found = await self.aget(record.key)
+                if found is None:
+                    continue
+            return None if again and found == record else found
 
     async def ainsert(self, record: Record) -> bool:
-        return await self._awrite(self._sql_insert, _record_values(record)) == 1
+        count, again = await self._arun(self._sql_insert, _record_values(record), _COUNT)
+        return count == 1 or (again and await self.aget(record.key) == record)
 
     async def aswap(self, record: Record, expected: Record) -> bool:
         sql, values = self._update_sql(record, expected)
-        return await self._awrite(sql, values) == 1
+        count, again = await self._arun(sql, values, _COUNT)
+        return count == 1 or (again and await self.aget(record.key) == record)
 
     async def adelete(self, key: str, expected_version: int) -> bool:
-        return await self._awrite(self._sql_delete, (key, expected_version)) == 1
+        count, _ = await self._arun(self._sql_delete, (key, expected_version), _COUNT, rerun=False)
+        return count == 1  # type: ignore[no-any-return]
 
     async def ascan(self, query: Query) -> list[Record]:
         built = self._scan_sql(query)
         if built is None:
             return []
-        conns = await self._aconns()
-        conn = await conns.get()
-        try:
-            cur = await conn.execute(built[0], built[1])
-            rows = await cur.fetchall()
-        except psycopg.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await conns.put(conn)
+        rows, _ = await self._arun(built[0], built[1], _ALL)
         return [_row_to_record(r) for r in rows]
 
     async def await_for_change(self, key: str, version: int, timeout: float) -> None:
@@ -1057,7 +1029,8 @@ class PostgresStore:
         try:
             if status:
                 try:
-                    if await self._awrite(self._sql_watch, (key, version)) != 1:
+                    count, _ = await self._arun(self._sql_watch, (key, version), _COUNT, rerun=False)
+                    if count != 1:
                         return
                 except StoreError:
                     await asyncio.sleep(timeout)
