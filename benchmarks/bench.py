@@ -4,7 +4,9 @@ The floor of a store is what any exactly-once ledger pays there: two raw writes 
 a settle) doing the same work, with the same settings. Rounds interleave every contender, and the
 table gives medians of per-call times and of per-round ratios to the floor, so drift hits all alike.
 
-    python benchmarks/bench.py [--stores sqlite,redis,postgres] [--rounds 30] [--batch 200] [--json]
+    python benchmarks/bench.py [--stores sqlite,redis,postgres,server] [--rounds 30] [--batch 200] [--json]
+
+"server" is the ticket service's POST /tickets with and without the idempotency middleware.
 
 One module per store (bench_<store>.py) with ``bench(rounds, batch, workdir) -> rows``.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stores", default="sqlite,redis,postgres")
+    parser.add_argument("--stores", default="sqlite,redis,postgres,server")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--json", action="store_true", help="also print all rows as JSON")

@@ -85,7 +85,8 @@ def fixture_redis_base_url() -> Iterator[str]:
         client.close()
 
 
-def _join(url: str, **params: str) -> str:
+def join_url(url: str, **params: str) -> str:
+    """``url`` with query parameters added (a store URL with its per-test prefix or schema)."""
     sep = "&" if "?" in url else "?"
     return url + sep + "&".join(f"{k}={v}" for k, v in params.items())
 
@@ -103,9 +104,9 @@ def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'ledger.db'}"
     if request.param == "redis":
         base = request.getfixturevalue("redis_base_url")
-        return _join(base, prefix=f"onceonly-test-{RUN_ID}-{test_id}")
+        return join_url(base, prefix=f"onceonly-test-{RUN_ID}-{test_id}")
     base = request.getfixturevalue("postgres_database_url")
-    return _join(base, schema=f"t_{test_id}")
+    return join_url(base, schema=f"t_{test_id}")
 
 
 @pytest.fixture(name="sqlite_url")

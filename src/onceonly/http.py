@@ -200,19 +200,11 @@ def _detail(response: httpx.Response) -> str:
 def _needs_mark_sent() -> bool:
     """Whether this code runs in a guarded call still ``pending`` (a ``reports_dispatch`` tool).
 
-    Peeks at the ledger's current call so that a call already ``in_flight`` costs nothing (the async
+    Asks the ledger's current call, so that a call already ``in_flight`` costs nothing (the async
     ``amark_sent`` would hop to a thread for a no-op).
     """
-    current = getattr(_ledger, "_CURRENT", None)
-    if current is None:  # pragma: no cover - the ledger's internals changed: ask it every time
-        return _ledger.current_call() is not None
-    cur = current.get()
-    if cur is None:
-        return False
-    try:
-        return bool(cur.lease.record.state is State.PENDING)
-    except AttributeError:  # pragma: no cover - same
-        return True
+    info = _ledger.current_call()
+    return info is not None and info.state is State.PENDING
 
 
 class Client(_BaseClient):

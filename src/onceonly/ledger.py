@@ -176,6 +176,7 @@ class CallInfo:
         key: the idempotency key: send it to the other side.
         fence: the fencing token of this attempt: a higher one means a newer attempt.
         attempt: the attempt number (1-based, persisted).
+        state: ``pending`` until the tool reports its dispatch (``mark_sent()``), then ``in_flight``.
 
     .. versionadded:: 0.1
     """
@@ -185,6 +186,7 @@ class CallInfo:
     scope: str
     fence: int
     attempt: int
+    state: State
 
 
 class _Current:
@@ -198,7 +200,7 @@ class _Current:
     @property
     def info(self) -> CallInfo:
         rec = self.lease.record
-        return CallInfo(rec.key, rec.tool, rec.scope, rec.fence, rec.attempts)
+        return CallInfo(rec.key, rec.tool, rec.scope, rec.fence, rec.attempts, rec.state)
 
 
 def current_call() -> CallInfo | None:

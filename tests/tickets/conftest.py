@@ -13,7 +13,7 @@ import pytest
 
 from onceonly.stores import Store, open_store
 from onceonly.tickets import RunningServer, serve_in_thread
-from tests.conftest import RUN_ID, STORES, _join
+from tests.conftest import RUN_ID, STORES, join_url
 
 MODES = ["transactional"] + [f"store-{name}" for name in STORES]
 
@@ -29,8 +29,8 @@ def fixture_mode(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
         return f"sqlite:///{tmp_path / 'idempotency.db'}"
     test_id = uuid.uuid4().hex[:8]
     if store == "redis":
-        return _join(request.getfixturevalue("redis_base_url"), prefix=f"onceonly-test-{RUN_ID}-{test_id}")
-    return _join(request.getfixturevalue("postgres_database_url"), schema=f"t_{test_id}")
+        return join_url(request.getfixturevalue("redis_base_url"), prefix=f"onceonly-test-{RUN_ID}-{test_id}")
+    return join_url(request.getfixturevalue("postgres_database_url"), schema=f"t_{test_id}")
 
 
 @pytest.fixture(name="tickets")
