@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
@@ -55,9 +56,18 @@ def database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+_OPENED: list[psycopg.Connection[Any]] = []  # the raw connections of the floors, closed by close_floors()
+
+
+def close_floors() -> None:
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], None]:
     """Two raw round trips per call (claim insert, settle update) on ``table``, one connection."""
     conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
+    _OPENED.append(conn)
     entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
     history_1 = json.dumps([entry])
     history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
@@ -84,6 +94,7 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
 def read_floor(url: str) -> Callable[[int], None]:
     """One raw round trip: the SELECT of a record by key (what a replay cannot do with less)."""
     conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
+    _OPENED.append(conn)
     keys = [r[0] for r in conn.execute("SELECT key FROM public.onceonly_records LIMIT 1000")]
 
     def run(i: int) -> None:
@@ -99,7 +110,8 @@ def contenders(url: str) -> tuple[list[Contender], onceonly.Ledger]:
     def tool_body(i: int) -> dict[str, object]:
         return {"ok": True, "i": i}
 
-    guarded = ledger.tool(name="bench.tool")(tool_body)
+    # A tool name of its own per run, so a second run's first calls are first calls, not replays.
+    guarded = ledger.tool(name=f"bench.tool.{uuid.uuid4().hex[:8]}")(tool_body)
     done: list[int] = []
 
     def first(i: int) -> None:
@@ -128,6 +140,7 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
             interleave(runs, rounds, batch)
         finally:
             ledger.close()
+            close_floors()
         return report("postgres", runs)
 
 
@@ -140,9 +153,9 @@ def fill(url: str, rows: int) -> None:
                 key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until,
                 next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts)
             SELECT 'default:bench.fill:' || md5(i::text), 'default', 'bench.fill', md5(i::text) || md5(i::text),
-                   CASE WHEN i % 100 = 0 THEN 'unknown' WHEN i % 10 = 0 THEN 'failed' ELSE 'confirmed' END,
+                   CASE WHEN i %% 100 = 0 THEN 'unknown' WHEN i %% 10 = 0 THEN 'failed' ELSE 'confirmed' END,
                    1, 1, 2, NULL, NULL, NULL,
-                   CASE WHEN i % 100 = 0 THEN NULL ELSE extract(epoch FROM now()) + 86400 END,
+                   CASE WHEN i %% 100 = 0 THEN NULL ELSE extract(epoch FROM now()) + 86400 END,
                    extract(epoch FROM now()), extract(epoch FROM now()),
                    '{"ok":true,"i":' || i || '}', NULL, '{"i":' || i || '}',
                    '[{"at":1,"from":null,"to":"in_flight","fence":1,"reason":"claim","by":"h:1:1"},'
@@ -156,6 +169,36 @@ def fill(url: str, rows: int) -> None:
         conn.execute("VACUUM ANALYZE public.onceonly_records")
 
 
+def scans(url: str) -> None:
+    """Print how long the reconciler's and purge's first page take on the filled table."""
+    from onceonly.states import State
+    from onceonly.stores.base import Query
+
+    store = PostgresStore(url)
+    now = time.time()
+    queries = {
+        "reconciler page (unknown, or held and expired; 100)": Query(
+            states=[State.UNKNOWN, State.IN_FLIGHT, State.PENDING], lease_expired_before=now, limit=100
+        ),
+        "purge page, nothing expired yet (500)": Query(
+            states=[State.CONFIRMED, State.FAILED, State.ABANDONED], expires_before=now, limit=500
+        ),
+        "purge page, everything expired (500)": Query(
+            states=[State.CONFIRMED, State.FAILED, State.ABANDONED], expires_before=now + 2 * 86400, limit=500
+        ),
+    }
+    try:
+        for name, query in queries.items():
+            times = []
+            for _ in range(5):
+                started = time.perf_counter()
+                store.scan(query)
+                times.append(time.perf_counter() - started)
+            print(f"{name}: {sorted(times)[2] * 1e3:.2f} ms (median of 5)")
+    finally:
+        store.close()
+
+
 def bench_million(rounds: int, batch: int, rows: int = 1_000_000) -> list[dict[str, object]]:
     """The same contenders on an empty ledger, then with ``rows`` records already in the table."""
     out: list[dict[str, object]] = []
@@ -166,15 +209,18 @@ def bench_million(rounds: int, batch: int, rows: int = 1_000_000) -> list[dict[s
             out += report("postgres, empty", runs)
         finally:
             ledger.close()
+            close_floors()
         started = time.perf_counter()
         fill(url, rows)
         print(f"filled {rows} records in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        scans(url)
         runs, ledger = contenders(url)
         try:
             interleave(runs, rounds, batch)
             out += report(f"postgres, {rows} records", runs)
         finally:
             ledger.close()
+            close_floors()
     return out
 
 
@@ -213,12 +259,13 @@ def bench_indexes(rounds: int, batch: int) -> list[dict[str, object]]:
                 for statement in drops:
                     conn.execute(statement.format(s=schema, t=f"{schema}.onceonly_records"))
             runs.append(Contender(f"floor, {name}", floor(url, f"{schema}.onceonly_records")))
-        runs.insert(0, runs.pop(0))  # the first is the reference ("floor, primary key only")
         try:
             interleave(runs, rounds, batch)
         finally:
             for store in stores:
                 store.close()
+            close_floors()  # a closing backend flushes its statistics: the HOT counts below
+        time.sleep(1.0)
         rows = report("postgres", runs, floor_name="floor, primary key only")
         with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
             for n, name in enumerate(VARIANTS):

@@ -789,26 +789,26 @@ class PostgresStore:
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
         where: list[str] = []
         params: list[Any] = []
+        # The states stand alone at the top of the WHERE, as one IN list: so the planner can prove the
+        # open-records index's predicate and walk it in key order (under an OR it does not). The lease
+        # condition then exempts the states that hold no lease, rather than repeating the states.
         if query.states is not None:
             states = list(dict.fromkeys(query.states))
             if not states:
                 return None
-            held = [s for s in states if s in HELD]
-            other = [s for s in states if s not in HELD]
-            parts = []
-            if other:
-                parts.append(f"state IN ({_literals(other)})")
-            if held:
-                cond = f"state IN ({_literals(held)})"
-                if query.lease_expired_before is not None:
-                    cond += " AND (lease_until IS NULL OR lease_until < %s)"
-                    params.append(query.lease_expired_before)
-                parts.append(f"({cond})")
-            where.append("(" + " OR ".join(parts) + ")")
         elif query.lease_expired_before is not None:
-            held_states = _literals(sorted(HELD, key=lambda s: s.value))
-            where.append(f"state IN ({held_states}) AND (lease_until IS NULL OR lease_until < %s)")
-            params.append(query.lease_expired_before)
+            states = sorted(HELD, key=lambda s: s.value)
+        else:
+            states = []
+        if states:
+            where.append(f"state IN ({_literals(states)})")
+            held = [s for s in states if s in HELD]
+            if held and query.lease_expired_before is not None:
+                expired = "lease_until IS NULL OR lease_until < %s"
+                if len(held) < len(states):
+                    expired = f"state NOT IN ({_literals(held)}) OR {expired}"
+                where.append(f"({expired})")
+                params.append(query.lease_expired_before)
         if query.tool is not None:
             where.append("tool = %s")
             params.append(query.tool)
