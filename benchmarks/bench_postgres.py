@@ -9,7 +9,7 @@ ONCEONLY_TEST_POSTGRES_URL (default postgresql://127.0.0.1:5432/postgres) and dr
     python benchmarks/bench_postgres.py --million           # per-call time with 1 million records
 
 The floor is what any ledger on PostgreSQL pays: two autocommitted statements over one connection
-with the same driver settings (psycopg 3, text format, automatic preparation), an INSERT of a
+with the same driver settings (psycopg 3, one reused cursor, automatic preparation), an INSERT of a
 ledger-shaped row and the UPDATE that settles it, on the ledger's own table (same indexes, same
 trigger). The guard adds its pool, its claim statement and its Python work.
 """
@@ -17,6 +17,7 @@ trigger). The guard adds its pool, its claim statement and its Python work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -61,7 +62,10 @@ _OPENED: list[psycopg.Connection[Any]] = []  # the raw connections of the floors
 
 def close_floors() -> None:
     while _OPENED:
-        _OPENED.pop().close()
+        conn = _OPENED.pop()
+        with contextlib.suppress(psycopg.Error):
+            conn.execute("SELECT pg_stat_force_next_flush()")  # PostgreSQL 15+: counters for --indexes
+        conn.close()
 
 
 def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], None]:
@@ -72,6 +76,7 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
     history_1 = json.dumps([entry])
     history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
     prefix = uuid.uuid4().hex
+    cur = conn.cursor()  # one cursor for all calls, as the store keeps one per connection
     insert = f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
     update = (
         f"UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
@@ -81,12 +86,12 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
     def run(i: int) -> None:
         key = f"default:bench.tool:{hashlib.sha256(f'{prefix}{i}'.encode()).hexdigest()[:32]}"
         now = time.time()
-        conn.execute(
+        cur.execute(
             insert,
             (key, "default", "bench.tool", key[-32:] * 2, "in_flight", 1, 1, 1, "h:1:1", now + 30, now, now,
              f'{{"i":{i}}}', history_1),
         )  # fmt: skip
-        conn.execute(update, (2, "confirmed", f'{{"ok":true,"i":{i}}}', "run", now + 86400, now, history_2, key, 1))
+        cur.execute(update, (2, "confirmed", f'{{"ok":true,"i":{i}}}', "run", now + 86400, now, history_2, key, 1))
 
     return run
 
@@ -97,8 +102,11 @@ def read_floor(url: str) -> Callable[[int], None]:
     _OPENED.append(conn)
     keys = [r[0] for r in conn.execute("SELECT key FROM public.onceonly_records LIMIT 1000")]
 
+    cur = conn.cursor(binary=True)
+
     def run(i: int) -> None:
-        conn.execute("SELECT * FROM public.onceonly_records WHERE key = %s", (keys[i % len(keys)],)).fetchone()
+        cur.execute("SELECT * FROM public.onceonly_records WHERE key = %s", (keys[i % len(keys)],))
+        cur.fetchone()
 
     return run
 
@@ -265,15 +273,16 @@ def bench_indexes(rounds: int, batch: int) -> list[dict[str, object]]:
             for store in stores:
                 store.close()
             close_floors()  # a closing backend flushes its statistics: the HOT counts below
-        time.sleep(1.0)
         rows = report("postgres", runs, floor_name="floor, primary key only")
+        time.sleep(1.0)
         with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
             for n, name in enumerate(VARIANTS):
                 hot = conn.execute(
-                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s",
+                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                    "WHERE schemaname = %s AND relname = 'onceonly_records'",
                     (f"v{n}",),
                 ).fetchone()
-                print(f"{name}: updates {hot[0] if hot else '?'}, of which HOT {hot[1] if hot else '?'}")
+                print(f"{name}: settle updates {hot[0] if hot else '?'}, of which HOT {hot[1] if hot else '?'}")
         return rows
 
 

@@ -288,6 +288,21 @@ def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bo
         return True
 
 
+class _Connection(psycopg.Connection[Any]):
+    """A pooled connection that keeps one binary cursor for the store's statements.
+
+    Reusing the cursor saves building one per statement, about a fifth of psycopg's own time per call.
+    """
+
+    ledger_cursor: psycopg.Cursor[Any] | None = None
+
+
+class _AsyncConnection(psycopg.AsyncConnection[Any]):
+    """The async twin of ``_Connection``."""
+
+    ledger_cursor: psycopg.AsyncCursor[Any] | None = None
+
+
 # --- waiting: one LISTEN connection per store ------------------------------------------------------
 
 
@@ -458,7 +473,7 @@ class _LoopConnections:
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
-        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        self.idle: list[_AsyncConnection] = []
         self.slots = asyncio.Semaphore(store.options.pool_max_size)
         self.closed = False
         self._keeper: AsyncGenerator[None, None] | None = None
@@ -474,7 +489,7 @@ class _LoopConnections:
         finally:
             self.close_now()
 
-    async def get(self) -> psycopg.AsyncConnection[Any]:
+    async def get(self) -> _AsyncConnection:
         store = self.store
         if self.closed:
             raise StoreUnavailable(f"{store._where} was closed")
@@ -501,7 +516,7 @@ class _LoopConnections:
                 if not dead:
                     return conn
                 _close_now(conn)
-            return await psycopg.AsyncConnection.connect(store._conninfo, autocommit=True)
+            return await _AsyncConnection.connect(store._conninfo, autocommit=True)
         except psycopg.Error as exc:
             self.slots.release()
             raise store._translate(exc) from exc
@@ -509,7 +524,7 @@ class _LoopConnections:
             self.slots.release()
             raise
 
-    async def put(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def put(self, conn: _AsyncConnection) -> None:
         # Keep it only if it is healthy and idle (an error or a cancellation mid-statement may leave it
         # in a transaction or broken).
         if self.closed or conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
@@ -592,8 +607,9 @@ class PostgresStore:
         self._listener = _Listener(self._conninfo, _channel(self.schema)) if options.listen else None
 
         self._ensure_schema()
-        self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+        self._pool: ConnectionPool[_Connection] = ConnectionPool(
             self._conninfo,
+            connection_class=_Connection,
             min_size=options.pool_min_size,
             max_size=options.pool_max_size,
             timeout=options.pool_timeout,
@@ -732,7 +748,7 @@ class PostgresStore:
             )
         return StoreCorrupt(f"{self._where}: unexpected database error: {text}")
 
-    def _getconn(self) -> psycopg.Connection[Any]:
+    def _getconn(self) -> _Connection:
         pool = self._pool
         try:
             for _ in range(self.options.pool_max_size + 1):
@@ -842,7 +858,10 @@ class PostgresStore:
         while True:
             conn = self._getconn()
             try:
-                cur = conn.execute(sql, params, binary=True)
+                cur = conn.ledger_cursor
+                if cur is None:
+                    cur = conn.ledger_cursor = conn.cursor(binary=True)
+                cur.execute(sql, params)
                 if fetch == _ONE:
                     return cur.fetchone(), again
                 return (cur.fetchall() if fetch == _ALL else cur.rowcount), again
@@ -964,10 +983,13 @@ class PostgresStore:
         while True:
             conn = await conns.get()
             try:
-                cur = await conn.execute(sql, params, binary=True)
+                acur = conn.ledger_cursor
+                if acur is None:
+                    acur = conn.ledger_cursor = conn.cursor(binary=True)
+                await acur.execute(sql, params)
                 if fetch == _ONE:
-                    return await cur.fetchone(), again
-                return (await cur.fetchall() if fetch == _ALL else cur.rowcount), again
+                    return await acur.fetchone(), again
+                return (await acur.fetchall() if fetch == _ALL else acur.rowcount), again
             except psycopg.Error as exc:
                 if again or not rerun or not (conn.closed or conn.broken):
                     raise self._translate(exc) from exc
