@@ -17,6 +17,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from onceonly import Ledger
+from tests._clock import FakeClock
+
 REDIS_URL = os.environ.get("ONCEONLY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("ONCEONLY_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -107,6 +110,20 @@ def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return join_url(base, prefix=f"onceonly-test-{RUN_ID}-{test_id}")
     base = request.getfixturevalue("postgres_database_url")
     return join_url(base, schema=f"t_{test_id}")
+
+
+@pytest.fixture(name="clock")
+def fixture_clock() -> FakeClock:
+    """A fake clock whose sleep advances it."""
+    return FakeClock()
+
+
+@pytest.fixture(name="ledger")
+def fixture_ledger(store_url: str, clock: FakeClock) -> Iterator[Ledger]:
+    """A fresh ledger on each store, on a fake clock."""
+    ledger = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
+    yield ledger
+    ledger.close()
 
 
 @pytest.fixture(name="sqlite_url")

@@ -22,35 +22,7 @@ from onceonly import (
     TransitionEvent,
 )
 from onceonly import states as st
-
-
-class FakeClock:
-    """Time that moves only when the ledger sleeps: backoffs are recorded, not waited."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-@pytest.fixture(name="clock")
-def fixture_clock() -> FakeClock:
-    """A fake clock whose sleep advances it."""
-    return FakeClock()
-
-
-@pytest.fixture(name="ledger")
-def fixture_ledger(store_url: str, clock: FakeClock) -> Iterator[Ledger]:
-    """A fresh ledger on each store, on a fake clock."""
-    ledger = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
-    yield ledger
-    ledger.close()
+from tests._clock import FakeClock
 
 
 @pytest.fixture(name="real_ledger")

@@ -28,37 +28,7 @@ from onceonly.settle import (
     rerun_problem,
 )
 from onceonly.states import Record
-
-NOW = 1_800_000_000.0
-
-
-class FakeClock:
-    """Time that moves only when someone sleeps on it."""
-
-    def __init__(self) -> None:
-        self.now = NOW
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-@pytest.fixture(name="clock")
-def fixture_clock() -> FakeClock:
-    """A fake clock whose sleep advances it."""
-    return FakeClock()
-
-
-@pytest.fixture(name="ledger")
-def fixture_ledger(store_url: str, clock: FakeClock) -> Iterator[Ledger]:
-    """A fresh ledger on each store, on a fake clock."""
-    ledger = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
-    yield ledger
-    ledger.close()
+from tests._clock import NOW, FakeClock
 
 
 class Effects:
