@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import threading
 import time
@@ -621,6 +622,20 @@ def test_async_face_under_several_event_loops(store: PostgresStore) -> None:
     assert store.count_by_state()[State.IN_FLIGHT] == 5 * 11
     # And the sync face still works after all those loops ended.
     assert store.get("run0-0") is not None
+
+
+def test_a_loop_closed_without_shutdown_leaves_nothing_behind(store: PostgresStore) -> None:
+    """A hand-made loop closed without shutdown_asyncgens(): the next loop and close() clean its
+    connections up without warnings (the suite turns an unraisable exception into an error)."""
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(store.aclaim(make("manual"))) is None
+    finally:
+        loop.close()
+    assert asyncio.run(store.aget("manual")) == make("manual")
+    gc.collect()
+    store.close()
+    gc.collect()
 
 
 def test_float_times_round_trip_exactly(store: PostgresStore) -> None:

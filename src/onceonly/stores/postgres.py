@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import select
 import threading
 import time
@@ -47,6 +48,8 @@ from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
+
+_log = logging.getLogger("onceonly.stores.postgres")
 
 #: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
 SCHEMA_VERSION = 1
@@ -395,8 +398,15 @@ class _Listener:
                     if self._closed:
                         break
                     self._dispatch(note.payload)
-        except psycopg.Error:
-            pass  # the connection was lost: reconnect at the next wait (a failed connect then backs off)
+        except psycopg.Error as exc:
+            # The connection was lost: reconnect at the next wait (a failed connect then backs off).
+            _log.info(
+                "onceonly: lost the LISTEN connection of channel %s (%s); waiters poll until it is back",
+                self.channel,
+                exc,
+            )
+        except Exception:  # never let a surprise kill the thread silently: waiters would only poll
+            _log.exception("onceonly: the LISTEN thread of channel %s failed", self.channel)
         finally:
             # Whatever happened while we were not listening is lost: forget what was flagged and
             # wake everyone, so each waiter reads its record again.
@@ -1064,6 +1074,9 @@ class PostgresStore:
             listener.unregister(key, waiter)
 
     async def aclose(self) -> None:
+        conns = self._aconnections.get(asyncio.get_running_loop())
+        if conns is not None:
+            conns.close_now()  # in its own loop's thread, before the rest is closed from a worker thread
         await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
