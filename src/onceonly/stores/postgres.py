@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import operator
 import select
 import threading
 import time
@@ -69,6 +70,10 @@ _OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEEDS_REVIE
 # Record fields a swap may change (key never changes; version is always written) → their column.
 _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+_SWAP_COLUMNS = tuple(_COLUMN_OF.get(f, f) for f in _SWAP_FIELDS)
+_swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a settle runs this twice
+_STATE_AT = _SWAP_FIELDS.index("state")
+_ERROR_AT = _SWAP_FIELDS.index("error")
 _ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
 
 
@@ -610,7 +615,7 @@ class PostgresStore:
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
         #: Statements run a second time after their connection was lost (see ``_run``).
         self.reruns = 0
-        self._updates: dict[tuple[str, ...], str] = {}
+        self._updates: dict[tuple[int, ...], str] = {}  # the changed fields (indexes) → the UPDATE
         self._closed = False
         self._lock = threading.Lock()
         self._aconnections: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
@@ -797,17 +802,18 @@ class PostgresStore:
     def _update_sql(self, record: Record, expected: Record) -> tuple[str, list[Any]]:
         # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
         # clears "watched": a waiter marks the row again if it still waits.
-        names = tuple(n for n in _SWAP_FIELDS if getattr(record, n) != getattr(expected, n))
-        sql = self._updates.get(names)
+        new = _swap_values(record)
+        changed = tuple(i for i, (a, b) in enumerate(zip(new, _swap_values(expected), strict=True)) if a != b)
+        sql = self._updates.get(changed)
         if sql is None:
-            sets = "".join(f", {_COLUMN_OF.get(n, n)} = %s" for n in names)
-            sql = self._updates[names] = (
+            sets = "".join(f", {_SWAP_COLUMNS[i]} = %s" for i in changed)
+            sql = self._updates[changed] = (
                 f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
             )
         values: list[Any] = [record.version]
-        for n in names:
-            v = getattr(record, n)
-            values.append(v.value if n == "state" else _error_text(v) if n == "error" else v)
+        for i in changed:
+            v = new[i]
+            values.append(v.value if i == _STATE_AT else _error_text(v) if i == _ERROR_AT else v)
         values.append(record.key)
         values.append(expected.version)
         return sql, values
