@@ -882,7 +882,7 @@ class PostgresStore:
                     return cur.fetchone(), again
                 return (cur.fetchall() if fetch == _ALL else cur.rowcount), again
             except psycopg.Error as exc:
-                if again or not rerun or not (conn.closed or conn.broken):
+                if again or not rerun or not conn.closed:  # closed: the connection was lost
                     raise self._translate(exc) from exc
                 again = True
                 self.reruns += 1
@@ -1007,7 +1007,7 @@ class PostgresStore:
                     return await acur.fetchone(), again
                 return (await acur.fetchall() if fetch == _ALL else acur.rowcount), again
             except psycopg.Error as exc:
-                if again or not rerun or not (conn.closed or conn.broken):
+                if again or not rerun or not conn.closed:  # closed: the connection was lost
                     raise self._translate(exc) from exc
                 again = True
                 self.reruns += 1
