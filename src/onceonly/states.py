@@ -64,6 +64,9 @@ ALLOWED: Mapping[State, frozenset[State]] = {
     State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT}),
 }
 
+#: Each state's JSON string (Enum.value is a descriptor call; this runs twice per guarded call).
+_QUOTED = {s: f'"{s.value}"' for s in State}
+
 #: How many transitions a record keeps in its history; older ones are dropped.
 HISTORY_LIMIT = 32
 
@@ -155,8 +158,8 @@ class Record:
 def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None) -> str:
     # Built by hand: this runs twice per guarded call. Floats print as valid JSON via repr; strings
     # are escaped by the json module's C helper.
-    frm_json = f'"{frm.value}"' if frm else "null"
-    text = f'{{"at":{now!r},"from":{frm_json},"to":"{to.value}","fence":{fence}'
+    frm_json = _QUOTED[frm] if frm else "null"
+    text = f'{{"at":{now!r},"from":{frm_json},"to":{_QUOTED[to]},"fence":{fence}'
     if reason:
         text += f',"reason":{_quote(reason)}'
     if by:

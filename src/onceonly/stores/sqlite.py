@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
 import sqlite3
 import threading
@@ -78,6 +79,9 @@ _STATES = {s.value: s for s in State}
 # Record fields a swap may change (key never changes; version is always written) → their column.
 _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+_swap_fields = operator.attrgetter(*_SWAP_FIELDS)  # one C call reads them all
+_STATE_AT = _SWAP_FIELDS.index("state")
+_VALUE = {s: s.value for s in State}
 _UPDATES: dict[tuple[str, ...], str] = {}
 
 
@@ -90,7 +94,7 @@ def _row_to_record(row: tuple[Any, ...]) -> Record:
 
 def _record_values(r: Record) -> tuple[Any, ...]:
     return (
-        r.key, r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
+        r.key, r.scope, r.tool, r.fingerprint, _VALUE[r.state], r.attempts, r.fence, r.version, r.lease_owner,
         r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json, r.error,
         r.args_json, r.history_json, r.via, r.conflicts,
     )  # fmt: skip
@@ -312,15 +316,15 @@ class SQLiteStore:
     def swap(self, record: Record, expected: Record) -> bool:
         # Write only the columns that changed: a settle that leaves args alone does not rewrite them
         # (about 10 µs of the floor per call, docs/benchmarks.md).
-        names = tuple(n for n in _SWAP_FIELDS if getattr(record, n) != getattr(expected, n))
+        new, old = _swap_fields(record), _swap_fields(expected)
+        changed = [i for i in range(len(new)) if new[i] != old[i]]
+        names = tuple(_SWAP_FIELDS[i] for i in changed)
         sql = _UPDATES.get(names)
         if sql is None:
             sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in names)
             sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
         values: list[Any] = [record.version]
-        for n in names:
-            v = getattr(record, n)
-            values.append(v.value if n == "state" else v)
+        values += [_VALUE[new[i]] if i == _STATE_AT else new[i] for i in changed]
         values.append(record.key)
         values.append(expected.version)
         try:
