@@ -17,6 +17,27 @@ class Contender:
     per_call: list[float] = field(default_factory=list)
 
 
+def tool_body(i: int) -> dict[str, object]:
+    """The benchmarked tool: no work of its own, so what is measured is the guard and the store."""
+    return {"ok": True, "i": i}
+
+
+def guarded_pair(call: Callable[[int], object], warm: int = 1) -> tuple[Contender, Contender]:
+    """A guarded first call (a new operation each time) and a replay of one already done."""
+    done: list[int] = []
+
+    def first(i: int) -> None:
+        call(i)
+        done.append(i)
+
+    def replay(i: int) -> None:
+        call(done[i % len(done)])
+
+    for i in range(-warm, 0):  # warm connections and prepared statements; seed the replay set
+        first(i)
+    return Contender("guarded first call", first), Contender("replay (from the store)", replay)
+
+
 def interleave(contenders: list[Contender], rounds: int, batch: int) -> None:
     """Each round runs a batch of every contender back to back, so drift hits all alike."""
     counter = 0

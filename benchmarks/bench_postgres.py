@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
-from _harness import Contender, interleave, report
+from _harness import Contender, guarded_pair, interleave, report, tool_body
 
 import onceonly
 from onceonly.stores.postgres import PostgresStore, parse_postgres_url
@@ -115,27 +115,13 @@ def contenders(url: str) -> tuple[list[Contender], onceonly.Ledger]:
     """bare tool, floor, guarded first call, replay, raw read; on the ledger at ``url``."""
     ledger = onceonly.Ledger.open(url)
 
-    def tool_body(i: int) -> dict[str, object]:
-        return {"ok": True, "i": i}
-
     # A tool name of its own per run, so a second run's first calls are first calls, not replays.
-    guarded = ledger.tool(name=f"bench.tool.{uuid.uuid4().hex[:8]}")(tool_body)
-    done: list[int] = []
-
-    def first(i: int) -> None:
-        guarded(i)
-        done.append(i)
-
-    def replay(i: int) -> None:
-        guarded(done[i % len(done)])
-
-    for i in range(-50, 0):  # warm the pool, the prepared statements and the replay set
-        first(i)
+    first, replay = guarded_pair(ledger.tool(name=f"bench.tool.{uuid.uuid4().hex[:8]}")(tool_body), warm=50)
     return [
         Contender("bare tool", tool_body),
         Contender("floor: 2 raw round trips", floor(url)),
-        Contender("guarded first call", first),
-        Contender("replay (from the store)", replay),
+        first,
+        replay,
         Contender("1 raw read (SELECT by key)", read_floor(url)),
     ], ledger
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _harness import Contender, interleave, report
+from _harness import Contender, guarded_pair, interleave, report, tool_body
 
 import onceonly
 from onceonly.stores.redis import RedisStore
@@ -118,25 +118,12 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     store = ledger.store
     assert isinstance(store, RedisStore)
 
-    def tool_body(i: int) -> dict[str, object]:
-        return {"ok": True, "i": i}
-
-    guarded = ledger.tool(name="bench.tool")(tool_body)
-    done: list[int] = []
-
-    def first(i: int) -> None:
-        guarded(i)
-        done.append(i)
-
-    def replay(i: int) -> None:
-        guarded(done[i % len(done)])
-
-    first(0)
+    first, replay = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
     contenders = [
         Contender("bare tool", tool_body),
         Contender("floor: 2 raw round trips", floor(store, prefix)),
-        Contender("guarded first call", first),
-        Contender("replay (from the store)", replay),
+        first,
+        replay,
     ]
     try:
         pt_first, pt_replay = powertools(prefix)
@@ -227,19 +214,9 @@ def preload(records: int, rounds: int = 10, batch: int = 200) -> list[dict[str, 
                                                 rec.args_json), client=pipe)  # fmt: skip
         pipe.execute()
     print(f"redis: {records} records loaded in {time.monotonic() - started:.0f}s", file=sys.stderr)
-    guarded = ledger.tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
-    done: list[int] = []
-
-    def first(i: int) -> None:
-        guarded(i)
-        done.append(i)
-
-    first(0)
-    contenders = [
-        Contender("floor: 2 raw round trips", floor(store, prefix)),
-        Contender(f"guarded first call, {records} stored", first),
-        Contender(f"replay, {records} stored", lambda i: guarded(done[i % len(done)])),
-    ]
+    first, replay = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
+    first.name, replay.name = f"guarded first call, {records} stored", f"replay, {records} stored"
+    contenders = [Contender("floor: 2 raw round trips", floor(store, prefix)), first, replay]
     try:
         interleave(contenders, rounds, batch)
     finally:

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from _harness import Contender, interleave, report
+from _harness import Contender, guarded_pair, interleave, report, tool_body
 
 import onceonly
 from onceonly.stores.sqlite import SQLiteStore
@@ -45,25 +45,12 @@ def floor(path: Path) -> Callable[[int], None]:
 def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     ledger = onceonly.Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
 
-    def tool_body(i: int) -> dict[str, object]:
-        return {"ok": True, "i": i}
-
-    guarded = ledger.tool(name="bench.tool")(tool_body)
-    done: list[int] = []
-
-    def first(i: int) -> None:
-        guarded(i)
-        done.append(i)
-
-    def replay(i: int) -> None:
-        guarded(done[i % len(done)])
-
-    first(0)
+    first, replay = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
     contenders = [
         Contender("bare tool", tool_body),
         Contender("floor: 2 raw writes", floor(workdir / "floor.db")),
-        Contender("guarded first call", first),
-        Contender("replay (from the store)", replay),
+        first,
+        replay,
     ]
     interleave(contenders, rounds, batch)
     ledger.close()
