@@ -22,13 +22,13 @@ bench: $(STAMP)  ## per-call overhead per store next to the store's own floor
 	$(BIN)/python benchmarks/bench.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests benchmarks
-	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks examples
+	$(BIN)/ruff format src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .onceonly
