@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -76,3 +77,39 @@ def report(store: str, contenders: list[Contender], floor_name: str = "floor") -
         table.add_row(str(r["store"]), str(r["what"]), f"{r['us_per_call']:.1f}", f"{r['x_floor']:.2f}x")
     Console().print(table)
     return rows
+
+
+def _rate_worker(make: Callable[[str, int], Callable[[int], object]], kind: str, worker: int, seconds: float,
+                 start: Any, out: Any) -> None:  # fmt: skip
+    call = make(kind, worker)
+    start.wait()
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        call(worker * 10_000_000 + n)
+        n += 1
+    out.put(n)
+
+
+def throughput(
+    make: Callable[[str, int], Callable[[int], object]], processes: int, seconds: float, kinds: tuple[str, ...]
+) -> dict[str, float]:
+    """Total calls per second of ``processes`` spawned processes for each kind, one kind at a time.
+
+    ``make(kind, worker)`` runs in the worker process and returns its call; it must be importable
+    (a module-level function) for the spawn start method.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rates: dict[str, float] = {}
+    for kind in kinds:
+        start, out = ctx.Barrier(processes), ctx.Queue()
+        procs = [ctx.Process(target=_rate_worker, args=(make, kind, w, seconds, start, out)) for w in range(processes)]
+        for p in procs:
+            p.start()
+        total = sum(out.get(timeout=seconds + 120) for _ in procs)
+        for p in procs:
+            p.join()
+        rates[kind] = total / seconds
+    return rates

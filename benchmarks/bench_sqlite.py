@@ -1,9 +1,15 @@
-"""SQLite: the guard's per-call cost next to two raw write transactions on the ledger's own table."""
+"""SQLite: the guard's per-call cost next to two raw write transactions on the ledger's own table.
+
+python benchmarks/bench.py --stores sqlite                # the table (bench())
+python benchmarks/bench_sqlite.py --throughput 8          # 8 processes: guarded vs raw calls/s
+python benchmarks/bench_sqlite.py --preload 1000000       # per-call cost with 1M records stored
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -55,3 +61,91 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     interleave(contenders, rounds, batch)
     ledger.close()
     return report("sqlite", contenders)
+
+
+# --- many processes, and a big ledger -------------------------------------------------------------
+
+_WORKDIR_ENV = "ONCEONLY_BENCH_DIR"
+
+
+def _make_call(kind: str, worker: int) -> Callable[[int], object]:
+    """In a worker process: a guarded first call, or the floor's two raw writes, on the shared files."""
+    import os
+
+    workdir = Path(os.environ[_WORKDIR_ENV])
+    if kind == "floor":
+        return floor(workdir / "floor.db")
+    ledger = onceonly.Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
+    return ledger.tool(name=f"bench.tool.{worker}")(tool_body)
+
+
+def throughput_table(processes: int, seconds: float) -> None:
+    """Total calls/s of ``processes`` processes on one SQLite file: guarded first calls vs the floor."""
+    import os
+    import tempfile
+
+    from _harness import throughput
+
+    with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+        os.environ[_WORKDIR_ENV] = tmp
+        SQLiteStore(f"sqlite:///{tmp}/floor.db").close()  # create both files before the race
+        SQLiteStore(f"sqlite:///{tmp}/ledger.db").close()
+        rates = throughput(_make_call, processes, seconds, ("floor", "guarded"))
+    ratio = rates["guarded"] / rates["floor"]
+    print(
+        f"sqlite, {processes} processes, {seconds:.0f} s each: floor {rates['floor']:.0f} calls/s, "
+        f"guarded {rates['guarded']:.0f} calls/s, ratio {ratio:.2f}"
+    )
+
+
+def preload(records: int, rounds: int, batch: int) -> None:
+    """The per-call table with ``records`` records already in the ledger (and in the floor's file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+        workdir = Path(tmp)
+        for name in ("ledger.db", "floor.db"):
+            conn = SQLiteStore(f"sqlite:///{workdir / name}")._conn()
+            now = time.time()
+            history = json.dumps([{"at": now, "from": None, "to": "confirmed", "fence": 1}])
+            rows = (
+                (f"preload:t:{hashlib.sha256(str(i).encode()).hexdigest()[:32]}", "preload", "t", "f" * 64,
+                 "confirmed", 1, 1, 2, None, None, now + 86400, now, now, '{"ok":true}', "{}", history, "run")
+                for i in range(records)
+            )  # fmt: skip
+            conn.execute("BEGIN")
+            conn.executemany(
+                "INSERT INTO onceonly_records (key, scope, tool, fingerprint, state, attempts, fence, version, "
+                "lease_owner, lease_until, expires_at, created_at, updated_at, result, args, history, via, conflicts) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,0)",
+                rows,
+            )
+            conn.execute("COMMIT")
+        print(f"sqlite: {records} records in each file", file=sys.stderr)
+        bench(rounds, batch, workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
+    args = parser.parse_args(argv)
+    if args.throughput:
+        throughput_table(args.throughput, args.seconds)
+    elif args.preload:
+        preload(args.preload, args.rounds, args.batch)
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+            bench(args.rounds, args.batch, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
