@@ -236,17 +236,8 @@ def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Recor
 def _outcome(
     rec: Record, *, replayed: bool, value: Any = None, use_value: bool = False, conflict: bool = False
 ) -> Outcome:
-    return Outcome(
-        result=value if use_value else rec.result,
-        key=rec.key,
-        state=rec.state,
-        replayed=replayed,
-        attempts=rec.attempts,
-        via=rec.via,
-        fence=rec.fence,
-        conflict=conflict,
-        settled_at=rec.updated_at,
-    )
+    result = value if use_value else rec.result
+    return Outcome(result, rec.key, rec.state, replayed, rec.attempts, rec.via, rec.fence, conflict, rec.updated_at)
 
 
 def _message(rec: Record, what: str, nxt: str) -> str:

@@ -48,7 +48,7 @@ from onceonly.guard import (
     late_outcome,
     plan,
 )
-from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
+from onceonly.keys import MAX_KEY_LENGTH, Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Classifier, Retry, Verdict, classify
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
@@ -348,17 +348,11 @@ class _BaseTool(Generic[P, R]):
             digest = f"{digest}#{occurrence}"
         ledger = self.ledger
         scope = _SCOPE.get() or ledger.scope
-        return Call(
-            key=compose_key(scope, self.name, digest),
-            scope=scope,
-            tool=self.name,
-            fingerprint=fp,
-            args_json=args_json,
-            owner=ledger._new_owner(),
-            policy=self.policy,
-            clock=ledger.clock,
-            rng=ledger.rng,
-        )
+        key = f"{scope}:{self.name}:{digest}"
+        if len(key) > MAX_KEY_LENGTH:
+            compose_key(scope, self.name, digest)  # raises, saying which part to shorten
+        # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
+        return Call(key, scope, self.name, fp, args_json, ledger._new_owner(), self.policy, ledger.clock, ledger.rng)
 
     def _tool_kwargs(self, call: Call, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.takes_key:

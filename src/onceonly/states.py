@@ -216,22 +216,11 @@ def new_record(
     """
     if state not in HELD:
         raise IllegalTransition(f"a new record is claimed into pending or in_flight, not {state.value}")
+    # Positional: the first write of every guarded call; keyword construction costs more.
     return Record(
-        key=key,
-        scope=scope,
-        tool=tool,
-        fingerprint=fingerprint,
-        state=state,
-        attempts=1,
-        fence=1,
-        version=1,
-        lease_owner=owner,
-        lease_until=now + lease_seconds,
-        created_at=now,
-        updated_at=now,
-        args_json=args_json,
-        history_json=f"[{_entry(None, state, now, reason, 1, owner)}]",
-    )
+        key, scope, tool, fingerprint, state, 1, 1, 1, owner, now + lease_seconds, None, None, now, now, None,
+        None, args_json, f"[{_entry(None, state, now, reason, 1, owner)}]", None, 0,
+    )  # fmt: skip
 
 
 def transition(
