@@ -86,9 +86,19 @@ def test_every_key_of_a_script_is_in_one_slot(store: RedisStore, key: str) -> No
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A free port whose cluster bus port (port + 10000) is free too: a cluster node binds both and
+    exits at once when it cannot (ephemeral ports above 55535 have no bus port at all)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
         return port
 
 
@@ -105,12 +115,14 @@ def fixture_cluster_url(tmp_path: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        client = redis.Redis(port=port)
+        # No retries with backoff (redis-py's default would wait seconds per refused connection).
+        client = redis.Redis(port=port, socket_timeout=5, retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
         for _ in range(100):
             try:
                 client.ping()
                 break
             except redis.ConnectionError:
+                assert proc.poll() is None, f"redis-server --cluster-enabled exited with {proc.returncode}"
                 time.sleep(0.05)
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         for _ in range(100):
@@ -148,6 +160,32 @@ def test_a_cluster_node_accepts_every_script(cluster_url: str) -> None:
         for key in AWKWARD:
             assert store.delete(key, 2)
     finally:
+        store.close()
+
+
+def test_a_server_that_lost_the_scripts_gets_them_again(cluster_url: str) -> None:
+    """After SCRIPT FLUSH (what a restart or a failover to a fresh node does) every write still runs,
+    sync and async, exactly once: NOSCRIPT ran nothing, so the store loads the script and runs it.
+    The node is this test's own, so flushing it disturbs nobody."""
+    store = RedisStore(cluster_url)
+    probe = redis.Redis.from_url(cluster_url.split("?", maxsplit=1)[0])
+    try:
+        assert store.claim(make("a")) is None
+        probe.script_flush()
+        assert store.claim(make("b")) is None
+        probe.script_flush()
+        assert store.claim(make("b")) == make("b")  # the replay: b was written once, not twice
+        done = st.confirm(make("b"), result_json="1", now=NOW + 1, ttl=10, via="run", by=None)
+        probe.script_flush()
+        assert store.swap(done, make("b"))
+        probe.script_flush()
+        assert store.delete("a", 1)
+        probe.script_flush()
+        assert asyncio.run(store.aclaim(make("c"))) is None
+        assert store.count_by_state() == {State.CONFIRMED: 1, State.IN_FLIGHT: 1}
+        assert store.reruns == 0
+    finally:
+        probe.close()
         store.close()
 
 

@@ -52,7 +52,7 @@ import redis
 import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
@@ -72,6 +72,7 @@ DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
 
 _STATES = {s.value: s for s in State}
+_VALUE = {s: s.value for s in State}  # Enum.value is a descriptor call: precomputed for the hot path
 _OPEN = frozenset({State.UNKNOWN, State.NEEDS_REVIEW})
 _HELD_VALUES = frozenset(s.value for s in HELD)
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -90,9 +91,13 @@ _loads = json.loads
 # --- the scripts ------------------------------------------------------------------------------------
 
 # KEYS, the same for every write script: 1 record, 2 all keys, 3 open (unknown/needs_review),
-# 4 held by lease_until, 5 expiry, 6 counts per state. The channel is KEYS[2] with "c" for "k".
+# 4 held by lease_until, 5 expiry, 6 counts per state. The channel is KEYS[2] with "c" for "k", and
+# the ledger key is the rest of KEYS[1] after the shard's tag (KEYS[1] is "<tag>:r:<key>", KEYS[2]
+# "<tag>:k"): deriving both instead of sending them keeps the arguments few (each one costs redis-py
+# Python to pack, and the server a string to build).
 _INDEX = """
-local function reindex(old, new, key, lease, expiry)
+local key = string.sub(KEYS[1], #KEYS[2] + 2)
+local function reindex(old, new, lease, expiry)
   if old ~= new then
     if old then redis.call('HINCRBY', KEYS[6], old, -1) end
     redis.call('HINCRBY', KEYS[6], new, 1)
@@ -115,14 +120,14 @@ local function reindex(old, new, key, lease, expiry)
     redis.call('ZREM', KEYS[5], key)
   end
 end
-local function changed(version, key)
+local function changed(version)
   redis.call('PUBLISH', string.sub(KEYS[2], 1, -2) .. 'c', version .. ' ' .. key)
 end
 """
 
-# ARGV: 1 key, 2 version, 3 state, 4 lease score or '', 5 expiry score or '', 6 d, 7 a.
-# Returns 1 when written (the caller holds the record), else the stored {d, a}: one round trip for
-# both a first call and a replay.
+# ARGV: 1 the head ("<version> <state> <lease score or nothing> <expiry score or nothing>", see
+# `_head`), 2 d, 3 a. Returns 1 when written (the caller holds the record), else the stored {d, a}:
+# one round trip for both a first call and a replay.
 _CLAIM_TEMPLATE = (
     _INDEX
     + """
@@ -131,29 +136,32 @@ if cur[1] then
   %(existing)s
   return cur
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[7])
-redis.call('ZADD', KEYS[2], 0, ARGV[1])
-reindex(false, ARGV[3], ARGV[1], ARGV[4], ARGV[5])
+local v, s, lease, expiry = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*)$')
+redis.call('HSET', KEYS[1], 'v', v, 's', s, 'd', ARGV[2], 'a', ARGV[3])
+redis.call('ZADD', KEYS[2], 0, key)
+reindex(false, s, lease, expiry)
 return 1
 """
 )
 
-# ARGV: 1-6 as the claim, 7 the expected version, 8 (only when the arguments changed) a.
+# ARGV: 1 the head with the expected version appended ("… <expected>"), 2 d, 3 (only when the
+# arguments changed) a.
 _SWAP_TEMPLATE = (
     _INDEX
     + """
+local v, s, lease, expiry, expected = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*) (%%S+)$')
 local cur = redis.call('HMGET', KEYS[1], 'v', 's')
-if cur[1] ~= ARGV[7] then
+if cur[1] ~= expected then
   %(mismatch)s
   return 0
 end
-if #ARGV > 7 then
-  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6], 'a', ARGV[8])
+if ARGV[3] then
+  redis.call('HSET', KEYS[1], 'v', v, 's', s, 'd', ARGV[2], 'a', ARGV[3])
 else
-  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[6])
+  redis.call('HSET', KEYS[1], 'v', v, 's', s, 'd', ARGV[2])
 end
-reindex(cur[2], ARGV[3], ARGV[1], ARGV[4], ARGV[5])
-changed(ARGV[2], ARGV[1])
+reindex(cur[2], s, lease, expiry)
+changed(v)
 return 1
 """
 )
@@ -165,24 +173,24 @@ _SWAP = _SWAP_TEMPLATE % {"mismatch": ""}
 # one this call sent (it holds this call's owner and timestamps: no other writer produces it). A
 # re-run then answers exactly what the first run did: written (1), or not (the stored record, 0),
 # whichever way the connection failed — even if the first run is executed after the re-run.
-_CLAIM_AGAIN = _CLAIM_TEMPLATE % {"existing": "if cur[1] == ARGV[6] then return 1 end"}
+_CLAIM_AGAIN = _CLAIM_TEMPLATE % {"existing": "if cur[1] == ARGV[2] then return 1 end"}
 _SWAP_AGAIN = _SWAP_TEMPLATE % {
-    "mismatch": "if cur[1] == ARGV[2] and redis.call('HGET', KEYS[1], 'd') == ARGV[6] then return 1 end"
+    "mismatch": "if cur[1] == v and redis.call('HGET', KEYS[1], 'd') == ARGV[2] then return 1 end"
 }
 
-# ARGV: 1 key, 2 the expected version.
+# ARGV: 1 the expected version.
 _DELETE = (
     _INDEX
     + """
 local cur = redis.call('HMGET', KEYS[1], 'v', 's')
-if cur[1] ~= ARGV[2] then return 0 end
+if cur[1] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('ZREM', KEYS[2], key)
+redis.call('ZREM', KEYS[3], key)
+redis.call('ZREM', KEYS[4], key)
+redis.call('ZREM', KEYS[5], key)
 redis.call('HINCRBY', KEYS[6], cur[2], -1)
-changed('0', ARGV[1])
+changed('0')
 return 1
 """
 )
@@ -224,10 +232,14 @@ def _decode(key: str, d: bytes, a: bytes | None) -> Record:
         ) from exc
 
 
-def _scores(r: Record) -> tuple[str, str]:
-    """The record's scores in the held and expiry indexes ('' = not in that index)."""
+def _head(r: Record) -> str:
+    """Version, state and the record's scores in the held and expiry indexes, as one argument.
+
+    ``"<version> <state> <lease> <expiry>"``, a score left empty when the record is not in that
+    index. One string instead of four arguments: redis-py packs each argument in Python.
+    """
     lease = ("-inf" if r.lease_until is None else repr(r.lease_until)) if r.state in HELD else ""
-    return lease, "" if r.expires_at is None else repr(r.expires_at)
+    return f"{r.version} {_VALUE[r.state]} {lease} {'' if r.expires_at is None else repr(r.expires_at)}"
 
 
 def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
@@ -633,9 +645,36 @@ class RedisStore:
         if client is None or local.generation != _fork_generation:
             self._check_open()
             client = redis.Redis(connection_pool=self._pool, single_connection_client=True)
-            local.client, local.generation = client, _fork_generation
+            local.client, local.conn, local.generation = client, client.connection, _fork_generation
             self._thread_clients.add(client)
         return client
+
+    def _command(self, *args: Any) -> Any:
+        """One command on this thread's connection, below redis-py's client layer.
+
+        ``Redis.execute_command`` wraps every command in a retry object, a lock, timing and error
+        callbacks, and a response-callback lookup: about 25 µs of Python per command here, a quarter of
+        a loopback round trip, for nothing the hot primitives use (retries are off, the connection is
+        this thread's alone, the replies of ``EVALSHA`` and ``HMGET`` need no callback). The
+        connection itself still packs (hiredis when installed), reconnects when its socket is gone,
+        closes it on any error, and raises the same exceptions.
+        """
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is None or local.generation != _fork_generation:
+            self._thread()
+            conn = local.conn
+        conn.send_packed_command(conn.pack_command(*args))
+        return conn.read_response()
+
+    def _script(self, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
+        """``EVALSHA`` of one of our scripts; loaded again if the server lost it (restart, failover, FLUSH)."""
+        try:
+            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # NOSCRIPT ran nothing: loading the script and running it now is the first run.
+            self._command("SCRIPT", "LOAD", script.script)
+            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # --- the primitives, sync ---------------------------------------------------------------------
 
@@ -644,9 +683,9 @@ class RedisStore:
         rk = self._records[self._shard(key)] + key
         try:
             try:
-                d, a = self._thread().execute_command("HMGET", rk, "d", "a")
+                d, a = self._command("HMGET", rk, "d", "a")
             except _TRANSIENT:
-                d, a = self._thread().execute_command("HMGET", rk, "d", "a")  # a read is safe to repeat
+                d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
         except RedisError as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
@@ -655,14 +694,14 @@ class RedisStore:
         """Run a write script; if its connection fails, re-run its "again" twin, which is exact."""
         try:
             try:
-                return script(keys, args, self._thread())
+                return self._script(script, keys, args)
             except RedisConnectionError:
                 pass
             # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
             for attempt in range(_RERUNS):
                 self.reruns += 1
                 try:
-                    return again(keys, args, self._thread())
+                    return self._script(again, keys, args)
                 except RedisConnectionError:
                     if attempt == _RERUNS - 1:
                         raise
@@ -671,8 +710,7 @@ class RedisStore:
 
     def claim(self, record: Record) -> Record | None:
         self._check_open()
-        lease, expiry = _scores(record)
-        args = (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json)
+        args = (_head(record), _encode(record), record.args_json)
         got = self._write(self._claim, self._claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
@@ -681,12 +719,11 @@ class RedisStore:
 
     def swap(self, record: Record, expected: Record) -> bool:
         self._check_open()
-        lease, expiry = _scores(record)
-        args: tuple[Any, ...] = (
-            record.key, record.version, record.state.value, lease, expiry, _encode(record), expected.version,
+        head = f"{_head(record)} {expected.version}"
+        args: tuple[str, ...] = (
+            (head, _encode(record)) if record.args_json == expected.args_json
+            else (head, _encode(record), record.args_json)
         )  # fmt: skip
-        if record.args_json != expected.args_json:
-            args += (record.args_json,)
         return bool(
             self._write(self._swap, self._swap_again, self._keys(record.key), args, f"writing {record.key!r}") == 1
         )
@@ -694,7 +731,7 @@ class RedisStore:
     def delete(self, key: str, expected_version: int) -> bool:
         self._check_open()
         try:
-            return bool(self._delete(self._keys(key), (key, expected_version), self._thread()) == 1)
+            return bool(self._script(self._delete, self._keys(key), (expected_version,)) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
@@ -802,8 +839,7 @@ class RedisStore:
     async def aclaim(self, record: Record) -> Record | None:
         self._check_open()
         side = await self._side()
-        lease, expiry = _scores(record)
-        args = (record.key, record.version, record.state.value, lease, expiry, _encode(record), record.args_json)
+        args = (_head(record), _encode(record), record.args_json)
         got = await self._awrite(side.claim, side.claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
@@ -813,12 +849,11 @@ class RedisStore:
     async def aswap(self, record: Record, expected: Record) -> bool:
         self._check_open()
         side = await self._side()
-        lease, expiry = _scores(record)
-        args: tuple[Any, ...] = (
-            record.key, record.version, record.state.value, lease, expiry, _encode(record), expected.version,
+        head = f"{_head(record)} {expected.version}"
+        args: tuple[str, ...] = (
+            (head, _encode(record)) if record.args_json == expected.args_json
+            else (head, _encode(record), record.args_json)
         )  # fmt: skip
-        if record.args_json != expected.args_json:
-            args += (record.args_json,)
         written = await self._awrite(
             side.swap, side.swap_again, self._keys(record.key), args, f"writing {record.key!r}"
         )
@@ -827,7 +862,7 @@ class RedisStore:
     async def adelete(self, key: str, expected_version: int) -> bool:
         self._check_open()
         try:
-            return bool(await (await self._side()).delete(self._keys(key), (key, expected_version)) == 1)
+            return bool(await (await self._side()).delete(self._keys(key), (expected_version,)) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
