@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -113,3 +114,31 @@ def throughput(
             p.join()
         rates[kind] = total / seconds
     return rates
+
+
+def store_main(
+    argv: list[str] | None,
+    doc: str | None,
+    bench: Callable[[int, int, Path], object],
+    throughput_table: Callable[[int, float], object],
+    preload: Callable[[int, int, int], object],
+) -> int:
+    """The command line of a store's benchmark module: the table, --throughput N or --preload N."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
+    args = parser.parse_args(argv)
+    if args.throughput:
+        throughput_table(args.throughput, args.seconds)
+    elif args.preload:
+        preload(args.preload, args.rounds, args.batch)
+    else:
+        with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+            bench(args.rounds, args.batch, Path(tmp))
+    return 0

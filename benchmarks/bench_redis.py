@@ -21,7 +21,6 @@ Each run uses a prefix of its own and deletes what it wrote at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _harness import Contender, guarded_pair, interleave, report, tool_body
+from _harness import Contender, guarded_pair, interleave, report, store_main, tool_body
 
 import onceonly
 from onceonly.stores.redis import RedisStore
@@ -238,20 +237,7 @@ def preload(records: int, rounds: int = 10, batch: int = 200) -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=200)
-    parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
-    args = parser.parse_args(argv)
-    if args.throughput:
-        throughput(args.throughput, args.seconds)
-    elif args.preload:
-        preload(args.preload, args.rounds, args.batch)
-    else:
-        bench(args.rounds, args.batch, Path("."))
-    return 0
+    return store_main(argv, __doc__, bench, throughput, preload)
 
 
 if __name__ == "__main__":

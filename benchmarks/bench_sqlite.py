@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from _harness import Contender, guarded_pair, interleave, report, tool_body
+from _harness import Contender, guarded_pair, interleave, report, store_main, tool_body
 
 import onceonly
 from onceonly.stores.sqlite import SQLiteStore
@@ -126,25 +126,7 @@ def preload(records: int, rounds: int, batch: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=200)
-    parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
-    args = parser.parse_args(argv)
-    if args.throughput:
-        throughput_table(args.throughput, args.seconds)
-    elif args.preload:
-        preload(args.preload, args.rounds, args.batch)
-    else:
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
-            bench(args.rounds, args.batch, Path(tmp))
-    return 0
+    return store_main(argv, __doc__, bench, throughput_table, preload)
 
 
 if __name__ == "__main__":
