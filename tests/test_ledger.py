@@ -553,3 +553,42 @@ def test_bad_decorator_arguments(ledger: Ledger) -> None:
         ledger.tool(key=("nope",))(lambda a: a)
     with pytest.raises(TypeError, match="tuple of field names"):
         ledger.tool(key="a")(lambda a: a)  # type: ignore[call-overload]
+
+
+def test_late_result_after_a_resend_is_counted_as_a_conflict(real_ledger: Ledger) -> None:
+    """A timed-out attempt is re-sent and confirmed; when the first attempt's answer lands late, the
+    duplicate is detected and counted on the record, and the recorded result stays the confirmed one."""
+    executions: list[int] = []
+
+    @real_ledger.tool(name="slow_first", timeout=0.1, on_unknown="resend", retry=Retry(attempts=3, base=0.01))
+    def slow_first() -> int:
+        executions.append(1)
+        if len(executions) == 1:
+            time.sleep(0.4)
+        return len(executions)
+
+    assert slow_first() == 2
+    time.sleep(0.6)
+    rec = real_ledger.get(slow_first.key_for())
+    assert rec is not None and rec.state is State.CONFIRMED
+    assert len(executions) == 2 and rec.conflicts == 1 and rec.result == 2 and rec.fence == 2
+
+
+def test_mark_sent_after_losing_the_lease_refuses_to_send(ledger: Ledger) -> None:
+    """If another caller took the record over before dispatch, mark_sent() raises: do not send."""
+    sent: list[int] = []
+
+    @ledger.tool(name="send", reports_dispatch=True)
+    def send() -> str:
+        info = onceonly.current_call()
+        assert info is not None
+        rec = ledger.get(info.key)
+        assert rec is not None
+        ledger.store.swap(st.mark_unknown(rec, now=rec.updated_at, reason="taken over", by="other"), rec)
+        onceonly.mark_sent()
+        sent.append(1)
+        return "sent"
+
+    with pytest.raises(InProgress, match="do not send"):
+        send()
+    assert sent == []
