@@ -45,7 +45,8 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
-from onceonly.states import HELD, Record, State
+from onceonly.states import Record, State
+from onceonly.stores._sql import scan_sql, state_literals
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
@@ -75,12 +76,6 @@ _swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a 
 _STATE_AT = _SWAP_FIELDS.index("state")
 _ERROR_AT = _SWAP_FIELDS.index("error")
 _ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
-
-
-def _literals(states: Sequence[State]) -> str:
-    # State values are our own constants: inlined, so the planner can match a partial index's predicate
-    # (it cannot prove that a parameter lies in the index's state list).
-    return ", ".join(f"'{s.value}'" for s in states)
 
 
 def _ident(name: str) -> str:
@@ -118,7 +113,7 @@ def _migrations(schema: str) -> dict[int, list[str]]:
             scope           text NOT NULL,
             tool            text NOT NULL,
             fingerprint     text NOT NULL,
-            state           text NOT NULL CHECK (state IN ({_literals(list(State))})),
+            state           text NOT NULL CHECK (state IN ({state_literals(list(State))})),
             attempts        integer NOT NULL,
             fence           bigint NOT NULL,
             version         bigint NOT NULL,
@@ -138,7 +133,7 @@ def _migrations(schema: str) -> dict[int, list[str]]:
         )""",
         # The reconciler's query (unknown, or held with an expired lease), in key order. Small: it
         # holds only the records that are open now. Purge's query: expired settled records.
-        f"CREATE INDEX onceonly_records_open ON {t} (key) WHERE state IN ({_literals(_OPEN_STATES)})",
+        f"CREATE INDEX onceonly_records_open ON {t} (key) WHERE state IN ({state_literals(_OPEN_STATES)})",
         f"CREATE INDEX onceonly_records_expires ON {t} (expires_at) WHERE expires_at IS NOT NULL",
         # The payload is "<version> <key>" (version 0: deleted); waiters ignore a version they know.
         f"""CREATE FUNCTION {s}.onceonly_notify() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -819,46 +814,7 @@ class PostgresStore:
         return sql, values
 
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
-        where: list[str] = []
-        params: list[Any] = []
-        # The states stand alone at the top of the WHERE, as one IN list: so the planner can prove the
-        # open-records index's predicate and walk it in key order (under an OR it does not). The lease
-        # condition then exempts the states that hold no lease, rather than repeating the states.
-        if query.states is not None:
-            states = list(dict.fromkeys(query.states))
-            if not states:
-                return None
-        elif query.lease_expired_before is not None:
-            states = sorted(HELD, key=lambda s: s.value)
-        else:
-            states = []
-        if states:
-            where.append(f"state IN ({_literals(states)})")
-            held = [s for s in states if s in HELD]
-            if held and query.lease_expired_before is not None:
-                expired = "lease_until IS NULL OR lease_until < %s"
-                if len(held) < len(states):
-                    expired = f"state NOT IN ({_literals(held)}) OR {expired}"
-                where.append(f"({expired})")
-                params.append(query.lease_expired_before)
-        if query.tool is not None:
-            where.append("tool = %s")
-            params.append(query.tool)
-        if query.scope is not None:
-            where.append("scope = %s")
-            params.append(query.scope)
-        if query.expires_before is not None:
-            where.append("expires_at IS NOT NULL AND expires_at < %s")
-            params.append(query.expires_before)
-        if query.after is not None:
-            where.append("key > %s")
-            params.append(query.after)
-        sql = f"SELECT {_COLUMNS} FROM {self._table}"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY key LIMIT %s"
-        params.append(max(0, query.limit))
-        return sql, params
+        return scan_sql(query, table=self._table, columns=_COLUMNS, placeholder="%s")
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
-from onceonly.states import HELD, Record, State
+from onceonly.states import Record, State
+from onceonly.stores._sql import scan_sql
 from onceonly.stores.base import Query
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -341,46 +342,10 @@ class SQLiteStore:
         return cur.rowcount == 1
 
     def scan(self, query: Query) -> list[Record]:
-        where: list[str] = []
-        params: list[Any] = []
-        if query.states is not None:
-            states = list(query.states)
-            if not states:
-                return []
-            held = [s for s in states if s in HELD]
-            other = [s for s in states if s not in HELD]
-            parts = []
-            if other:
-                parts.append(f"state IN ({','.join('?' * len(other))})")
-                params += [s.value for s in other]
-            if held:
-                cond = f"state IN ({','.join('?' * len(held))})"
-                params += [s.value for s in held]
-                if query.lease_expired_before is not None:
-                    cond += " AND (lease_until IS NULL OR lease_until < ?)"
-                    params.append(query.lease_expired_before)
-                parts.append(f"({cond})")
-            where.append("(" + " OR ".join(parts) + ")")
-        elif query.lease_expired_before is not None:
-            where.append("state IN ('pending','in_flight') AND (lease_until IS NULL OR lease_until < ?)")
-            params.append(query.lease_expired_before)
-        if query.tool is not None:
-            where.append("tool = ?")
-            params.append(query.tool)
-        if query.scope is not None:
-            where.append("scope = ?")
-            params.append(query.scope)
-        if query.expires_before is not None:
-            where.append("expires_at IS NOT NULL AND expires_at < ?")
-            params.append(query.expires_before)
-        if query.after is not None:
-            where.append("key > ?")
-            params.append(query.after)
-        sql = f"SELECT {_COLUMNS} FROM onceonly_records"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY key LIMIT ?"
-        params.append(query.limit)
+        built = scan_sql(query, table="onceonly_records", columns=_COLUMNS, placeholder="?")
+        if built is None:
+            return []
+        sql, params = built
         with self._errors():
             rows = self._conn().execute(sql, params).fetchall()
         return [_row_to_record(r) for r in rows]

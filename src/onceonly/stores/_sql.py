@@ -1,0 +1,60 @@
+"""What the SQL stores share: the query that answers ``Store.scan``. Pure: builds text, runs nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from onceonly.states import HELD, State
+from onceonly.stores.base import Query
+
+
+def state_literals(states: Sequence[State]) -> str:
+    """States inlined as SQL literals (our own constants, never user input), so a planner can match a
+    partial index's predicate: it cannot prove that a parameter lies in the index's state list."""
+    return ", ".join(f"'{s.value}'" for s in states)
+
+
+def scan_sql(query: Query, *, table: str, columns: str, placeholder: str) -> tuple[str, list[Any]] | None:
+    """The SELECT for ``query`` and its parameters; ``None`` when no record can match (no states).
+
+    The states stand alone at the top of the WHERE, as one IN list, so a planner can walk an
+    open-records index in key order (under an OR it does not); the lease condition then exempts the
+    states that hold no lease rather than repeating them.
+    """
+    ph = placeholder
+    where: list[str] = []
+    params: list[Any] = []
+    if query.states is not None:
+        states = list(dict.fromkeys(query.states))
+        if not states:
+            return None
+    elif query.lease_expired_before is not None:
+        states = sorted(HELD, key=lambda s: s.value)
+    else:
+        states = []
+    if states:
+        where.append(f"state IN ({state_literals(states)})")
+        held = [s for s in states if s in HELD]
+        if held and query.lease_expired_before is not None:
+            expired = f"lease_until IS NULL OR lease_until < {ph}"
+            if len(held) < len(states):
+                expired = f"state NOT IN ({state_literals(held)}) OR {expired}"
+            where.append(f"({expired})")
+            params.append(query.lease_expired_before)
+    for column, value in (("tool", query.tool), ("scope", query.scope)):
+        if value is not None:
+            where.append(f"{column} = {ph}")
+            params.append(value)
+    if query.expires_before is not None:
+        where.append(f"expires_at IS NOT NULL AND expires_at < {ph}")
+        params.append(query.expires_before)
+    if query.after is not None:
+        where.append(f"key > {ph}")
+        params.append(query.after)
+    sql = f"SELECT {columns} FROM {table}"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY key LIMIT {ph}"
+    params.append(max(0, query.limit))
+    return sql, params
