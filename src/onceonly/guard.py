@@ -494,15 +494,9 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
     result_json = encode_result(value, rec.key)
     now = call.clock()
     new = st.confirm(rec, result_json=result_json, now=now, ttl=call.policy.ttl, via="run", by=call.owner)
-    try:
-        ok = yield Swap(new, rec)  # the happy path's second write, without _write's extra generator
-    except StoreError:
-        ok = False
+    ok, cur = yield from _write(rec, new)
     if ok:
         return _outcome(new, replayed=False, value=value, use_value=True)
-    cur = yield Get(rec.key)
-    if cur is not None and cur.version == new.version and cur.history_json == new.history_json:
-        return _outcome(cur, replayed=False, value=value, use_value=True)  # it landed before the error
     while cur is not None:
         # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
         # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
