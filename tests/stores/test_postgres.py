@@ -644,3 +644,25 @@ def test_float_times_round_trip_exactly(store: PostgresStore) -> None:
         rec = st.replace(make(f"f{i}"), lease_until=t, next_attempt_at=-t, expires_at=t / 3, created_at=t * 0.7)
         assert store.insert(rec)
         assert store.get(rec.key) == rec
+
+
+def test_the_pool_hands_out_the_connection_returned_last(pg_url: str) -> None:
+    """LIFO: one caller keeps one warm backend instead of round-robin over every pooled connection
+    (psycopg_pool is FIFO; ``_LifoPool`` turns it; this fails if a psycopg_pool upgrade undoes that)."""
+    store = PostgresStore(pg_url + "&pool_min_size=3&pool_max_size=3")
+    try:
+        store._pool.wait(timeout=10)
+        held = [store._pool.getconn() for _ in range(3)]
+        for conn in held:
+            store._pool.putconn(conn)
+        last = held[-1]
+        for _ in range(5):
+            conn = store._pool.getconn()
+            assert conn is last
+            store._pool.putconn(conn)
+        store.insert(make("lifo"))
+        assert store.get("lifo") is not None
+        # The others are still there, oldest first, for the pool's shrinking to take.
+        assert list(store._pool._pool) == held  # type: ignore[attr-defined]
+    finally:
+        store.close()
