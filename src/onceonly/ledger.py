@@ -115,21 +115,23 @@ class _Heartbeats:
     def hold(self, record: Record, seconds: float) -> _Lease:
         now = self._clock()
         lease = _Lease(record, seconds, now)
-        with self._lock:
-            self._leases.add(lease)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="onceonly-heartbeat", daemon=True)
-                self._thread.start()
+        # set.add/discard and the thread's list(set) are each atomic under the GIL (a _Lease hashes by
+        # identity, no Python code runs inside them): the hot path takes no lock for the set.
+        self._leases.add(lease)
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="onceonly-heartbeat", daemon=True)
+                    self._thread.start()
         # Waking the thread costs a context switch per call; only a lease due before it looks needs it.
         if now + seconds / 3 < self._next_wake:
             self._wake.set()
         return lease
 
     def release(self, lease: _Lease) -> Record:
-        with lease.lock:
+        with lease.lock:  # waits for a heartbeat in progress, so that lease.record is the latest
             lease.released = True
-        with self._lock:
-            self._leases.discard(lease)
+        self._leases.discard(lease)
         return lease.record
 
     def close(self) -> None:
@@ -138,8 +140,7 @@ class _Heartbeats:
 
     def _run(self) -> None:
         while not self._closed:
-            with self._lock:
-                leases = list(self._leases)
+            leases = list(self._leases)
             now = self._clock()
             tick = max(0.01, min(lease.seconds for lease in leases) / 6) if leases else 1.0
             for lease in leases:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import compress
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -81,9 +82,9 @@ _STATES = {s.value: s for s in State}
 _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
 _swap_fields = operator.attrgetter(*_SWAP_FIELDS)  # one C call reads them all
-_STATE_AT = _SWAP_FIELDS.index("state")
 _VALUE = {s: s.value for s in State}
-_UPDATES: dict[tuple[str, ...], str] = {}
+_UPDATES: dict[tuple[bool, ...], str] = {}  # which fields changed → the UPDATE that writes them
+sqlite3.register_adapter(State, operator.attrgetter("value"))  # our own type: binds as its text
 
 
 def _row_to_record(row: tuple[Any, ...]) -> Record:
@@ -317,17 +318,14 @@ class SQLiteStore:
     def swap(self, record: Record, expected: Record) -> bool:
         # Write only the columns that changed: a settle that leaves args alone does not rewrite them
         # (about 10 µs of the floor per call, docs/benchmarks.md).
-        new, old = _swap_fields(record), _swap_fields(expected)
-        changed = [i for i in range(len(new)) if new[i] != old[i]]
-        names = tuple(_SWAP_FIELDS[i] for i in changed)
-        sql = _UPDATES.get(names)
+        # The diff runs in C (map, compress); a changed state binds through the adapter registered below.
+        new = _swap_fields(record)
+        changed = tuple(map(operator.ne, new, _swap_fields(expected)))
+        sql = _UPDATES.get(changed)
         if sql is None:
-            sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in names)
-            sql = _UPDATES[names] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
-        values: list[Any] = [record.version]
-        values += [_VALUE[new[i]] if i == _STATE_AT else new[i] for i in changed]
-        values.append(record.key)
-        values.append(expected.version)
+            sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in compress(_SWAP_FIELDS, changed))
+            sql = _UPDATES[changed] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
+        values = [record.version, *compress(new, changed), record.key, expected.version]
         try:
             cur = self._conn().execute(sql, values)
         except sqlite3.Error as exc:
