@@ -155,16 +155,21 @@ class Record:
         }
 
 
+_FROM: dict[State | None, str] = {s: f'"{s.value}"' for s in State}
+_FROM[None] = "null"
+_REASONS: dict[str, str] = {}  # reason → its JSON member; the hot path's reasons are a few constants
+
+
 def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None) -> str:
     # Built by hand: this runs twice per guarded call. Floats print as valid JSON via repr; strings
     # are escaped by the json module's C helper.
-    frm_json = _QUOTED[frm] if frm else "null"
-    text = f'{{"at":{now!r},"from":{frm_json},"to":{_QUOTED[to]},"fence":{fence}'
-    if reason:
-        text += f',"reason":{_quote(reason)}'
-    if by:
-        text += f',"by":{_quote(by)}'
-    return text + "}"
+    why = _REASONS.get(reason)
+    if why is None:
+        why = f',"reason":{_quote(reason)}' if reason else ""
+        if len(_REASONS) < 1024:  # reasons that carry errors vary: keep the cache bounded
+            _REASONS[reason] = why
+    who = f',"by":{_quote(by)}' if by else ""
+    return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_QUOTED[to]},"fence":{fence}{why}{who}}}'
 
 
 _FIELDS = tuple(f.name for f in fields(Record))

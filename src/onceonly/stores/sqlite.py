@@ -158,9 +158,18 @@ class SQLiteStore:
             raise StoreUnavailable(f"the ledger {self.url} was closed")
         conn = self._connect()
         self._local.conn = conn
+        self._local.cursor = conn.cursor()  # reused by the hot primitives: a cursor per statement costs
         with self._lock:
             self._all.append(conn)
         return conn
+
+    def _cursor(self) -> sqlite3.Cursor:
+        """This thread's cursor for the hot primitives (its connection opened on first use)."""
+        cursor: sqlite3.Cursor | None = getattr(self._local, "cursor", None)
+        if cursor is None:
+            self._conn()
+            cursor = self._local.cursor
+        return cursor
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -289,7 +298,7 @@ class SQLiteStore:
     def get(self, key: str) -> Record | None:
         try:
             # fetchall, not fetchone: the statement runs to its end and releases its read snapshot now.
-            rows = self._conn().execute(_SELECT, (key,)).fetchall()
+            rows = self._cursor().execute(_SELECT, (key,)).fetchall()
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
         return _row_to_record(rows[0]) if rows else None
@@ -309,7 +318,7 @@ class SQLiteStore:
 
     def insert(self, record: Record) -> bool:
         try:
-            cur = self._conn().execute(_INSERT, _record_values(record))
+            cur = self._cursor().execute(_INSERT, _record_values(record))
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
         return cur.rowcount == 1
@@ -326,7 +335,7 @@ class SQLiteStore:
             sql = _UPDATES[changed] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
         values = [record.version, *compress(new, changed), record.key, expected.version]
         try:
-            cur = self._conn().execute(sql, values)
+            cur = self._cursor().execute(sql, values)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
         return cur.rowcount == 1
