@@ -62,8 +62,24 @@ def test_positional_keyword_and_default_are_one_call(ledger: Ledger) -> None:
         runs.append(a)
         return a + b
 
-    assert f(1) == f(a=1) == f(1, b=2) == 3
+    assert f(1) == f(a=1) == f(1, b=2) == f(1, 2) == 3
     assert runs == [1]
+
+
+def test_a_wrong_call_is_pythons_own_type_error_and_runs_nothing(ledger: Ledger) -> None:
+    """Binding has a fast path for all-positional calls; a call Python would refuse is refused the same way."""
+    runs: list[int] = []
+
+    @ledger.tool(name="g")
+    def g(a: int, *, b: int) -> int:
+        runs.append(a)
+        return a + b
+
+    with pytest.raises(TypeError, match="'b'"):
+        g(1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        g(1, 2)  # type: ignore[misc]
+    assert g(1, b=2) == 3 and runs == [1]
 
 
 def test_key_fields_and_conflict(ledger: Ledger) -> None:

@@ -258,8 +258,13 @@ class _Binder:
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
         self.skip = skip
+        # Every parameter given positionally, nothing to skip: the common agent tool call.
+        plain = self.simple and len(self.positional) == len(params) and not skip & self.names
+        self.all_positional = len(params) if plain else -1
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if not kwargs and len(args) == self.all_positional:
+            return dict(zip(self.positional, args, strict=True))
         if self.simple and len(args) <= len(self.positional) and kwargs.keys() <= self.names:
             bound = dict(self.defaults)
             bound.update(zip(self.positional, args, strict=False))
