@@ -92,35 +92,50 @@ def _rate_worker(make: Callable[[str, int], Callable[[int], object]], kind: str,
     out.put(n)
 
 
-def throughput(
-    make: Callable[[str, int], Callable[[int], object]], processes: int, seconds: float, kinds: tuple[str, ...]
-) -> dict[str, float]:
-    """Total calls per second of ``processes`` spawned processes for each kind, one kind at a time.
+def spawn_rate(make: Callable[[str, int], Callable[[int], object]], kind: str, processes: int, seconds: float) -> float:
+    """Total calls per second of ``processes`` spawned processes each running ``make(kind, worker)``.
 
-    ``make(kind, worker)`` runs in the worker process and returns its call; it must be importable
-    (a module-level function) for the spawn start method.
+    ``make`` runs in the worker process and returns its call; it must be importable (a module-level
+    function) for the spawn start method.
     """
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    rates: dict[str, float] = {}
-    for kind in kinds:
-        start, out = ctx.Barrier(processes), ctx.Queue()
-        procs = [ctx.Process(target=_rate_worker, args=(make, kind, w, seconds, start, out)) for w in range(processes)]
-        for p in procs:
-            p.start()
-        total = sum(out.get(timeout=seconds + 120) for _ in procs)
-        for p in procs:
-            p.join()
-        rates[kind] = total / seconds
-    return rates
+    start, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_rate_worker, args=(make, kind, w, seconds, start, out)) for w in range(processes)]
+    for p in procs:
+        p.start()
+    total = sum(out.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def throughput(
+    rate: Callable[[str], float], store: str, processes: int, seconds: float, rounds: int
+) -> dict[str, float]:
+    """The floor's and the guard's calls/s, in alternating rounds (drift hits both alike); prints and
+    returns the medians and the median of the per-round ratios."""
+    rates: dict[str, list[float]] = {"floor": [], "guarded": []}
+    for _ in range(rounds):
+        for kind, got in rates.items():
+            got.append(rate(kind))
+    ratios = [g / f for g, f in zip(rates["guarded"], rates["floor"], strict=True)]
+    result = {kind: statistics.median(r) for kind, r in rates.items()}
+    result["ratio"] = statistics.median(ratios)
+    print(
+        f"{store}, {processes} processes, {rounds} alternating rounds of {seconds:g} s: floor {result['floor']:.0f} "
+        f"calls/s, guarded {result['guarded']:.0f} calls/s, ratio {result['ratio']:.2f} "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    return result
 
 
 def store_main(
     argv: list[str] | None,
     doc: str | None,
     bench: Callable[[int, int, Path], object],
-    throughput_table: Callable[[int, float], object],
+    throughput_table: Callable[[int, float, int], object],
     preload: Callable[[int, int, int], object],
 ) -> int:
     """The command line of a store's benchmark module: the table, --throughput N or --preload N."""
@@ -131,11 +146,12 @@ def store_main(
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--throughput", type=int, metavar="PROCESSES", help="guarded vs floor calls/s")
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one throughput round")
+    parser.add_argument("--throughput-rounds", type=int, default=3, metavar="N", help="alternating rounds")
     parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
     args = parser.parse_args(argv)
     if args.throughput:
-        throughput_table(args.throughput, args.seconds)
+        throughput_table(args.throughput, args.seconds, args.throughput_rounds)
     elif args.preload:
         preload(args.preload, args.rounds, args.batch)
     else:

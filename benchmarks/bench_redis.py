@@ -179,11 +179,13 @@ def _throughput_worker(kind: str, prefix: str, worker: int, seconds: float, star
     out.put(n)
 
 
-def throughput(processes: int = 8, seconds: float = 5.0) -> dict[str, float]:
+def throughput(processes: int = 8, seconds: float = 3.0, rounds: int = 3) -> dict[str, float]:
     """Calls per second of ``processes`` processes on one ledger: guarded first calls vs the floor."""
+    from _harness import throughput as alternate
+
     ctx = multiprocessing.get_context("spawn")
-    rates: dict[str, float] = {}
-    for kind in ("floor", "guarded"):
+
+    def rate(kind: str) -> float:
         prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
         start, out = ctx.Barrier(processes), ctx.Queue()
         procs = [
@@ -196,11 +198,9 @@ def throughput(processes: int = 8, seconds: float = 5.0) -> dict[str, float]:
         for p in procs:
             p.join()
         _cleanup(prefix)
-        rates[kind] = total / seconds
-    rates["ratio"] = rates["guarded"] / rates["floor"]
-    print(f"redis, {processes} processes: guarded {rates['guarded']:.0f} calls/s, floor {rates['floor']:.0f} "
-          f"calls/s, ratio {rates['ratio']:.2f}")  # fmt: skip
-    return rates
+        return total / seconds
+
+    return alternate(rate, "redis", processes, seconds, rounds)
 
 
 def preload(records: int, rounds: int = 10, batch: int = 200) -> list[dict[str, object]]:

@@ -76,26 +76,22 @@ def _make_call(kind: str, worker: int) -> Callable[[int], object]:
     if kind == "floor":
         return floor(workdir / "floor.db")
     ledger = onceonly.Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
-    return ledger.tool(name=f"bench.tool.{worker}")(tool_body)
+    # A tool name of its own per process: every round's calls are first calls, never replays.
+    return ledger.tool(name=f"bench.tool.{worker}.{uuid.uuid4().hex[:8]}")(tool_body)
 
 
-def throughput_table(processes: int, seconds: float) -> None:
+def throughput_table(processes: int, seconds: float, rounds: int) -> None:
     """Total calls/s of ``processes`` processes on one SQLite file: guarded first calls vs the floor."""
     import os
     import tempfile
 
-    from _harness import throughput
+    from _harness import spawn_rate, throughput
 
     with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
         os.environ[_WORKDIR_ENV] = tmp
         SQLiteStore(f"sqlite:///{tmp}/floor.db").close()  # create both files before the race
         SQLiteStore(f"sqlite:///{tmp}/ledger.db").close()
-        rates = throughput(_make_call, processes, seconds, ("floor", "guarded"))
-    ratio = rates["guarded"] / rates["floor"]
-    print(
-        f"sqlite, {processes} processes, {seconds:.0f} s each: floor {rates['floor']:.0f} calls/s, "
-        f"guarded {rates['guarded']:.0f} calls/s, ratio {ratio:.2f}"
-    )
+        throughput(lambda kind: spawn_rate(_make_call, kind, processes, seconds), "sqlite", processes, seconds, rounds)
 
 
 def preload(records: int, rounds: int, batch: int) -> None:

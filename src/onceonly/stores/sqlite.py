@@ -87,10 +87,9 @@ sqlite3.register_adapter(State, operator.attrgetter("value"))  # our own type: b
 
 
 def _row_to_record(row: tuple[Any, ...]) -> Record:
-    return Record(
-        row[0], row[1], row[2], row[3], _STATES[row[4]], row[5], row[6], row[7], row[8], row[9],
-        row[10], row[11], row[12], row[13], row[14], row[15], row[16], row[17], row[18], row[19],
-    )  # fmt: skip
+    rec = Record(*row)  # the columns are the fields, in order
+    rec.state = _STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
+    return rec
 
 
 # A record's values in _COLUMNS order, in one C call (the state binds through its adapter).
