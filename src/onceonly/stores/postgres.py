@@ -252,12 +252,10 @@ def _mask(url: str) -> str:
 
 # Rows are read in binary: float8 arrives as its eight bytes (exact by construction, and cheaper to
 # load than text), text as text.
-def _row_to_record(row: Sequence[Any], at: int = 0) -> Record:
-    return Record(
-        row[at], row[at + 1], row[at + 2], row[at + 3], _STATES[row[at + 4]], row[at + 5], row[at + 6],
-        row[at + 7], row[at + 8], row[at + 9], row[at + 10], row[at + 11], row[at + 12], row[at + 13],
-        row[at + 14], row[at + 15], row[at + 16], row[at + 17], row[at + 18], row[at + 19],
-    )  # fmt: skip
+def _row_to_record(row: Sequence[Any]) -> Record:
+    rec = Record(*row)  # the columns are the fields, in order
+    rec.state = _STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
+    return rec
 
 
 def _error_text(error: str | None) -> str | None:
@@ -616,14 +614,6 @@ class PostgresStore:
         self._sql_get = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
         values = ", ".join(["%s"] * 20)
         self._sql_insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({values}) ON CONFLICT (key) DO NOTHING"
-        # One statement: insert, or return the row that holds the key. The SELECT shares the INSERT's
-        # snapshot, so it never sees our own row; "won" says whether the insert happened.
-        r_cols = ", ".join(f"r.{c.strip()}" for c in _COLUMNS.split(","))
-        self._sql_claim = (
-            f"WITH ins AS ({self._sql_insert} RETURNING 1) "
-            f"SELECT EXISTS (SELECT FROM ins), {r_cols} FROM (SELECT) AS one "
-            f"LEFT JOIN {t} AS r ON r.key = %s AND NOT EXISTS (SELECT FROM ins)"
-        )
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
@@ -869,19 +859,20 @@ class PostgresStore:
         return None if row is None else _row_to_record(row)
 
     def claim(self, record: Record) -> Record | None:
-        params = (*_record_values(record), record.key)
+        # Insert first, read only on a conflict: a first call is then the floor's two statements. One
+        # statement that inserts or returns the holder's row (a CTE) kept a replay to one round trip
+        # but cost a first call 0.15-0.2x of the floor (docs/benchmarks.md); first calls are the rule.
+        values = _record_values(record)
         while True:
-            row, again = self._run(self._sql_claim, params, _ONE)
-            if row[0]:
+            count, again = self._run(self._sql_insert, values, _COUNT)
+            if count == 1:
                 return None
-            found = _row_to_record(row, 1) if row[1] is not None else None
+            # A fresh statement, a fresh snapshot: it sees whichever insert beat ours, even one that
+            # committed while our INSERT waited on its key. A purge may delete it again before we
+            # read it: then claim again.
+            found = self.get(record.key)
             if found is None:
-                # Neither inserted nor visible: another transaction inserted the key and committed after
-                # our snapshot was taken (our INSERT waited for it). Read it now; if a purge deleted it
-                # again in between, claim again.
-                found = self.get(record.key)
-                if found is None:
-                    continue
+                continue
             # A rerun finds the first run's row if that one landed: our own record, byte for byte (its
             # owner is unique to this call), which means we hold it.
             return None if again and found == record else found
@@ -994,16 +985,14 @@ class PostgresStore:
         return None if row is None else _row_to_record(row)
 
     async def aclaim(self, record: Record) -> Record | None:
-        params = (*_record_values(record), record.key)
-        while True:
-            row, again = await self._arun(self._sql_claim, params, _ONE)
-            if row[0]:
+        values = _record_values(record)
+        while True:  # see claim()
+            count, again = await self._arun(self._sql_insert, values, _COUNT)
+            if count == 1:
                 return None
-            found = _row_to_record(row, 1) if row[1] is not None else None
-            if found is None:  # see claim(): a concurrent insert our snapshot could not see
-                found = await self.aget(record.key)
-                if found is None:
-                    continue
+            found = await self.aget(record.key)
+            if found is None:
+                continue
             return None if again and found == record else found
 
     async def ainsert(self, record: Record) -> bool:
