@@ -241,3 +241,15 @@ def test_swap_that_changes_only_the_version(store: Store) -> None:
     assert same.lease_until == rec.lease_until and same.version == rec.version + 1
     assert store.swap(same, rec) is True
     assert store.get("v1") == same
+
+
+def test_an_error_with_a_nul_character_is_kept(store: Store) -> None:
+    """An exception message may hold NUL, which PostgreSQL text cannot: the settle still lands, and the
+    message keeps everything around it (PostgreSQL shows U+FFFD in the NUL's place)."""
+    rec = make("nul")
+    assert store.insert(rec)
+    failed = st.fail(rec, error="boom\x00tail", now=NOW + 1, retry_at=None, ttl=60, by="me")
+    assert store.swap(failed, rec)
+    got = store.get("nul")
+    assert got is not None and got.state is State.FAILED and got.version == failed.version
+    assert got.error in ("boom\x00tail", "boom\ufffdtail")

@@ -37,6 +37,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -73,8 +74,6 @@ _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", 
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
 _SWAP_COLUMNS = tuple(_COLUMN_OF.get(f, f) for f in _SWAP_FIELDS)
 _swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a settle runs this twice
-_STATE_AT = _SWAP_FIELDS.index("state")
-_ERROR_AT = _SWAP_FIELDS.index("error")
 _ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
 
 
@@ -619,7 +618,8 @@ class PostgresStore:
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
         #: Statements run a second time after their connection was lost (see ``_run``).
         self.reruns = 0
-        self._updates: dict[tuple[int, ...], str] = {}  # the changed fields (indexes) → the UPDATE
+        # which fields changed → the UPDATE, and where the state and the error sit in its values
+        self._updates: dict[tuple[bool, ...], tuple[str, int, int]] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._aconnections: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
@@ -805,21 +805,25 @@ class PostgresStore:
 
     def _update_sql(self, record: Record, expected: Record) -> tuple[str, list[Any]]:
         # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
-        # clears "watched": a waiter marks the row again if it still waits.
+        # clears "watched": a waiter marks the row again if it still waits. The diff runs in C (map,
+        # compress); the state and error values are then put in their text form where they are.
         new = _swap_values(record)
-        changed = tuple(i for i, (a, b) in enumerate(zip(new, _swap_values(expected), strict=True)) if a != b)
-        sql = self._updates.get(changed)
-        if sql is None:
-            sets = "".join(f", {_SWAP_COLUMNS[i]} = %s" for i in changed)
-            sql = self._updates[changed] = (
-                f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
-            )
-        values: list[Any] = [record.version]
-        for i in changed:
-            v = new[i]
-            values.append(v.value if i == _STATE_AT else _error_text(v) if i == _ERROR_AT else v)
-        values.append(record.key)
-        values.append(expected.version)
+        changed = tuple(map(operator.ne, new, _swap_values(expected)))
+        plan = self._updates.get(changed)
+        if plan is None:
+            names = [_SWAP_COLUMNS[i] for i in compress(range(len(changed)), changed)]
+            sets = "".join(f", {name} = %s" for name in names)
+            sql = f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
+            # Where the state and the error land in the values list (0: not written).
+            at_state = names.index("state") + 1 if "state" in names else 0
+            at_error = names.index("error") + 1 if "error" in names else 0
+            plan = self._updates[changed] = (sql, at_state, at_error)
+        sql, at_state, at_error = plan
+        values = [record.version, *compress(new, changed), record.key, expected.version]
+        if at_state:
+            values[at_state] = record.state.value
+        if at_error:
+            values[at_error] = _error_text(record.error)
         return sql, values
 
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
