@@ -26,7 +26,7 @@ from onceonly import states as st  # noqa: E402
 from onceonly.errors import StoreCorrupt, StoreUnavailable  # noqa: E402
 from onceonly.states import Record, State  # noqa: E402
 from onceonly.stores import Query, open_store  # noqa: E402
-from onceonly.stores.postgres import SCHEMA_VERSION, PostgresStore, _record_values, parse_postgres_url  # noqa: E402
+from onceonly.stores.postgres import _COLUMNS, SCHEMA_VERSION, PostgresStore, parse_postgres_url  # noqa: E402
 
 pytestmark = pytest.mark.postgres
 
@@ -437,6 +437,11 @@ def _blocked_pids(admin: Any, tag: str, not_in: AbstractSet[int] = frozenset()) 
     raise AssertionError("the store's statement never waited on the lock")
 
 
+def _values(r: Record) -> tuple[Any, ...]:
+    """A record's column values, for writing it with plain psycopg."""
+    return tuple(r.state.value if f == "state" else getattr(r, f) for f in Record.__dataclass_fields__)
+
+
 @pytest.mark.parametrize("primitive", ["claim", "insert", "swap"])
 def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
     store: PostgresStore, admin: Any, tag: str, primitive: str
@@ -453,10 +458,12 @@ def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
     other = psycopg.connect(store.options.conninfo)
     try:
         if primitive == "swap":
-            sql, values = store._update_sql(new, old)
-            assert other.execute(sql, values).rowcount == 1
+            sets = ", ".join(f"{c} = %s" for c in _COLUMNS.split(", "))
+            sql = f'UPDATE "{tag}".onceonly_records SET {sets} WHERE key = %s AND version = %s'
+            assert other.execute(sql, (*_values(new), old.key, old.version)).rowcount == 1
         else:
-            assert other.execute(store._sql_insert, _record_values(old)).rowcount == 1
+            sql = f'INSERT INTO "{tag}".onceonly_records ({_COLUMNS}) VALUES ({", ".join(["%s"] * 20)})'
+            assert other.execute(sql, _values(old)).rowcount == 1
         result: list[object] = []
         errors: list[BaseException] = []
 
@@ -666,3 +673,29 @@ def test_the_pool_hands_out_the_connection_returned_last(pg_url: str) -> None:
         assert list(store._pool._pool) == held  # type: ignore[attr-defined]
     finally:
         store.close()
+
+
+def test_hot_statements_survive_a_lost_or_doubled_preparation(store: PostgresStore) -> None:
+    """The hot statements are prepared once per connection. A backend that forgot them (DEALLOCATE, or
+    a transaction pooler handing us another backend) prepares them again; one that still has a
+    statement we think is new (42P05) uses it. Either way the call works and nothing runs twice."""
+    store.insert(make("prep"))
+    assert store.get("prep") is not None
+    conn = store._getconn()
+    try:
+        assert conn.ledger_prepared  # the hot statements are prepared on it
+        conn.execute("DEALLOCATE ALL")  # the server forgets them; the connection does not know
+    finally:
+        store._pool.putconn(conn)
+    assert store.get("prep") == make("prep")
+    assert store.insert(make("prep2")) is True
+    conn = store._getconn()
+    try:
+        assert conn.ledger_prepared
+        conn.ledger_prepared.clear()  # the connection forgets them; the server still has them
+    finally:
+        store._pool.putconn(conn)
+    assert store.get("prep2") == make("prep2")
+    done = st.confirm(make("prep2"), result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
+    assert store.swap(done, make("prep2"))
+    assert store.reruns == 0

@@ -42,11 +42,13 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import Record, State
+from onceonly.stores import _pgwire as wire
 from onceonly.stores._sql import scan_sql, state_literals
 from onceonly.stores.base import Query
 
@@ -74,6 +76,9 @@ _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", 
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
 _SWAP_COLUMNS = tuple(_COLUMN_OF.get(f, f) for f in _SWAP_FIELDS)
 _swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a settle runs this twice
+_FIELD_AT = {f: i for i, f in enumerate(Record.__dataclass_fields__)}
+_SWAP_TYPES = tuple(wire.COLUMN_TYPES[_FIELD_AT[f]] for f in _SWAP_FIELDS)
+_SWAP_ENCODERS = tuple(wire.FIELD_ENCODERS[_FIELD_AT[f]] for f in _SWAP_FIELDS)
 _ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
 
 
@@ -206,6 +211,10 @@ def parse_postgres_url(url: str) -> PostgresOptions:
             rest.append((name, value))
     given = {name for name, _ in rest}
     rest += [(name, value) for name, value in _LIBPQ_DEFAULTS if name not in given]
+    # The hot statements send text as UTF-8 bytes (stores/_pgwire.py): the connections speak UTF-8,
+    # whatever the database's encoding (the server converts).
+    rest = [(name, value) for name, value in rest if name.lower() != "client_encoding"]
+    rest.append(("client_encoding", "UTF8"))
     # quote, not quote_plus: libpq decodes %20 but leaves "+" as it is.
     conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(rest, quote_via=quote), ""))
     try:
@@ -257,20 +266,6 @@ def _row_to_record(row: Sequence[Any]) -> Record:
     return rec
 
 
-def _error_text(error: str | None) -> str | None:
-    # PostgreSQL text cannot hold NUL; an exception message might. Better a replaced character in a
-    # message than a settle the store refuses.
-    return error.replace("\x00", "\ufffd") if error is not None and "\x00" in error else error
-
-
-def _record_values(r: Record) -> tuple[Any, ...]:
-    return (
-        r.key, r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
-        r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json,
-        _error_text(r.error), r.args_json, r.history_json, r.via, r.conflicts,
-    )  # fmt: skip
-
-
 def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool | None:
     """True: closed. None: the idle socket has something to read, which needs a real check. False: fine.
 
@@ -295,6 +290,7 @@ class _Connection(psycopg.Connection[Any]):
     """
 
     ledger_cursor: psycopg.Cursor[Any] | None = None
+    ledger_prepared: set[bytes] | None = None  # names of the hot statements prepared on it (_pgwire)
 
 
 class _LifoPool(ConnectionPool[_Connection]):
@@ -320,6 +316,7 @@ class _AsyncConnection(psycopg.AsyncConnection[Any]):
     """The async twin of ``_Connection``."""
 
     ledger_cursor: psycopg.AsyncCursor[Any] | None = None
+    ledger_prepared: set[bytes] | None = None
 
 
 # --- waiting: one LISTEN connection per store ------------------------------------------------------
@@ -613,13 +610,19 @@ class PostgresStore:
         self._sql_get = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
         values = ", ".join(["%s"] * 20)
         self._sql_insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({values}) ON CONFLICT (key) DO NOTHING"
+        # The hot statements, prepared once per connection (_pgwire); named per table, so that two
+        # stores on one server never mix theirs up.
+        tag = hashlib.sha256(t.encode()).hexdigest()[:10]
+        self._tag = tag
+        self._stmt_get = wire.Statement(f"onceonly_{tag}_get", self._sql_get, [wire.TEXT])
+        self._stmt_insert = wire.Statement(f"onceonly_{tag}_insert", self._sql_insert, wire.COLUMN_TYPES)
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
         #: Statements run a second time after their connection was lost (see ``_run``).
         self.reruns = 0
-        # which fields changed → the UPDATE, and where the state and the error sit in its values
-        self._updates: dict[tuple[bool, ...], tuple[str, int, int]] = {}
+        # which fields changed → the prepared UPDATE that writes them, and their encoders
+        self._updates: dict[tuple[bool, ...], tuple[wire.Statement, tuple[Any, ...]]] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._aconnections: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
@@ -803,28 +806,30 @@ class PostgresStore:
         await conns.start()
         return conns
 
-    def _update_sql(self, record: Record, expected: Record) -> tuple[str, list[Any]]:
+    def _update(self, record: Record, expected: Record) -> tuple[wire.Statement, list[bytes | None]]:
         # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
         # clears "watched": a waiter marks the row again if it still waits. The diff runs in C (map,
-        # compress); the state and error values are then put in their text form where they are.
+        # compress).
         new = _swap_values(record)
         changed = tuple(map(operator.ne, new, _swap_values(expected)))
         plan = self._updates.get(changed)
         if plan is None:
-            names = [_SWAP_COLUMNS[i] for i in compress(range(len(changed)), changed)]
-            sets = "".join(f", {name} = %s" for name in names)
+            fields = list(compress(range(len(changed)), changed))
+            sets = "".join(f", {_SWAP_COLUMNS[i]} = %s" for i in fields)
             sql = f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
-            # Where the state and the error land in the values list (0: not written).
-            at_state = names.index("state") + 1 if "state" in names else 0
-            at_error = names.index("error") + 1 if "error" in names else 0
-            plan = self._updates[changed] = (sql, at_state, at_error)
-        sql, at_state, at_error = plan
-        values = [record.version, *compress(new, changed), record.key, expected.version]
-        if at_state:
-            values[at_state] = record.state.value
-        if at_error:
-            values[at_error] = _error_text(record.error)
-        return sql, values
+            mask = sum(1 << i for i in fields)
+            types = [wire.INT8, *(_SWAP_TYPES[i] for i in fields), wire.TEXT, wire.INT8]
+            encoders = tuple(_SWAP_ENCODERS[i] for i in fields)
+            plan = self._updates[changed] = (
+                wire.Statement(f"onceonly_{self._tag}_update_{mask:x}", sql, types),
+                encoders,
+            )
+        stmt, encoders = plan
+        params: list[bytes | None] = [wire.int8(record.version)]
+        params += [enc(v) for enc, v in zip(encoders, compress(new, changed), strict=True)]
+        params.append(record.key.encode())
+        params.append(wire.int8(expected.version))
+        return stmt, params
 
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
         return scan_sql(query, table=self._table, columns=_COLUMNS, placeholder="%s")
@@ -858,18 +863,39 @@ class PostgresStore:
             finally:
                 self._pool.putconn(conn)
 
+    def _exec(
+        self, stmt: wire.Statement, params: list[bytes | None], rerun: bool = True
+    ) -> tuple[pq.abc.PGresult, bool]:
+        """``_run`` for the hot statements (stores/_pgwire.py): the same single rerun after a lost
+        connection; the result and whether it ran a second time."""
+        again = False
+        while True:
+            conn = self._getconn()
+            try:
+                prepared = conn.ledger_prepared
+                if prepared is None:
+                    prepared = conn.ledger_prepared = set()
+                return conn.wait(wire.run(conn.pgconn, prepared, stmt, params)), again
+            except psycopg.Error as exc:
+                if again or not rerun or not conn.closed:  # closed: the connection was lost
+                    raise self._translate(exc) from exc
+                again = True
+                self.reruns += 1
+            finally:
+                self._pool.putconn(conn)
+
     def get(self, key: str) -> Record | None:
-        row, _ = self._run(self._sql_get, (key,), _ONE)
-        return None if row is None else _row_to_record(row)
+        res, _ = self._exec(self._stmt_get, [key.encode()])
+        return wire.decode_record(res)
 
     def claim(self, record: Record) -> Record | None:
         # Insert first, read only on a conflict: a first call is then the floor's two statements. One
         # statement that inserts or returns the holder's row (a CTE) kept a replay to one round trip
         # but cost a first call 0.15-0.2x of the floor (docs/benchmarks.md); first calls are the rule.
-        values = _record_values(record)
+        params = wire.record_params(record)
         while True:
-            count, again = self._run(self._sql_insert, values, _COUNT)
-            if count == 1:
+            res, again = self._exec(self._stmt_insert, params)
+            if wire.rowcount(res) == 1:
                 return None
             # A fresh statement, a fresh snapshot: it sees whichever insert beat ours, even one that
             # committed while our INSERT waited on its key. A purge may delete it again before we
@@ -882,13 +908,12 @@ class PostgresStore:
             return None if again and found == record else found
 
     def insert(self, record: Record) -> bool:
-        count, again = self._run(self._sql_insert, _record_values(record), _COUNT)
-        return count == 1 or (again and self.get(record.key) == record)
+        res, again = self._exec(self._stmt_insert, wire.record_params(record))
+        return wire.rowcount(res) == 1 or (again and self.get(record.key) == record)
 
     def swap(self, record: Record, expected: Record) -> bool:
-        sql, values = self._update_sql(record, expected)
-        count, again = self._run(sql, values, _COUNT)
-        return count == 1 or (again and self.get(record.key) == record)
+        res, again = self._exec(*self._update(record, expected))
+        return wire.rowcount(res) == 1 or (again and self.get(record.key) == record)
 
     def delete(self, key: str, expected_version: int) -> bool:
         # Not rerun: after a lost connection nobody can tell whose delete removed the row.
@@ -984,15 +1009,36 @@ class PostgresStore:
             finally:
                 await conns.put(conn)
 
+    async def _aexec(
+        self, stmt: wire.Statement, params: list[bytes | None], rerun: bool = True
+    ) -> tuple[pq.abc.PGresult, bool]:
+        """``_exec``, awaited: the same generator, driven by the async connection."""
+        again = False
+        conns = await self._aconns()
+        while True:
+            conn = await conns.get()
+            try:
+                prepared = conn.ledger_prepared
+                if prepared is None:
+                    prepared = conn.ledger_prepared = set()
+                return await conn.wait(wire.run(conn.pgconn, prepared, stmt, params)), again
+            except psycopg.Error as exc:
+                if again or not rerun or not conn.closed:  # closed: the connection was lost
+                    raise self._translate(exc) from exc
+                again = True
+                self.reruns += 1
+            finally:
+                await conns.put(conn)
+
     async def aget(self, key: str) -> Record | None:
-        row, _ = await self._arun(self._sql_get, (key,), _ONE)
-        return None if row is None else _row_to_record(row)
+        res, _ = await self._aexec(self._stmt_get, [key.encode()])
+        return wire.decode_record(res)
 
     async def aclaim(self, record: Record) -> Record | None:
-        values = _record_values(record)
+        params = wire.record_params(record)
         while True:  # see claim()
-            count, again = await self._arun(self._sql_insert, values, _COUNT)
-            if count == 1:
+            res, again = await self._aexec(self._stmt_insert, params)
+            if wire.rowcount(res) == 1:
                 return None
             found = await self.aget(record.key)
             if found is None:
@@ -1000,13 +1046,12 @@ class PostgresStore:
             return None if again and found == record else found
 
     async def ainsert(self, record: Record) -> bool:
-        count, again = await self._arun(self._sql_insert, _record_values(record), _COUNT)
-        return count == 1 or (again and await self.aget(record.key) == record)
+        res, again = await self._aexec(self._stmt_insert, wire.record_params(record))
+        return wire.rowcount(res) == 1 or (again and await self.aget(record.key) == record)
 
     async def aswap(self, record: Record, expected: Record) -> bool:
-        sql, values = self._update_sql(record, expected)
-        count, again = await self._arun(sql, values, _COUNT)
-        return count == 1 or (again and await self.aget(record.key) == record)
+        res, again = await self._aexec(*self._update(record, expected))
+        return wire.rowcount(res) == 1 or (again and await self.aget(record.key) == record)
 
     async def adelete(self, key: str, expected_version: int) -> bool:
         count, _ = await self._arun(self._sql_delete, (key, expected_version), _COUNT, rerun=False)

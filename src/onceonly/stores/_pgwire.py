@@ -1,0 +1,169 @@
+"""The PostgreSQL store's hot statements, below psycopg's cursor layer.
+
+``get``, the claim's ``INSERT`` and every swap's ``UPDATE`` run as statements prepared once per
+connection, with binary parameters and binary results, sent with psycopg's libpq wrapper
+(``PGconn.send_query_prepared``) and read by psycopg's own result reader (``generators.execute``,
+C-accelerated in psycopg's binary build) under the connection's ``wait()``, which also cancels the
+statement on Ctrl-C. A cursor's ``execute`` spends ~35 µs of Python per statement here (query
+conversion, adaptation, its preparation bookkeeping); this spends ~25 µs less on the insert, about a
+tenth of a guarded call's cost (docs/benchmarks.md).
+
+One logic for both faces: ``run()`` is a generator that the sync connection's ``wait()`` drives, and
+the async connection's ``await wait()``.
+
+The types are the table's (``stores/postgres.py``: text, integer, bigint, double precision), declared
+at preparation, so the server never guesses them. A float8 is sent and read as its eight bytes:
+exact both ways.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+from psycopg import errors as e
+from psycopg import pq
+from psycopg.generators import execute
+
+from onceonly.states import Record, State
+
+__all__ = [
+    "COLUMN_TYPES",
+    "FIELD_ENCODERS",
+    "INT8",
+    "TEXT",
+    "Statement",
+    "decode_record",
+    "error_text",
+    "int8",
+    "record_params",
+    "rowcount",
+    "run",
+]
+
+TEXT, INT4, INT8, FLOAT8 = 25, 23, 20, 701  # PostgreSQL type oids
+#: The type of each column, in the order of the Record's fields (and of the store's column list).
+COLUMN_TYPES = (TEXT, TEXT, TEXT, TEXT, TEXT, INT4, INT8, INT8, TEXT, FLOAT8, FLOAT8, FLOAT8, FLOAT8, FLOAT8,
+                TEXT, TEXT, TEXT, TEXT, TEXT, INT4)  # fmt: skip
+
+_BINARY = pq.Format.BINARY
+_I4, _I8, _F8 = struct.Struct("!i"), struct.Struct("!q"), struct.Struct("!d")
+int4, int8, float8 = _I4.pack, _I8.pack, _F8.pack
+_STATE_BYTES = {s: s.value.encode() for s in State}
+_STATES = {s.value.encode(): s for s in State}
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_NOT_PREPARED = "26000"  # invalid_sql_statement_name: e.g. a transaction pooler moved us to another backend
+_ALREADY_PREPARED = "42P05"  # duplicate_prepared_statement
+
+
+def error_text(error: str | None) -> str | None:
+    """PostgreSQL text cannot hold NUL; an exception message might. Better a replaced character in a
+    message than a settle the store refuses."""
+    return error.replace("\x00", "\ufffd") if error is not None and "\x00" in error else error
+
+
+def _text(v: str | None) -> bytes | None:
+    return None if v is None else v.encode()
+
+
+def _float(v: float | None) -> bytes | None:
+    return None if v is None else _F8.pack(v)
+
+
+def _error(v: str | None) -> bytes | None:
+    return None if v is None else error_text(v).encode()  # type: ignore[union-attr]
+
+
+#: How each Record field becomes a parameter, in field order.
+FIELD_ENCODERS: tuple[Callable[[Any], bytes | None], ...] = (
+    str.encode, str.encode, str.encode, str.encode, _STATE_BYTES.__getitem__, int4, int8, int8, _text,
+    _float, _float, _float, _float, _float, _text, _error, str.encode, str.encode, _text, int4,
+)  # fmt: skip
+
+
+def record_params(r: Record) -> list[bytes | None]:
+    """A whole record as the INSERT's parameters (unrolled: the first write of every guarded call)."""
+    f = _F8.pack
+    return [
+        r.key.encode(), r.scope.encode(), r.tool.encode(), r.fingerprint.encode(), _STATE_BYTES[r.state],
+        _I4.pack(r.attempts), _I8.pack(r.fence), _I8.pack(r.version), _text(r.lease_owner),
+        None if r.lease_until is None else f(r.lease_until),
+        None if r.next_attempt_at is None else f(r.next_attempt_at),
+        None if r.expires_at is None else f(r.expires_at), f(r.created_at), f(r.updated_at), _text(r.result_json),
+        _error(r.error), r.args_json.encode(), r.history_json.encode(), _text(r.via), _I4.pack(r.conflicts),
+    ]  # fmt: skip
+
+
+def _str(v: bytes | None) -> str | None:
+    return None if v is None else v.decode()
+
+
+def _real(v: bytes | None) -> float | None:
+    return None if v is None else _F8.unpack(v)[0]
+
+
+def decode_record(res: pq.abc.PGresult) -> Record | None:
+    """The first row of a binary result of the store's column list, or None when there is none."""
+    if not res.ntuples:
+        return None
+    v = [res.get_value(0, i) for i in range(20)]
+    u4, u8, f8 = _I4.unpack, _I8.unpack, _F8.unpack
+    return Record(
+        v[0].decode(), v[1].decode(), v[2].decode(), v[3].decode(), _STATES[v[4]],  # type: ignore[union-attr,index]
+        u4(v[5])[0], u8(v[6])[0], u8(v[7])[0], _str(v[8]), _real(v[9]), _real(v[10]), _real(v[11]),  # type: ignore[arg-type]
+        f8(v[12])[0], f8(v[13])[0], _str(v[14]), _str(v[15]), v[16].decode(), v[17].decode(),  # type: ignore[arg-type,union-attr]
+        _str(v[18]), u4(v[19])[0],  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def rowcount(res: pq.abc.PGresult) -> int:
+    return res.command_tuples or 0
+
+
+class Statement:
+    """A statement prepared once per connection under ``name``, with its parameters' types."""
+
+    __slots__ = ("formats", "name", "sql", "types")
+
+    def __init__(self, name: str, sql: str, types: Sequence[int]) -> None:
+        # psycopg's placeholders (%s) become PostgreSQL's ($1, $2…); the store's SQL holds no other %.
+        parts = sql.split("%s")
+        if len(parts) != len(types) + 1:
+            raise ValueError(f"{name}: {len(parts) - 1} placeholders for {len(types)} types")
+        self.name = name.encode()
+        self.sql = "".join(p + (f"${i}" if i < len(parts) else "") for i, p in enumerate(parts, 1)).encode()
+        self.types = list(types)
+        self.formats = [_BINARY] * len(types)
+
+
+def _check(results: list[pq.abc.PGresult]) -> pq.abc.PGresult:
+    res = results[-1]
+    if res.status not in _OK:
+        raise e.error_from_result(res)  # the store's connections talk UTF-8 (psycopg's default)
+    return res
+
+
+def run(
+    pgconn: pq.abc.PGconn, prepared: set[bytes], stmt: Statement, params: Sequence[bytes | None]
+) -> Generator[Any, Any, pq.abc.PGresult]:
+    """Run ``stmt`` on the connection, preparing it first if this connection has not; its result.
+
+    Drive it with the connection's ``wait()``. A failed statement raises psycopg's error for it.
+    """
+    for attempt in (1, 2):
+        if stmt.name not in prepared:
+            pgconn.send_prepare(stmt.name, stmt.sql, stmt.types)
+            res = (yield from execute(pgconn))[-1]
+            if res.status not in _OK and res.error_field(pq.DiagnosticField.SQLSTATE) != _ALREADY_PREPARED.encode():
+                _check([res])
+            prepared.add(stmt.name)
+        pgconn.send_query_prepared(stmt.name, params, stmt.formats, _BINARY)
+        results = yield from execute(pgconn)
+        res = results[-1]
+        if attempt == 1 and res.error_field(pq.DiagnosticField.SQLSTATE) == _NOT_PREPARED.encode():
+            # The statement ran nowhere: forget what this connection had prepared and do it again.
+            prepared.clear()
+            continue
+        return _check(results)
+    raise AssertionError("unreachable")  # pragma: no cover
