@@ -96,6 +96,48 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
     return run
 
 
+def wire_floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], None]:
+    """The floor's two statements sent the way the store sends its own: prepared once, binary
+    parameters, below psycopg's cursor (onceonly/stores/_pgwire.py). For scale: what the guard's
+    store saves against the floor's cursor path, it saves here too."""
+    from onceonly.stores import _pgwire as wire
+
+    conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
+    _OPENED.append(conn)
+    entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
+    history_1 = json.dumps([entry]).encode()
+    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}]).encode()
+    prefix = uuid.uuid4().hex
+    T, I4, I8, F8 = wire.TEXT, 23, wire.INT8, 701
+    insert = wire.Statement(
+        "bench_floor_insert",
+        f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+        [T, T, T, T, T, I4, I8, I8, T, F8, F8, F8, T, T],
+    )
+    update = wire.Statement(
+        "bench_floor_update",
+        f"UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
+        "expires_at=%s, updated_at=%s, history=%s WHERE key=%s AND version=%s",
+        [I8, T, T, T, F8, F8, T, T, I8],
+    )
+    prepared: set[bytes] = set()
+    i4, i8, f8 = wire.int4, wire.int8, wire.float8
+
+    def run(i: int) -> None:
+        key = f"default:bench.tool:{hashlib.sha256(f'{prefix}{i}'.encode()).hexdigest()[:32]}".encode()
+        now = time.time()
+        conn.wait(wire.run(conn.pgconn, prepared, insert, [
+            key, b"default", b"bench.tool", key[-32:] * 2, b"in_flight", i4(1), i8(1), i8(1), b"h:1:1",
+            f8(now + 30), f8(now), f8(now), f'{{"i":{i}}}'.encode(), history_1,
+        ]))  # fmt: skip
+        conn.wait(wire.run(conn.pgconn, prepared, update, [
+            i8(2), b"confirmed", f'{{"ok":true,"i":{i}}}'.encode(), b"run", f8(now + 86400), f8(now), history_2,
+            key, i8(1),
+        ]))  # fmt: skip
+
+    return run
+
+
 def read_floor(url: str) -> Callable[[int], None]:
     """One raw round trip: the SELECT of a record by key (what a replay cannot do with less)."""
     conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
@@ -120,6 +162,7 @@ def contenders(url: str) -> tuple[list[Contender], onceonly.Ledger]:
     return [
         Contender("bare tool", tool_body),
         Contender("floor: 2 raw round trips", floor(url)),
+        Contender("same 2 statements below psycopg's cursor", wire_floor(url)),
         first,
         replay,
         Contender("1 raw read (SELECT by key)", read_floor(url)),
