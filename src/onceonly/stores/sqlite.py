@@ -83,7 +83,8 @@ _SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", 
 _COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
 _swap_fields = operator.attrgetter(*_SWAP_FIELDS)  # one C call reads them all
 _UPDATES: dict[tuple[bool, ...], str] = {}  # which fields changed → the UPDATE that writes them
-sqlite3.register_adapter(State, operator.attrgetter("value"))  # our own type: binds as its text
+# Our own type binds as its text; a dict lookup in C (Enum.value is a Python-level property).
+sqlite3.register_adapter(State, {s: s.value for s in State}.__getitem__)
 
 
 def _row_to_record(row: tuple[Any, ...]) -> Record:
