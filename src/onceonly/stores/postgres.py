@@ -35,10 +35,10 @@ import select
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -54,6 +54,7 @@ from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
 
+T = TypeVar("T")
 _log = logging.getLogger("onceonly.stores.postgres")
 
 #: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
@@ -836,8 +837,8 @@ class PostgresStore:
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 
-    def _run(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
-        """Run one statement: (its row, rows or row count, whether it ran a second time).
+    def _on_connection(self, op: Callable[[_Connection], T], rerun: bool = True) -> tuple[T, bool]:
+        """Run ``op`` on a pooled connection: (its answer, whether it ran a second time).
 
         A statement whose connection was lost (the backend terminated, the network cut) runs once more
         on a fresh connection when ``rerun``: reads freely, writes only where the caller can tell its
@@ -848,13 +849,7 @@ class PostgresStore:
         while True:
             conn = self._getconn()
             try:
-                cur = conn.ledger_cursor
-                if cur is None:
-                    cur = conn.ledger_cursor = conn.cursor(binary=True)
-                cur.execute(sql, params)
-                if fetch == _ONE:
-                    return cur.fetchone(), again
-                return (cur.fetchall() if fetch == _ALL else cur.rowcount), again
+                return op(conn), again
             except psycopg.Error as exc:
                 if again or not rerun or not conn.closed:  # closed: the connection was lost
                     raise self._translate(exc) from exc
@@ -863,26 +858,30 @@ class PostgresStore:
             finally:
                 self._pool.putconn(conn)
 
-    def _exec(
-        self, stmt: wire.Statement, params: list[bytes | None], rerun: bool = True
-    ) -> tuple[pq.abc.PGresult, bool]:
-        """``_run`` for the hot statements (stores/_pgwire.py): the same single rerun after a lost
-        connection; the result and whether it ran a second time."""
-        again = False
-        while True:
-            conn = self._getconn()
-            try:
-                prepared = conn.ledger_prepared
-                if prepared is None:
-                    prepared = conn.ledger_prepared = set()
-                return conn.wait(wire.run(conn.pgconn, prepared, stmt, params)), again
-            except psycopg.Error as exc:
-                if again or not rerun or not conn.closed:  # closed: the connection was lost
-                    raise self._translate(exc) from exc
-                again = True
-                self.reruns += 1
-            finally:
-                self._pool.putconn(conn)
+    def _run(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
+        """One statement through the connection's cursor: its row, its rows or its row count."""
+
+        def op(conn: _Connection) -> Any:
+            cur = conn.ledger_cursor
+            if cur is None:
+                cur = conn.ledger_cursor = conn.cursor(binary=True)
+            cur.execute(sql, params)
+            if fetch == _ONE:
+                return cur.fetchone()
+            return cur.fetchall() if fetch == _ALL else cur.rowcount
+
+        return self._on_connection(op, rerun)
+
+    def _exec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
+        """One of the hot statements, prepared and binary (stores/_pgwire.py): its result."""
+
+        def op(conn: _Connection) -> pq.abc.PGresult:
+            prepared = conn.ledger_prepared
+            if prepared is None:
+                prepared = conn.ledger_prepared = set()
+            return conn.wait(wire.run(conn.pgconn, prepared, stmt, params))
+
+        return self._on_connection(op)
 
     def get(self, key: str) -> Record | None:
         res, _ = self._exec(self._stmt_get, [key.encode()])
@@ -987,20 +986,16 @@ class PostgresStore:
 
     # --- the primitives, async --------------------------------------------------------------------------
 
-    async def _arun(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
-        """``_run``, awaited: the same single rerun after a lost connection."""
+    async def _aon_connection(
+        self, op: Callable[[_AsyncConnection], Awaitable[T]], rerun: bool = True
+    ) -> tuple[T, bool]:
+        """``_on_connection``, awaited: the same single rerun after a lost connection."""
         again = False
         conns = await self._aconns()
         while True:
             conn = await conns.get()
             try:
-                acur = conn.ledger_cursor
-                if acur is None:
-                    acur = conn.ledger_cursor = conn.cursor(binary=True)
-                await acur.execute(sql, params)
-                if fetch == _ONE:
-                    return await acur.fetchone(), again
-                return (await acur.fetchall() if fetch == _ALL else acur.rowcount), again
+                return await op(conn), again
             except psycopg.Error as exc:
                 if again or not rerun or not conn.closed:  # closed: the connection was lost
                     raise self._translate(exc) from exc
@@ -1009,26 +1004,30 @@ class PostgresStore:
             finally:
                 await conns.put(conn)
 
-    async def _aexec(
-        self, stmt: wire.Statement, params: list[bytes | None], rerun: bool = True
-    ) -> tuple[pq.abc.PGresult, bool]:
+    async def _arun(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
+        """``_run``, awaited."""
+
+        async def op(conn: _AsyncConnection) -> Any:
+            acur = conn.ledger_cursor
+            if acur is None:
+                acur = conn.ledger_cursor = conn.cursor(binary=True)
+            await acur.execute(sql, params)
+            if fetch == _ONE:
+                return await acur.fetchone()
+            return await acur.fetchall() if fetch == _ALL else acur.rowcount
+
+        return await self._aon_connection(op, rerun)
+
+    async def _aexec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """``_exec``, awaited: the same generator, driven by the async connection."""
-        again = False
-        conns = await self._aconns()
-        while True:
-            conn = await conns.get()
-            try:
-                prepared = conn.ledger_prepared
-                if prepared is None:
-                    prepared = conn.ledger_prepared = set()
-                return await conn.wait(wire.run(conn.pgconn, prepared, stmt, params)), again
-            except psycopg.Error as exc:
-                if again or not rerun or not conn.closed:  # closed: the connection was lost
-                    raise self._translate(exc) from exc
-                again = True
-                self.reruns += 1
-            finally:
-                await conns.put(conn)
+
+        async def op(conn: _AsyncConnection) -> pq.abc.PGresult:
+            prepared = conn.ledger_prepared
+            if prepared is None:
+                prepared = conn.ledger_prepared = set()
+            return await conn.wait(wire.run(conn.pgconn, prepared, stmt, params))
+
+        return await self._aon_connection(op)
 
     async def aget(self, key: str) -> Record | None:
         res, _ = await self._aexec(self._stmt_get, [key.encode()])
