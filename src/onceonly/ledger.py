@@ -76,18 +76,22 @@ def _after_fork() -> None:
 
 os.register_at_fork(after_in_child=_after_fork)
 _SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_scope", default=None)
-_CURRENT: contextvars.ContextVar[_Current | None] = contextvars.ContextVar("onceonly_call", default=None)
+_CURRENT: contextvars.ContextVar[_Lease | None] = contextvars.ContextVar("onceonly_call", default=None)
 
 
 # --- leases and heartbeats ------------------------------------------------------------------------
 
 
 class _Lease:
-    """A lease this process holds while a tool runs. ``record`` is the latest version we wrote."""
+    """A lease this process holds while a tool runs. ``record`` is the latest version we wrote.
 
-    __slots__ = ("beat_at", "lock", "lost", "record", "released", "seconds")
+    It is also the running tool's current call (``current_call()``, ``mark_sent()``), through ``ledger``.
+    """
 
-    def __init__(self, record: Record, seconds: float, now: float) -> None:
+    __slots__ = ("beat_at", "ledger", "lock", "lost", "record", "released", "seconds")
+
+    def __init__(self, record: Record, seconds: float, now: float, ledger: Ledger | None = None) -> None:
+        self.ledger = ledger
         self.record = record
         self.seconds = seconds
         self.beat_at = now
@@ -112,9 +116,9 @@ class _Heartbeats:
         self._closed = False
         self._next_wake = 0.0  # when the thread looks next; a lease due sooner wakes it
 
-    def hold(self, record: Record, seconds: float) -> _Lease:
+    def hold(self, record: Record, seconds: float, ledger: Ledger | None = None) -> _Lease:
         now = self._clock()
-        lease = _Lease(record, seconds, now)
+        lease = _Lease(record, seconds, now, ledger)
         # set.add/discard and the thread's list(set) are each atomic under the GIL (a _Lease hashes by
         # identity, no Python code runs inside them): the hot path takes no lock for the set.
         self._leases.add(lease)
@@ -190,18 +194,9 @@ class CallInfo:
     state: State
 
 
-class _Current:
-    __slots__ = ("lease", "lease_seconds", "ledger")
-
-    def __init__(self, ledger: Ledger, lease: _Lease, lease_seconds: float) -> None:
-        self.ledger = ledger
-        self.lease = lease
-        self.lease_seconds = lease_seconds
-
-    @property
-    def info(self) -> CallInfo:
-        rec = self.lease.record
-        return CallInfo(rec.key, rec.tool, rec.scope, rec.fence, rec.attempts, rec.state)
+def _info(lease: _Lease) -> CallInfo:
+    rec = lease.record
+    return CallInfo(rec.key, rec.tool, rec.scope, rec.fence, rec.attempts, rec.state)
 
 
 def current_call() -> CallInfo | None:
@@ -210,7 +205,7 @@ def current_call() -> CallInfo | None:
     .. versionadded:: 0.1
     """
     cur = _CURRENT.get()
-    return None if cur is None else cur.info
+    return None if cur is None else _info(cur)
 
 
 def mark_sent() -> None:
@@ -225,6 +220,7 @@ def mark_sent() -> None:
     cur = _CURRENT.get()
     if cur is None:
         raise OnceOnlyError("mark_sent() is called from inside a guarded tool, and this code is not in one")
+    assert cur.ledger is not None
     cur.ledger._mark_sent(cur)
 
 
@@ -236,6 +232,7 @@ async def amark_sent() -> None:
     cur = _CURRENT.get()
     if cur is None:
         raise OnceOnlyError("amark_sent() is called from inside a guarded tool, and this code is not in one")
+    assert cur.ledger is not None
     await asyncio.to_thread(cur.ledger._mark_sent, cur)
 
 
@@ -394,11 +391,11 @@ class Tool(_BaseTool[P, R]):
     """
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return cast(R, self.outcome(*args, **kwargs).result)
+        return cast(R, self._outcome(args, kwargs, None, 1).result)  # kwargs: a fresh dict already
 
     def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome:
         """Run (or replay) the call and return its ``Outcome``."""
-        return self._outcome(args, dict(kwargs), None, 1)
+        return self._outcome(args, kwargs, None, 1)
 
     def using(self, *, key: str | None = None, occurrence: int = 1) -> _Using[P, R]:
         """This tool with an explicit key, or the n-th occurrence of the same call (meant twice).
@@ -789,11 +786,10 @@ class Ledger:
     def _execute(
         self, tool: Tool[Any, Any], call: Call, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Executed:
-        lease = self._beats.hold(rec, call.policy.lease)
-        current = _Current(self, lease, call.policy.lease)
-        kw = tool._tool_kwargs(call, kwargs)
+        lease = self._beats.hold(rec, call.policy.lease, self)
+        kw = tool._tool_kwargs(call, kwargs) if tool.takes_key else kwargs
         if tool.timeout is None:
-            token = _CURRENT.set(current)
+            token = _CURRENT.set(lease)
             try:
                 value = tool.fn(*args, **kw)
             except Exception as exc:
@@ -805,7 +801,7 @@ class Ledger:
                 raise
             finally:
                 _CURRENT.reset(token)
-            return Executed(value=value, record=self._beats.release(lease))
+            return Executed(value, None, False, self._beats.release(lease))
 
         # With a timeout the tool runs in a worker thread, so that the caller can stop waiting while
         # the call itself runs on: its late outcome must still reach the ledger.
@@ -815,7 +811,7 @@ class Ledger:
         context = contextvars.copy_context()
 
         def run() -> None:
-            context.run(_CURRENT.set, current)
+            context.run(_CURRENT.set, lease)
             try:
                 box["value"] = context.run(tool.fn, *args, **kw)
             except BaseException as exc:
@@ -843,8 +839,8 @@ class Ledger:
     async def _aexecute(
         self, tool: AsyncTool[Any, Any], call: Call, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Executed:
-        lease = self._beats.hold(rec, call.policy.lease)
-        token = _CURRENT.set(_Current(self, lease, call.policy.lease))
+        lease = self._beats.hold(rec, call.policy.lease, self)
+        token = _CURRENT.set(lease)
         try:
             # The task copies the context now, with the current call set in it.
             task = asyncio.ensure_future(tool.fn(*args, **tool._tool_kwargs(call, kwargs)))
@@ -889,15 +885,14 @@ class Ledger:
 
         task.add_done_callback(done)
 
-    def _mark_sent(self, current: _Current) -> None:
-        lease = current.lease
+    def _mark_sent(self, lease: _Lease) -> None:
         with lease.lock:
             rec = lease.record
             if rec.state is not State.PENDING:
                 return
             new = st.transition(
                 rec, State.IN_FLIGHT, now=self.clock(), reason="dispatched", by=rec.lease_owner,
-                lease_until=self.clock() + current.lease_seconds,
+                lease_until=self.clock() + lease.seconds,
             )  # fmt: skip
             if not self.store.swap(new, rec):
                 lease.lost = True
