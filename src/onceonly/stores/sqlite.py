@@ -326,7 +326,7 @@ class SQLiteStore:
     def swap(self, record: Record, expected: Record) -> bool:
         # Write only the columns that changed: a settle that leaves args alone does not rewrite them
         # (about 10 µs of the floor per call, docs/benchmarks.md).
-        # The diff runs in C (map, compress); a changed state binds through the adapter registered below.
+        # The diff runs in C (map, compress); a changed state binds through the adapter registered above.
         new = _swap_fields(record)
         changed = tuple(map(operator.ne, new, _swap_fields(expected)))
         sql = _UPDATES.get(changed)
