@@ -225,7 +225,7 @@ def _encode(r: Record) -> str:
     """
     return _dumps(
         [
-            r.scope, r.tool, r.fingerprint, r.state.value, r.attempts, r.fence, r.version, r.lease_owner,
+            r.scope, r.tool, r.fingerprint, _VALUE[r.state], r.attempts, r.fence, r.version, r.lease_owner,
             r.lease_until, r.next_attempt_at, r.expires_at, r.created_at, r.updated_at, r.result_json, r.error,
             r.history_json, r.via, r.conflicts,
         ]
