@@ -22,7 +22,6 @@ Each run uses a prefix of its own and deletes what it wrote at the end.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -162,43 +161,29 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
 # --- opt-in: throughput with 8 processes, and the cost with a million records stored ------------------
 
 
-def _throughput_worker(kind: str, prefix: str, worker: int, seconds: float, start: Any, out: Any) -> None:
+_PREFIX_ENV = "ONCEONLY_BENCH_PREFIX"
+
+
+def _make_call(kind: str, worker: int) -> Callable[[int], object]:
+    """In a worker process: a guarded first call, or the floor's two raw round trips, on this round's prefix."""
+    prefix = os.environ[_PREFIX_ENV]
     store = RedisStore(_url(prefix))
     if kind == "guarded":
-        ledger = onceonly.Ledger(store)
-        call: Callable[[int], object] = ledger.tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
-    else:
-        call = floor(store, f"{prefix}:{worker}")
-    start.wait()
-    n = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        call(worker * 10_000_000 + n)
-        n += 1
-    store.close()
-    out.put(n)
+        return onceonly.Ledger(store).tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
+    return floor(store, f"{prefix}:{worker}")
 
 
 def throughput(processes: int = 8, seconds: float = 3.0, rounds: int = 3) -> dict[str, float]:
     """Calls per second of ``processes`` processes on one ledger: guarded first calls vs the floor."""
+    from _harness import spawn_rate
     from _harness import throughput as alternate
 
-    ctx = multiprocessing.get_context("spawn")
-
     def rate(kind: str) -> float:
-        prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
-        start, out = ctx.Barrier(processes), ctx.Queue()
-        procs = [
-            ctx.Process(target=_throughput_worker, args=(kind, prefix, w, seconds, start, out))
-            for w in range(processes)
-        ]
-        for p in procs:
-            p.start()
-        total = sum(out.get() for _ in procs)
-        for p in procs:
-            p.join()
-        _cleanup(prefix)
-        return total / seconds
+        prefix = os.environ[_PREFIX_ENV] = f"onceonly-bench-{uuid.uuid4().hex[:8]}"  # fresh keys every round
+        try:
+            return spawn_rate(_make_call, kind, processes, seconds)
+        finally:
+            _cleanup(prefix)
 
     return alternate(rate, "redis", processes, seconds, rounds)
 
