@@ -79,7 +79,7 @@ def test_every_key_of_a_script_is_in_one_slot(store: RedisStore, key: str) -> No
     """The record and its shard's indexes share the hash tag, whatever braces the ledger key has."""
     from redis.crc import key_slot
 
-    names = store.script_keys(key)
+    names = store._keys(key)
     assert len({key_slot(n.encode()) for n in names}) == 1
     assert names[0].endswith(f":r:{key}")
     assert all(n.startswith(f"{store.prefix}:{{{store.prefix}:") for n in names)

@@ -28,20 +28,6 @@ from psycopg.generators import execute
 
 from onceonly.states import Record, State
 
-__all__ = [
-    "COLUMN_TYPES",
-    "FIELD_ENCODERS",
-    "INT8",
-    "TEXT",
-    "Statement",
-    "decode_record",
-    "error_text",
-    "int8",
-    "record_params",
-    "rowcount",
-    "run",
-]
-
 TEXT, INT4, INT8, FLOAT8 = 25, 23, 20, 701  # PostgreSQL type oids
 #: The type of each column, in the order of the Record's fields (and of the store's column list).
 COLUMN_TYPES = (TEXT, TEXT, TEXT, TEXT, TEXT, INT4, INT8, INT8, TEXT, FLOAT8, FLOAT8, FLOAT8, FLOAT8, FLOAT8,
@@ -115,10 +101,6 @@ def decode_record(res: pq.abc.PGresult) -> Record | None:
         f8(v[12])[0], f8(v[13])[0], _str(v[14]), _str(v[15]), v[16].decode(), v[17].decode(),  # type: ignore[arg-type,union-attr]
         _str(v[18]), u4(v[19])[0],  # type: ignore[arg-type]
     )  # fmt: skip
-
-
-def rowcount(res: pq.abc.PGresult) -> int:
-    return res.command_tuples or 0
 
 
 class Statement:

@@ -80,7 +80,7 @@ _swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a 
 _FIELD_AT = {f: i for i, f in enumerate(Record.__dataclass_fields__)}
 _SWAP_TYPES = tuple(wire.COLUMN_TYPES[_FIELD_AT[f]] for f in _SWAP_FIELDS)
 _SWAP_ENCODERS = tuple(wire.FIELD_ENCODERS[_FIELD_AT[f]] for f in _SWAP_FIELDS)
-_ONE, _ALL, _COUNT = 1, 2, 3  # what _run returns of a statement: one row, all rows, the row count
+_ALL, _COUNT = 1, 2  # what _run returns of a statement: all its rows, or its row count
 
 
 def _ident(name: str) -> str:
@@ -608,15 +608,14 @@ class PostgresStore:
         self._conninfo = options.conninfo
         t = f"{_ident(self.schema)}.onceonly_records"
         self._table = t
-        self._sql_get = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
-        values = ", ".join(["%s"] * 20)
-        self._sql_insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({values}) ON CONFLICT (key) DO NOTHING"
+        select = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
+        insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({', '.join(['%s'] * 20)}) ON CONFLICT (key) DO NOTHING"
         # The hot statements, prepared once per connection (_pgwire); named per table, so that two
         # stores on one server never mix theirs up.
         tag = hashlib.sha256(t.encode()).hexdigest()[:10]
         self._tag = tag
-        self._stmt_get = wire.Statement(f"onceonly_{tag}_get", self._sql_get, [wire.TEXT])
-        self._stmt_insert = wire.Statement(f"onceonly_{tag}_insert", self._sql_insert, wire.COLUMN_TYPES)
+        self._stmt_get = wire.Statement(f"onceonly_{tag}_get", select, [wire.TEXT])
+        self._stmt_insert = wire.Statement(f"onceonly_{tag}_insert", insert, wire.COLUMN_TYPES)
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
@@ -859,15 +858,13 @@ class PostgresStore:
                 self._pool.putconn(conn)
 
     def _run(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
-        """One statement through the connection's cursor: its row, its rows or its row count."""
+        """One statement through the connection's cursor: its rows or its row count."""
 
         def op(conn: _Connection) -> Any:
             cur = conn.ledger_cursor
             if cur is None:
                 cur = conn.ledger_cursor = conn.cursor(binary=True)
             cur.execute(sql, params)
-            if fetch == _ONE:
-                return cur.fetchone()
             return cur.fetchall() if fetch == _ALL else cur.rowcount
 
         return self._on_connection(op, rerun)
@@ -894,7 +891,7 @@ class PostgresStore:
         params = wire.record_params(record)
         while True:
             res, again = self._exec(self._stmt_insert, params)
-            if wire.rowcount(res) == 1:
+            if res.command_tuples == 1:
                 return None
             # A fresh statement, a fresh snapshot: it sees whichever insert beat ours, even one that
             # committed while our INSERT waited on its key. A purge may delete it again before we
@@ -908,11 +905,11 @@ class PostgresStore:
 
     def insert(self, record: Record) -> bool:
         res, again = self._exec(self._stmt_insert, wire.record_params(record))
-        return wire.rowcount(res) == 1 or (again and self.get(record.key) == record)
+        return res.command_tuples == 1 or (again and self.get(record.key) == record)
 
     def swap(self, record: Record, expected: Record) -> bool:
         res, again = self._exec(*self._update(record, expected))
-        return wire.rowcount(res) == 1 or (again and self.get(record.key) == record)
+        return res.command_tuples == 1 or (again and self.get(record.key) == record)
 
     def delete(self, key: str, expected_version: int) -> bool:
         # Not rerun: after a lost connection nobody can tell whose delete removed the row.
@@ -1012,8 +1009,6 @@ class PostgresStore:
             if acur is None:
                 acur = conn.ledger_cursor = conn.cursor(binary=True)
             await acur.execute(sql, params)
-            if fetch == _ONE:
-                return await acur.fetchone()
             return await acur.fetchall() if fetch == _ALL else acur.rowcount
 
         return await self._aon_connection(op, rerun)
@@ -1037,7 +1032,7 @@ class PostgresStore:
         params = wire.record_params(record)
         while True:  # see claim()
             res, again = await self._aexec(self._stmt_insert, params)
-            if wire.rowcount(res) == 1:
+            if res.command_tuples == 1:
                 return None
             found = await self.aget(record.key)
             if found is None:
@@ -1046,11 +1041,11 @@ class PostgresStore:
 
     async def ainsert(self, record: Record) -> bool:
         res, again = await self._aexec(self._stmt_insert, wire.record_params(record))
-        return wire.rowcount(res) == 1 or (again and await self.aget(record.key) == record)
+        return res.command_tuples == 1 or (again and await self.aget(record.key) == record)
 
     async def aswap(self, record: Record, expected: Record) -> bool:
         res, again = await self._aexec(*self._update(record, expected))
-        return wire.rowcount(res) == 1 or (again and await self.aget(record.key) == record)
+        return res.command_tuples == 1 or (again and await self.aget(record.key) == record)
 
     async def adelete(self, key: str, expected_version: int) -> bool:
         count, _ = await self._arun(self._sql_delete, (key, expected_version), _COUNT, rerun=False)

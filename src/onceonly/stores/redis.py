@@ -79,7 +79,6 @@ MAX_SHARDS = 4096
 _STATES = {s.value: s for s in State}
 _VALUE = {s: s.value for s in State}  # Enum.value is a descriptor call: precomputed for the hot path
 _OPEN = frozenset({State.UNKNOWN, State.NEEDS_REVIEW})
-_HELD_VALUES = frozenset(s.value for s in HELD)
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 _fork_generation = 0
 
@@ -478,12 +477,11 @@ class _AsyncSide:
     ``finally`` closes the client there, even when nobody called ``aclose()``.
     """
 
-    __slots__ = ("claim", "claim_again", "client", "closer", "delete", "loop", "swap", "swap_again")
+    __slots__ = ("claim", "claim_again", "client", "closer", "delete", "swap", "swap_again")
 
-    def __init__(self, url: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, url: str) -> None:
         from redis.asyncio.retry import Retry as AsyncRetry
 
-        self.loop = loop
         self.client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
         self.claim = self.client.register_script(_CLAIM)
         self.claim_again = self.client.register_script(_CLAIM_AGAIN)
@@ -637,13 +635,9 @@ class RedisStore:
     def _shard(self, key: str) -> int:
         return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.shards
 
-    def script_keys(self, key: str) -> list[str]:
+    def _keys(self, key: str) -> list[str]:
         """Every Redis key a script touches for ``key``: one hash slot (tests check it)."""
         shard = self._shard(key)
-        return [self._records[shard] + key, *self._indexes[shard][:5]]
-
-    def _keys(self, key: str) -> list[str]:
-        shard = zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.shards
         i = self._indexes[shard]
         return [self._records[shard] + key, i[0], i[1], i[2], i[3], i[4]]
 
@@ -816,7 +810,7 @@ class RedisStore:
         self._check_open()
         # Forget the clients of loops that are gone (their shutdown closed them).
         self._async = {lp: sd for lp, sd in self._async.items() if not lp.is_closed()}
-        side = self._async[loop] = _AsyncSide(self._client_url, loop)
+        side = self._async[loop] = _AsyncSide(self._client_url)
         await side.closer.__anext__()  # started here, so this loop's shutdown finalises it
         return side
 
@@ -905,9 +899,6 @@ class RedisStore:
 
     async def ascan(self, query: Query) -> list[Record]:
         return await self._arun(self._scan_plan(query), "scanning the ledger")
-
-    async def acount_by_state(self) -> dict[State, int]:
-        return await self._arun(self._count_plan(), "counting records")
 
     async def await_for_change(self, key: str, version: int, timeout: float) -> None:
         if timeout <= 0:
