@@ -465,13 +465,13 @@ def test_url_options() -> None:
 
 def test_foreign_data_under_the_prefix_is_store_corrupt(store: RedisStore, raw: Any) -> None:
     """A key of another type where a record belongs reads as StoreCorrupt, and nothing is changed."""
-    raw.set(store.script_keys("k")[0], "not a hash")
+    raw.set(store._keys("k")[0], "not a hash")
     with pytest.raises(StoreCorrupt):
         store.get("k")
     with pytest.raises(StoreCorrupt):
         store.claim(make("k"))
-    assert raw.get(store.script_keys("k")[0]) == b"not a hash"
-    raw.hset(store.script_keys("j")[0], mapping={"v": "1", "s": "in_flight", "d": "[1,2]"})
+    assert raw.get(store._keys("k")[0]) == b"not a hash"
+    raw.hset(store._keys("j")[0], mapping={"v": "1", "s": "in_flight", "d": "[1,2]"})
     with pytest.raises(StoreCorrupt, match="not an onceonly record"):
         store.get("j")
 
