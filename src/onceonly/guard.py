@@ -30,6 +30,7 @@ from onceonly.policy import Classification, Classifier, Retry, Verdict, classify
 from onceonly.states import HELD, Record, State
 
 __all__ = [
+    "DEFAULT_TTL",
     "NOT_FOUND",
     "Call",
     "Execute",
@@ -43,11 +44,15 @@ __all__ = [
     "Sleep",
     "Swap",
     "WaitChange",
+    "landed",
     "late_outcome",
     "plan",
 ]
 
 log = logging.getLogger("onceonly")
+
+#: How long a settled record is kept (and replayed) by default: a day.
+DEFAULT_TTL = 86400.0
 
 OnUnknown = Literal["resend", "probe", "review", "retry"]
 OnConflict = Literal["raise", "replay"]
@@ -179,7 +184,7 @@ class Policy:
     on_conflict: OnConflict = "raise"
     has_probe: bool = False
     settle: float = 0.0
-    ttl: float | None = 86400.0
+    ttl: float | None = DEFAULT_TTL
     lease: float = 30.0
     wait: float = 10.0
     reports_dispatch: bool = False
@@ -215,18 +220,30 @@ def _err_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
+def landed(written: Record, now_stored: Record | None) -> bool:
+    """Whether a write whose answer was lost (the store failed mid-write) landed, judged from the record
+    read afterwards: exactly when the stored record is the one written (same version and history, which
+    holds this call's owner and timestamps: no other writer produces it). Never a guess.
+
+    .. versionadded:: 0.1
+    """
+    return (
+        now_stored is not None
+        and now_stored.version == written.version
+        and now_stored.history_json == written.history_json
+    )
+
+
 def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Record | None]]:
     """Compare-and-set ``old`` → ``new``. Returns (written, the record as it now is).
 
-    If the store fails mid-write the write may or may not have landed: re-read, never guess. Our
-    write landed exactly when the stored record is ours (same version and history).
+    If the store fails mid-write the write may or may not have landed: re-read, never guess.
     """
     try:
         ok = yield Swap(new, old)
     except StoreError:
         now_rec = yield Get(new.key)
-        landed = now_rec is not None and now_rec.version == new.version and now_rec.history_json == new.history_json
-        return landed, now_rec
+        return landed(new, now_rec), now_rec
     if ok:
         return True, new
     current = yield Get(new.key)
@@ -272,7 +289,7 @@ def plan(call: Call) -> Plan:
         # Did the claim land before the store failed? Only the record can say: ours, someone
         # else's, or none at all (then the loop below inserts it; we must not run without one).
         rec = yield Get(key)
-        claimed = rec is not None and rec.lease_owner == owner and rec.history_json == first.history_json
+        claimed = landed(first, rec)
     rec = first if claimed else rec
     while True:
         now = call.clock()
@@ -290,7 +307,7 @@ def plan(call: Call) -> Plan:
             except StoreError:
                 # Did the insert land before the store failed? Only the record can say.
                 cur = yield Get(key)
-                inserted = cur is not None and cur.lease_owner == owner and cur.history_json == new.history_json
+                inserted = landed(new, cur)
             if not inserted:
                 rec = yield Get(key)
                 continue

@@ -27,6 +27,7 @@ from onceonly.errors import InProgress, InvalidKey, OnceOnlyError, StoreError
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
 from onceonly.guard import (
+    DEFAULT_TTL,
     NOT_FOUND,
     Action,
     Call,
@@ -573,7 +574,7 @@ class Ledger:
         on_conflict: OnConflict = "raise",
         probe: Callable[[dict[str, Any], str], Any] | None = None,
         settle: float = 0.0,
-        ttl: float | None = 86400.0,
+        ttl: float | None = DEFAULT_TTL,
         lease: float = 30.0,
         wait: float = 10.0,
         timeout: float | None = None,
@@ -597,7 +598,7 @@ class Ledger:
         on_conflict: OnConflict = "raise",
         probe: Callable[[dict[str, Any], str], Any] | None = None,
         settle: float = 0.0,
-        ttl: float | None = 86400.0,
+        ttl: float | None = DEFAULT_TTL,
         lease: float = 30.0,
         wait: float = 10.0,
         timeout: float | None = None,
@@ -1003,7 +1004,7 @@ class Ledger:
                 raise OnceOnlyError(f"{key!r} is already confirmed (via {rec.via}); nothing to resolve")
             reason = f"resolved by {who}" + (f": {why}" if why else "")
             known = self.tools.get(rec.tool)
-            ttl = known.policy.ttl if known is not None else 86400.0
+            ttl = known.policy.ttl if known is not None else DEFAULT_TTL
             released = {"lease_owner": None, "lease_until": None, "next_attempt_at": None}
             if confirmed is not _MISSING:
                 new = st.transition(
