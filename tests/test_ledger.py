@@ -466,6 +466,27 @@ def test_error_before_dispatch_is_not_sent(ledger: Ledger) -> None:
     assert send() == "ok" and len(calls) == 2
 
 
+def test_an_expired_record_is_claimed_pending_by_a_tool_that_reports_dispatch(ledger: Ledger, clock: FakeClock) -> None:
+    """Once its record expired, a call is a new operation, claimed like the first: ``pending`` until
+    mark_sent(). An error before dispatch is then retried, not parked as unknown."""
+    calls: list[str] = []
+
+    @ledger.tool(name="send", reports_dispatch=True, ttl=60, retry=Retry(attempts=3, base=0.01))
+    def send() -> str:
+        calls.append(onceonly.current_call().state.value)  # type: ignore[union-attr]
+        if len(calls) == 2:
+            raise TimeoutError("DNS lookup timed out")
+        onceonly.mark_sent()
+        return "ok"
+
+    assert send() == "ok"
+    clock.now += 120  # the record expired
+    assert send() == "ok"
+    assert calls == ["pending", "pending", "pending"]
+    rec = ledger.get(send.key_for())
+    assert rec is not None and rec.state is State.CONFIRMED and rec.attempts == 2
+
+
 def test_single_flight_second_caller_waits(real_ledger: Ledger) -> None:
     """Two callers at once: the second waits for the first's outcome and replays it."""
     started = threading.Event()

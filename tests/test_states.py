@@ -29,7 +29,7 @@ def test_table_is_enforced() -> None:
     with pytest.raises(IllegalTransition, match="confirmed → unknown"):
         st.mark_unknown(done, now=NOW, reason="x", by=None)
     with pytest.raises(IllegalTransition, match="only claimed again after it expired"):
-        st.renew(done, owner="o", now=NOW, lease_seconds=30, reason="x")
+        st.renew(done, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="x")
     with pytest.raises(IllegalTransition):
         st.new_record(
             key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.CONFIRMED,

@@ -313,7 +313,14 @@ def plan(call: Call) -> Plan:
                 continue
             rec = new
         elif rec.state is State.CONFIRMED and rec.is_expired(now):
-            new = st.renew(rec, owner=owner, now=now, lease_seconds=p.lease, reason="expired record claimed again")
+            new = st.renew(
+                rec,
+                state=held_state,
+                owner=owner,
+                now=now,
+                lease_seconds=p.lease,
+                reason="expired record claimed again",
+            )
             new = st.replace_args(new, fingerprint=call.fingerprint, args_json=call.args_json)
             ok, rec = yield from _write(rec, new)
             if not ok:

@@ -286,12 +286,13 @@ def claim_again(rec: Record, *, state: State, owner: str, now: float, lease_seco
     )
 
 
-def renew(rec: Record, *, owner: str, now: float, lease_seconds: float, reason: str) -> Record:
-    """An expired confirmed record is claimed as new: attempts start again at 1, fence keeps rising."""
+def renew(rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str) -> Record:
+    """An expired confirmed record is claimed as new, into ``state`` like any claim (``pending`` for a
+    tool that reports its dispatch): attempts start again at 1, fence keeps rising."""
     if not rec.is_expired(now):
         raise IllegalTransition(f"{rec.key}: a confirmed record is only claimed again after it expired")
     fresh = replace(rec, attempts=0, result_json=None, via=None, expires_at=None, conflicts=0)
-    return claim_again(fresh, state=State.IN_FLIGHT, owner=owner, now=now, lease_seconds=lease_seconds, reason=reason)
+    return claim_again(fresh, state=state, owner=owner, now=now, lease_seconds=lease_seconds, reason=reason)
 
 
 def replace_args(rec: Record, *, fingerprint: str, args_json: str) -> Record:
