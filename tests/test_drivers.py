@@ -1,0 +1,126 @@
+"""The sync and async drivers run one plan; a store that fails mid-write is handled the same by both.
+
+A store error thrown into the plan means "this write may or may not have landed". Here it is injected
+deterministically, before the real write or after it, on every write of a guarded call, through a
+real SQLite store: whatever landed, the tool runs exactly once and every caller gets its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from onceonly import Ledger, State
+from onceonly.errors import StoreUnavailable
+from onceonly.states import Record
+from onceonly.stores.sqlite import SQLiteStore
+
+T = TypeVar("T")
+
+
+class FailingStore:
+    """A real store whose next writes fail as scheduled: ``op:before`` raises without writing,
+    ``op:after`` writes and then raises (the answer is lost). Everything else passes through."""
+
+    def __init__(self, inner: SQLiteStore, faults: list[str]) -> None:
+        self.inner = inner
+        self.faults = list(faults)
+        self.injected: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _when(self, op: str) -> str | None:
+        for fault in self.faults:
+            name, when = fault.split(":")
+            if name == op:
+                self.faults.remove(fault)
+                self.injected.append(fault)
+                return when
+        return None
+
+    def _write(self, op: str, write: Callable[[], T]) -> T:
+        when = self._when(op)
+        if when == "before":
+            raise StoreUnavailable(f"injected: {op} failed before writing")
+        result = write()
+        if when == "after":
+            raise StoreUnavailable(f"injected: {op} wrote, then its answer was lost")
+        return result
+
+    async def _awrite(self, op: str, write: Callable[[], Awaitable[T]]) -> T:
+        when = self._when(op)
+        if when == "before":
+            raise StoreUnavailable(f"injected: {op} failed before writing")
+        result = await write()
+        if when == "after":
+            raise StoreUnavailable(f"injected: {op} wrote, then its answer was lost")
+        return result
+
+    def claim(self, record: Record) -> Record | None:
+        return self._write("claim", lambda: self.inner.claim(record))
+
+    def insert(self, record: Record) -> bool:
+        return self._write("insert", lambda: self.inner.insert(record))
+
+    def swap(self, record: Record, expected: Record) -> bool:
+        return self._write("swap", lambda: self.inner.swap(record, expected))
+
+    async def aclaim(self, record: Record) -> Record | None:
+        return await self._awrite("claim", lambda: self.inner.aclaim(record))
+
+    async def ainsert(self, record: Record) -> bool:
+        return await self._awrite("insert", lambda: self.inner.ainsert(record))
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        return await self._awrite("swap", lambda: self.inner.aswap(record, expected))
+
+
+FAULTS = [
+    ["claim:before"],
+    ["claim:after"],
+    ["claim:before", "insert:before"],
+    ["claim:before", "insert:after"],
+    ["swap:before"],
+    ["swap:after"],
+    ["claim:after", "swap:after"],
+]
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize("faults", FAULTS, ids=["+".join(f) for f in FAULTS])
+def test_a_write_that_fails_mid_way_runs_the_tool_once(tmp_path: Path, faults: list[str], driver: str) -> None:
+    store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
+    ledger = Ledger(store)  # type: ignore[arg-type]
+    runs: list[int] = []
+    try:
+        if driver == "sync":
+
+            @ledger.tool(name="create")
+            def create(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            first, again = create(7), create(7)
+        else:
+
+            @ledger.tool(name="create")
+            async def acreate(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            async def both() -> tuple[Any, Any]:
+                return await acreate(7), await acreate(7)
+
+            first, again = asyncio.run(both())
+        assert store.injected == faults, "every scheduled fault was met"
+        assert runs == [7], "the tool ran exactly once"
+        assert first == again == {"id": 7}
+        rec = store.inner.get(ledger.tools["create"].key_for(7))
+        assert rec is not None and rec.state is State.CONFIRMED and rec.attempts == 1
+    finally:
+        ledger.close()
