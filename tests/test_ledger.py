@@ -22,6 +22,7 @@ from onceonly import (
     TransitionEvent,
 )
 from onceonly import states as st
+from onceonly.guard import late_outcome
 from tests._clock import FakeClock
 
 
@@ -609,6 +610,100 @@ def test_late_result_after_a_resend_is_counted_as_a_conflict(real_ledger: Ledger
     rec = real_ledger.get(slow_first.key_for())
     assert rec is not None and rec.state is State.CONFIRMED
     assert len(executions) == 2 and rec.conflicts == 1 and rec.result == 2 and rec.fence == 2
+
+
+def _wait_for(ledger: Ledger, key: str, done: Any) -> Any:
+    """The record of ``key`` once ``done(record)`` holds (up to 5 s)."""
+    for _ in range(100):
+        rec = ledger.get(key)
+        if rec is not None and done(rec):
+            return rec
+        time.sleep(0.05)
+    raise AssertionError(f"{key}: never reached the expected state; last {ledger.get(key)}")
+
+
+def test_late_failure_of_the_unknown_attempt_settles_it_failed(real_ledger: Ledger) -> None:
+    """A timed-out attempt whose definite failure arrives while its record is still that attempt's
+    unknown settles it as failed (nothing happened): the next attempt runs without asking the probe."""
+    executions: list[int] = []
+    probed: list[str] = []
+
+    def probe(args: dict[str, Any], key: str) -> Any:
+        probed.append(key)
+        return onceonly.NOT_FOUND
+
+    @real_ledger.tool(
+        name="refused_late",
+        timeout=0.1,
+        on_unknown="probe",
+        probe=probe,
+        settle=1.5,
+        retry=Retry(attempts=2, base=0.01),
+    )
+    def refused_late() -> str:
+        executions.append(1)
+        if len(executions) == 1:
+            time.sleep(0.4)
+            raise ValueError("refused")  # a definite failure, after the caller stopped waiting
+        return "ok"
+
+    assert refused_late() == "ok"
+    rec = real_ledger.get(refused_late.key_for())
+    assert rec is not None and rec.state is State.CONFIRMED and rec.fence == 2
+    assert len(executions) == 2 and probed == []
+    steps = [(h["from"], h["to"]) for h in rec.history]
+    assert ("unknown", "failed") in steps, steps
+
+
+def test_late_failure_of_a_superseded_attempt_changes_nothing(real_ledger: Ledger) -> None:
+    """Once a resend took the record over (fence 2) and confirmed it, the first attempt's late failure
+    says nothing about it: the record stays confirmed with its result, and nothing runs again."""
+    executions: list[int] = []
+
+    @real_ledger.tool(name="slow_refusal", timeout=0.1, on_unknown="resend", retry=Retry(attempts=3, base=0.01))
+    def slow_refusal() -> int:
+        executions.append(1)
+        if len(executions) == 1:
+            time.sleep(0.4)
+            raise ValueError("refused")
+        return len(executions)
+
+    assert slow_refusal() == 2
+    time.sleep(0.6)  # the first attempt's failure has arrived and been handled
+    rec = _wait_for(real_ledger, slow_refusal.key_for(), lambda r: r.state is State.CONFIRMED)
+    assert rec.result == 2 and rec.fence == 2 and rec.conflicts == 0
+    assert [h["to"] for h in rec.history][-1] == "confirmed"
+    assert len(executions) == 2
+
+
+@pytest.mark.parametrize("unknown_fence", [1, 2], ids=["same-attempt", "newer-attempt"])
+def test_late_failure_settles_only_the_unknown_of_its_own_attempt(ledger: Ledger, unknown_fence: int) -> None:
+    """The rule itself, on every store: attempt 1's late definite failure fails the record while it is
+    attempt 1's unknown, and leaves the unknown of a newer attempt (fence 2) alone, since that attempt
+    may have happened."""
+
+    @ledger.tool(name="t")
+    def t() -> int:
+        return 1
+
+    call = t._call((), {}, None, 1)
+    rec = st.new_record(
+        key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
+        state=State.IN_FLIGHT, owner="h:1:1", now=ledger.clock(), lease_seconds=30,
+    )  # fmt: skip
+    if unknown_fence == 2:
+        rec = st.claim_again(
+            rec, state=State.IN_FLIGHT, owner="h:1:2", now=ledger.clock(), lease_seconds=30, reason="x"
+        )
+    unknown = st.mark_unknown(rec, now=ledger.clock(), reason="timed out", by="h:1:1")
+    assert ledger.store.insert(unknown)
+    ledger._drive(late_outcome(call, 1, None, ValueError("refused")), t, call, (), {})
+    after = ledger.get(call.key)
+    assert after is not None
+    if unknown_fence == 1:
+        assert after.state is State.FAILED and after.fence == 1 and "refused" in (after.error or "")
+    else:
+        assert after == unknown
 
 
 def test_mark_sent_after_losing_the_lease_refuses_to_send(ledger: Ledger) -> None:
