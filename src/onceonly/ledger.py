@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, get_args, overload
 
 from onceonly import states as st
 from onceonly.errors import InProgress, InvalidKey, OnceOnlyError, StoreError
@@ -65,6 +65,7 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 DEFAULT_URL = "sqlite:///.onceonly/ledger.db"
+_log = logging.getLogger("onceonly")
 _MISSING: Any = object()
 _HOST = socket.gethostname()[:40]
 _owner_prefix = f"{_HOST}:{os.getpid()}"
@@ -461,7 +462,13 @@ class _AsyncUsing(Generic[P, R]):
         return await self.tool._aoutcome(args, dict(kwargs), self.key, self.occurrence)
 
 
-def _readonly_outcome(tool: _BaseTool[Any, Any], value: Any, attempt: int) -> Outcome:
+def _log_late_failure(call: Call, fence: int, exc: BaseException | None = None) -> None:
+    # The caller is gone; the record stays unknown for the probe, the reconciler or a person.
+    exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else True
+    _log.error("onceonly %s: could not record the late outcome of attempt %d", call.key, fence, exc_info=exc_info)
+
+
+def _readonly_outcome(value: Any, attempt: int) -> Outcome:
     return Outcome(result=value, key="", state=State.CONFIRMED, replayed=False, attempts=attempt, via="readonly")
 
 
@@ -470,7 +477,7 @@ def _readonly(tool: Tool[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any
     retry = tool.policy.retry
     for attempt in itertools.count(1):
         try:
-            return _readonly_outcome(tool, tool.fn(*args, **kwargs), attempt)
+            return _readonly_outcome(tool.fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, tool.policy.classify)
             if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
@@ -483,7 +490,7 @@ async def _areadonly(tool: AsyncTool[Any, Any], args: tuple[Any, ...], kwargs: d
     retry = tool.policy.retry
     for attempt in itertools.count(1):
         try:
-            return _readonly_outcome(tool, await tool.fn(*args, **kwargs), attempt)
+            return _readonly_outcome(await tool.fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, tool.policy.classify)
             if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
@@ -634,10 +641,10 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        if on_unknown not in ("resend", "probe", "review", "retry"):
-            raise ValueError(f"on_unknown={on_unknown!r}: use 'resend', 'probe', 'review' or 'retry'")
-        if on_conflict not in ("raise", "replay"):
-            raise ValueError(f"on_conflict={on_conflict!r}: use 'raise' or 'replay'")
+        if on_unknown not in get_args(OnUnknown):
+            raise ValueError(f"on_unknown={on_unknown!r}: use one of {', '.join(map(repr, get_args(OnUnknown)))}")
+        if on_conflict not in get_args(OnConflict):
+            raise ValueError(f"on_conflict={on_conflict!r}: use one of {', '.join(map(repr, get_args(OnConflict)))}")
         if on_unknown == "probe" and probe is None:
             raise ValueError("on_unknown='probe' needs probe=(args, key) -> result | onceonly.NOT_FOUND")
         for label, seconds in (("lease", lease), ("wait", wait), ("settle", settle)):
@@ -869,9 +876,7 @@ class Ledger:
         try:
             self._drive(late_outcome(call, fence, value, error), cast(Any, None), call, (), {})
         except Exception:
-            from onceonly.events import log
-
-            log.exception("onceonly %s: could not record the late outcome of attempt %d", call.key, fence)
+            _log_late_failure(call, fence)
 
     def _settle_late_async(self, task: asyncio.Future[Any], call: Call, fence: int) -> None:
         def done(t: asyncio.Future[Any]) -> None:
@@ -882,9 +887,19 @@ class Ledger:
                 self._adrive(late_outcome(call, fence, None if err else t.result(), err), cast(Any, None), call, (), {})
             )
             self._late_tasks.add(late)
-            late.add_done_callback(self._late_tasks.discard)
+            late.add_done_callback(self._late_done(call, fence))
 
         task.add_done_callback(done)
+
+    def _late_done(self, call: Call, fence: int) -> Callable[[asyncio.Future[Any]], None]:
+        """When an async late outcome is recorded: forget its task; a failure is logged as the sync one's."""
+
+        def done(late: asyncio.Future[Any]) -> None:
+            self._late_tasks.discard(late)
+            if not late.cancelled() and late.exception() is not None:
+                _log_late_failure(call, fence, late.exception())
+
+        return done
 
     def _mark_sent(self, lease: _Lease) -> None:
         with lease.lock:
@@ -1031,7 +1046,7 @@ class Ledger:
         while True:
             page = self.store.scan(
                 Query(
-                    states=[State.CONFIRMED, State.FAILED, State.ABANDONED],
+                    states=sorted(st.SETTLED, key=list(State).index),
                     expires_before=cutoff,
                     after=after,
                     limit=batch,

@@ -377,7 +377,10 @@ class IdempotencyMiddleware:
                 return _Held(fresh)
             now = self.clock()
             if current.state is State.CONFIRMED and current.is_expired(now):
-                new = st.renew(current, owner=owner, now=now, lease_seconds=self.processing_timeout, reason="expired")
+                new = st.renew(
+                    current, state=State.IN_FLIGHT, owner=owner, now=now, lease_seconds=self.processing_timeout,
+                    reason="expired",
+                )  # fmt: skip
             elif current.fingerprint != ctx.fingerprint:
                 return self._conflict(ctx)
             elif current.state is State.CONFIRMED:
