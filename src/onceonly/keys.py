@@ -30,7 +30,6 @@ __all__ = [
     "normalize_number",
     "normalize_text",
     "normalize_whitespace",
-    "to_jsonable",
     "validate_name",
 ]
 
@@ -186,11 +185,6 @@ def canonical_json(value: Any, *, path: str = "args") -> str:
             path=where,
             value=bad,
         ) from exc
-
-
-def to_jsonable(value: Any, *, path: str = "result") -> Any:
-    """Round-trip a value through its canonical JSON, as a replay would return it."""
-    return json.loads(canonical_json(value, path=path))
 
 
 def fingerprint(canonical: str) -> str:

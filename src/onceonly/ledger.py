@@ -92,7 +92,7 @@ class _Lease:
 
     __slots__ = ("beat_at", "ledger", "lock", "lost", "record", "released", "seconds")
 
-    def __init__(self, record: Record, seconds: float, now: float, ledger: Ledger | None = None) -> None:
+    def __init__(self, record: Record, seconds: float, now: float, ledger: Ledger) -> None:
         self.ledger = ledger
         self.record = record
         self.seconds = seconds
@@ -118,7 +118,7 @@ class _Heartbeats:
         self._closed = False
         self._next_wake = 0.0  # when the thread looks next; a lease due sooner wakes it
 
-    def hold(self, record: Record, seconds: float, ledger: Ledger | None = None) -> _Lease:
+    def hold(self, record: Record, seconds: float, ledger: Ledger) -> _Lease:
         now = self._clock()
         lease = _Lease(record, seconds, now, ledger)
         # set.add/discard and the thread's list(set) are each atomic under the GIL (a _Lease hashes by
@@ -222,7 +222,6 @@ def mark_sent() -> None:
     cur = _CURRENT.get()
     if cur is None:
         raise OnceOnlyError("mark_sent() is called from inside a guarded tool, and this code is not in one")
-    assert cur.ledger is not None
     cur.ledger._mark_sent(cur)
 
 
@@ -234,7 +233,6 @@ async def amark_sent() -> None:
     cur = _CURRENT.get()
     if cur is None:
         raise OnceOnlyError("amark_sent() is called from inside a guarded tool, and this code is not in one")
-    assert cur.ledger is not None
     await asyncio.to_thread(cur.ledger._mark_sent, cur)
 
 
