@@ -25,11 +25,11 @@ import pytest
 from click.testing import CliRunner
 
 from onceonly import Ledger, State
-from onceonly import states as st
 from onceonly.cli import cli
 from onceonly.settle import load_ledger
 from onceonly.settle_cli import parse_duration
 from onceonly.states import Record
+from tests._settling import dead_holder
 
 APP_DIR = Path(__file__).parent / "demo"
 AGENT = str(APP_DIR / "agent_app.py")
@@ -58,17 +58,6 @@ def fixture_make_app(tmp_path: Path) -> Iterator[Any]:
         sys.path.remove(str(tmp_path))
 
 
-def _dead(ledger: Ledger, tool: str, op: str) -> Record:
-    """A record left by a caller killed mid-call, its lease long expired."""
-    call = ledger.tools[tool]._call((op,), {}, None, 1)
-    rec = st.new_record(
-        key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
-        state=State.IN_FLIGHT, owner="dead:1:1", now=time.time() - 100, lease_seconds=30,
-    )  # fmt: skip
-    assert ledger.store.insert(rec)
-    return rec
-
-
 APP_SOURCE = """
     from onceonly import NOT_FOUND, Ledger
 
@@ -95,7 +84,7 @@ def test_reconcile_once_settles_through_the_app_s_probes(sqlite_url: str, make_a
     with Ledger.open(sqlite_url) as setup:
         setup.tool(name="create")(lambda op: None)
         setup.tool(name="charge")(lambda op: None)
-        a, b, c = _dead(setup, "create", "a"), _dead(setup, "create", "b"), _dead(setup, "charge", "c")
+        a, b, c = [dead_holder(setup, tool, op) for tool, op in [("create", "a"), ("create", "b"), ("charge", "c")]]
 
     result = CliRunner().invoke(
         cli, ["reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--review-after", "10m"]
@@ -124,7 +113,7 @@ def test_reconcile_without_app_still_settles_dead_holders(sqlite_url: str) -> No
     """Without --app: a warning; expired leases still become unknown, and nothing is guessed."""
     with Ledger.open(sqlite_url) as setup:
         setup.tool(name="create")(lambda op: None)
-        rec = _dead(setup, "create", "a")
+        rec = dead_holder(setup, "create", "a")
     result = CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--json"])
     assert result.exit_code == 0, result.output
     assert "no tools registered" in result.stderr
@@ -132,6 +121,55 @@ def test_reconcile_without_app_still_settles_dead_holders(sqlite_url: str) -> No
     assert report["records"][0]["settlement"] == "no_tool"
     with Ledger.open(sqlite_url) as check:
         assert check.get(rec.key).state is State.UNKNOWN  # type: ignore[union-attr]
+
+
+def test_app_ledger_wins_over_onceonly_url(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """$ONCEONLY_URL names the store only when neither --url nor --app does: with --app, the app's store
+    is settled and the other one is never opened; without --app, the variable's store is."""
+    name = make_app(APP_SOURCE.format(url=sqlite_url))
+    elsewhere = tmp_path / "elsewhere.db"
+    env = {"ONCEONLY_URL": f"sqlite:///{elsewhere}"}
+    with Ledger.open(sqlite_url) as setup:
+        setup.tool(name="create")(lambda op: None)
+        mine = dead_holder(setup, "create", "a")
+
+    args = ["reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["key"], r["settlement"]) for r in report["records"]] == [(mine.key, "confirmed")]
+    with Ledger.open(sqlite_url) as check:
+        done = check.get(mine.key)
+    assert done is not None and done.state is State.CONFIRMED and done.via == "reconcile-probe"
+    assert not elsewhere.exists()
+
+    # Without --app (and --url) the variable still chooses the store.
+    with Ledger.open(env["ONCEONLY_URL"]) as setup:
+        setup.tool(name="create")(lambda op: None)
+        theirs = dead_holder(setup, "create", "b")
+    result = CliRunner().invoke(cli, ["reconcile", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    assert [r["key"] for r in json.loads(result.stdout)["records"]] == [theirs.key]
+
+
+def test_help_needs_only_the_cli_extra() -> None:
+    """`onceonly --help` lists every command, and imports none of the other extras (fast, and it works
+    where only onceonly[cli] is installed)."""
+    extras = ["fastapi", "starlette", "uvicorn", "sqlalchemy", "httpx", "redis", "psycopg", "prometheus_client"]
+    code = textwrap.dedent(f"""
+        import sys
+        from click.testing import CliRunner
+        from onceonly.cli import cli
+        result = CliRunner().invoke(cli, ["--help"])
+        assert result.exit_code == 0, result.output
+        print(result.output)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in {extras!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("demo", "ls", "purge", "reconcile", "resolve", "show", "stats", "tickets"):
+        assert f"  {command} " in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_bad_app_and_options_say_what_to_do(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
@@ -177,7 +215,7 @@ def test_resolve_cli_records_who_and_why(sqlite_url: str) -> None:
     """onceonly resolve KEY --confirmed JSON: the record is confirmed, with who and why in its history."""
     with Ledger.open(sqlite_url) as setup:
         setup.tool(name="charge")(lambda op: None)
-        rec = _dead(setup, "charge", "a")
+        rec = dead_holder(setup, "charge", "a")
     args = ["resolve", rec.key, "--url", sqlite_url, "--confirmed", '{"charge": "ch_1"}', "--by", "alice"]
     result = CliRunner().invoke(cli, [*args, "--why", "seen in the PSP dashboard"])
     assert result.exit_code == 0, result.output

@@ -101,8 +101,7 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
 @click.option("--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app.")
 @click.option(
     "--url",
-    envvar="ONCEONLY_URL",
-    default=None,
+    default=None,  # no envvar=: $ONCEONLY_URL must not win over the --app ledger's own store
     help="The ledger's store (default: the --app ledger's, else $ONCEONLY_URL, else the default file).",
 )
 @click.option("--once", is_flag=True, help="Run once and exit (the default without --every).")
@@ -157,9 +156,11 @@ def reconcile_command(
         raise click.UsageError("--every needs a positive duration, e.g. 30s")
     try:
         source = load_ledger(app, app_dir) if app else None
-        ledger = Ledger.open(url) if url or source is None else source
+        # Ledger.open() without a URL reads $ONCEONLY_URL itself.
+        ledger = Ledger.open(url) if url else (source if source is not None else Ledger.open())
     except (OnceOnlyError, ValueError, TypeError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc
+    # The app's tools settle its records on whichever store holds them (--url: the same app elsewhere).
     tools = source.tools if source is not None else ledger.tools
     console = Console(stderr=as_json)
     if not tools:
