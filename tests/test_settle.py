@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 
 from onceonly import NOT_FOUND, AttemptsExhausted, Ledger, OutcomeUnknown, Retry, State
 from onceonly import states as st
+from onceonly.errors import StoreUnavailable
 from onceonly.guard import Policy
 from onceonly.settle import (
     Leave,
@@ -25,10 +27,13 @@ from onceonly.settle import (
     after_probe,
     decide,
     reconcile,
+    reconcile_forever,
     rerun_problem,
 )
 from onceonly.states import Record
+from onceonly.stores import open_store
 from tests._clock import NOW, FakeClock
+from tests._settling import Fault, FlakyStore, dead_holder
 
 
 class Effects:
@@ -61,23 +66,17 @@ def fixture_effects(tmp_path: Path) -> Iterator[Effects]:
     effects.db.close()
 
 
-def dead_holder(ledger: Ledger, tool: Any, *args: Any, state: State = State.IN_FLIGHT, age: float = 100) -> Record:
-    """The record a caller leaves when it is killed mid-call: held, its lease long expired."""
-    call = tool._call(args, {}, None, 1)
-    rec = st.new_record(
-        key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
-        state=state, owner="dead-host:1:1", now=ledger.clock() - age, lease_seconds=30,
+def held_record(state: State, *, now: float, key: str = "k", owner: str = "h") -> Record:
+    """A record as its holder's claim wrote it at ``now`` (a 30 s lease), as the pure decisions see it."""
+    return st.new_record(
+        key=key, scope="s", tool="t", fingerprint="f" * 64, args_json='{"a":1}', state=state, owner=owner,
+        now=now, lease_seconds=30,
     )  # fmt: skip
-    assert ledger.store.insert(rec)
-    return rec
 
 
 def unknown_record(key: str = "s:t:k", *, updated_at: float = NOW - 10, attempts: int = 1) -> Record:
     """A record in state unknown, as the pure decisions see it."""
-    rec = st.new_record(
-        key=key, scope="s", tool="t", fingerprint="f" * 64, args_json='{"a":1}', state=State.IN_FLIGHT,
-        owner="h:1:1", now=updated_at, lease_seconds=30,
-    )  # fmt: skip
+    rec = held_record(State.IN_FLIGHT, now=updated_at, key=key, owner="h:1:1")
     rec = st.mark_unknown(rec, now=updated_at, reason="timeout", by="h:1:1")
     return st.replace(rec, attempts=attempts)
 
@@ -87,10 +86,7 @@ def unknown_record(key: str = "s:t:k", *, updated_at: float = NOW - 10, attempts
 
 def test_held_record_with_live_lease_is_left_alone() -> None:
     """A holder whose lease runs is working on it: the reconciler does not touch it."""
-    rec = st.new_record(
-        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="h",
-        now=NOW, lease_seconds=30,
-    )  # fmt: skip
+    rec = held_record(State.IN_FLIGHT, now=NOW)
     got = decide(rec, Policy(), now=NOW + 1, review_after=0, by="r")
     assert isinstance(got, Leave)
     assert got.settlement is Settlement.SKIPPED
@@ -98,10 +94,7 @@ def test_held_record_with_live_lease_is_left_alone() -> None:
 
 def test_pending_with_expired_lease_fails_since_nothing_was_sent() -> None:
     """pending means the tool had not dispatched: a dead holder's record is failed, free to run again."""
-    rec = st.new_record(
-        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.PENDING, owner="h",
-        now=NOW - 100, lease_seconds=30,
-    )  # fmt: skip
+    rec = held_record(State.PENDING, now=NOW - 100)
     got = decide(rec, None, now=NOW, review_after=0, by="r")
     assert isinstance(got, Write)
     assert got.settlement is Settlement.FAILED
@@ -111,10 +104,7 @@ def test_pending_with_expired_lease_fails_since_nothing_was_sent() -> None:
 
 def test_in_flight_with_expired_lease_becomes_unknown_first() -> None:
     """in_flight may have been sent: it becomes unknown (no settlement yet), whatever the tool."""
-    rec = st.new_record(
-        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="h",
-        now=NOW - 100, lease_seconds=30,
-    )  # fmt: skip
+    rec = held_record(State.IN_FLIGHT, now=NOW - 100)
     got = decide(rec, None, now=NOW, review_after=0, by="r")
     assert isinstance(got, Write)
     assert got.settlement is None
@@ -474,6 +464,125 @@ def test_resolve_records_who_and_why(ledger: Ledger) -> None:
     assert done.state is State.FAILED and done.via == "resolve"
     last = done.history[-1]
     assert last["by"] == "bob" and "checked the PSP dashboard" in last["reason"] and last["from"] == "needs_review"
+
+
+# --- the store fails mid-run ----------------------------------------------------------------------------
+
+
+@pytest.fixture(name="flaky")
+def fixture_flaky(store_url: str, clock: FakeClock) -> Iterator[tuple[Ledger, FlakyStore]]:
+    """A ledger on each real store, through a wrapper that fails as its ``faults`` say."""
+    store = FlakyStore(open_store(store_url))
+    ledger = Ledger(store, clock=clock, sleep=clock.sleep)
+    yield ledger, store
+    ledger.close()
+
+
+def test_resend_whose_claim_lands_with_its_answer_lost_is_sent_once(
+    flaky: tuple[Ledger, FlakyStore], effects: Effects
+) -> None:
+    """The re-send's claim (unknown → in_flight) is written, then the store fails: the plan re-reads,
+    finds its own claim, and sends exactly once."""
+    ledger, store = flaky
+
+    @ledger.tool(name="post", on_unknown="resend")
+    def post(title: str) -> dict[str, str]:
+        effects.add(title)
+        return {"title": title}
+
+    rec = dead_holder(ledger, post, "t")
+    store.faults.append(Fault("swap", frm=State.UNKNOWN, to=State.IN_FLIGHT, lands=True))
+    [line] = reconcile(ledger).lines
+    assert store.raised == ["swap"]
+    assert line.settlement is Settlement.CONFIRMED and line.after is State.CONFIRMED
+    assert effects.count("t") == 1
+    done = ledger.get(rec.key)
+    assert done is not None and done.result == {"title": "t"} and done.attempts == 2
+    assert [h["to"] for h in done.history] == ["in_flight", "unknown", "in_flight", "confirmed"]
+    assert post("t") == {"title": "t"} and effects.count("t") == 1  # replayed
+
+
+def test_probe_settlement_whose_answer_is_lost_lands_once(flaky: tuple[Ledger, FlakyStore], effects: Effects) -> None:
+    """Both of the reconciler's writes (lease expired → unknown, found → confirmed) land, then the store
+    fails: re-reading shows each is ours, so the record is settled once and reported as confirmed."""
+    ledger, store = flaky
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: effects.find(a["op"]))
+    def create(op: str) -> dict[str, str]:
+        effects.add(op)
+        return {"op": op}
+
+    effects.add("x")  # the dead caller's request had arrived
+    rec = dead_holder(ledger, create, "x")
+    store.faults += [Fault("swap", to=State.UNKNOWN, lands=True), Fault("swap", to=State.CONFIRMED, lands=True)]
+    [line] = reconcile(ledger).lines
+    assert store.raised == ["swap", "swap"]
+    assert line.settlement is Settlement.CONFIRMED and line.after is State.CONFIRMED
+    done = ledger.get(rec.key)
+    assert done is not None and done.via == "reconcile-probe"
+    assert [h["to"] for h in done.history] == ["in_flight", "unknown", "confirmed"]
+    assert reconcile(ledger).lines == []  # nothing is left to settle
+    assert create("x") == {"op": "x", "id": 1} and effects.count("x") == 1  # replayed, never run
+
+
+def _two_dead_probe_records(ledger: Ledger, effects: Effects) -> list[str]:
+    """Two records of killed callers whose requests had arrived; their keys."""
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: effects.find(a["op"]))
+    def create(op: str) -> None: ...
+
+    keys = []
+    for op in ("a", "b"):
+        effects.add(op)
+        keys.append(dead_holder(ledger, create, op).key)
+    return keys
+
+
+def _down_at_the_second_confirmation() -> Fault:
+    """The second confirmation is not written, and the read that checks it fails too: the run ends."""
+    return Fault("swap", to=State.CONFIRMED, skip=1, then=Fault("get"))
+
+
+def test_store_error_ends_a_run_keeping_what_it_settled(flaky: tuple[Ledger, FlakyStore], effects: Effects) -> None:
+    """A run that the store fails midway raises; what it settled stays settled, and the next run
+    settles the rest without touching it again."""
+    ledger, store = flaky
+    keys = _two_dead_probe_records(ledger, effects)
+    store.faults.append(_down_at_the_second_confirmation())
+    with pytest.raises(StoreUnavailable):
+        reconcile(ledger)
+    assert store.raised == ["swap", "get"]
+    after = {key: ledger.get(key) for key in keys}
+    [settled] = [rec for rec in after.values() if rec is not None and rec.state is State.CONFIRMED]
+    [left] = [key for key, rec in after.items() if rec is not None and rec.state is State.UNKNOWN]
+
+    report = reconcile(ledger)
+    assert [(ln.key, ln.before, ln.settlement) for ln in report.lines] == [(left, State.UNKNOWN, Settlement.CONFIRMED)]
+    again = ledger.get(settled.key)
+    assert again is not None and (again.version, again.history_json) == (settled.version, settled.history_json)
+    assert ledger.stats()["confirmed"] == 2
+
+
+def test_reconcile_forever_outlives_store_errors(
+    flaky: tuple[Ledger, FlakyStore], effects: Effects, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first pass cannot read the records, the second fails midway; each error is logged and ends
+    its pass only, and the third settles what is left."""
+    ledger, store = flaky
+    keys = _two_dead_probe_records(ledger, effects)
+    store.faults += [Fault("scan"), _down_at_the_second_confirmation()]
+    reports: list[ReconcileReport] = []
+    with caplog.at_level(logging.WARNING, logger="onceonly.settle"):
+        reconcile_forever(
+            ledger, every=30, on_report=reports.append, stop=lambda: bool(reports) or clock.now > NOW + 300
+        )
+    assert store.raised == ["scan", "swap", "get"]
+    assert sum("the store failed" in r.getMessage() for r in caplog.records) == 2
+    assert clock.now == NOW + 60  # a pause after each failed pass
+    [report] = reports
+    assert [ln.settlement for ln in report.lines] == [Settlement.CONFIRMED]
+    assert report.lines[0].key in keys
+    assert ledger.stats()["confirmed"] == 2 and ledger.stats()["unknown"] == 0
 
 
 # --- several reconcilers at once ----------------------------------------------------------------------

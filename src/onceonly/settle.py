@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import importlib
 import inspect
 import logging
 import os
+import pkgutil
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -46,6 +46,7 @@ from onceonly import states as st
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
 from onceonly.events import emit
 from onceonly.guard import (
+    DEFAULT_TTL,
     NOT_FOUND,
     Action,
     Call,
@@ -54,9 +55,11 @@ from onceonly.guard import (
     Get,
     Plan,
     Policy,
+    Probed,
     Sleep,
     WaitChange,
     encode_result,
+    landed,
     plan,
 )
 from onceonly.ledger import AsyncTool, Ledger, _BaseTool
@@ -89,7 +92,6 @@ log = logging.getLogger("onceonly.settle")
 DEFAULT_REVIEW_AFTER = 300.0
 #: Unknown records the reconciler looks at: unsettled, and held ones whose holder is gone.
 _SCANNED = (State.UNKNOWN, State.IN_FLIGHT, State.PENDING)
-_DEFAULT_TTL = 86400.0
 
 
 class Settlement(enum.Enum):
@@ -182,7 +184,7 @@ def decide(
                     error=f"the lease of {rec.lease_owner} expired before dispatch: nothing was sent",
                     now=now,
                     retry_at=None,
-                    ttl=_ttl(policy),
+                    ttl=DEFAULT_TTL if policy is None else policy.ttl,
                     by=by,
                 ),
                 Settlement.FAILED,
@@ -297,10 +299,6 @@ def rerun_problem(fn: Callable[..., Any], args: Mapping[str, Any]) -> str | None
     return None
 
 
-def _ttl(policy: Policy | None) -> float | None:
-    return _DEFAULT_TTL if policy is None else policy.ttl
-
-
 # --- the report -------------------------------------------------------------------------------------
 
 
@@ -402,11 +400,10 @@ class _Reconciler:
         try:
             ok = self.store.swap(new, old)
         except StoreError:
-            cur = self.store.get(new.key)
-            landed = cur is not None and cur.version == new.version and cur.history_json == new.history_json
-            return landed, cur
+            cur = self.store.get(new.key)  # if this read fails too, the run ends; a later run reads it
+            return landed(new, cur), cur
         if ok:
-            emit(new, getattr(self.ledger, "_listeners", []))
+            emit(new, self.ledger._listeners)
             return True, new
         return False, self.store.get(new.key)
 
@@ -434,8 +431,10 @@ class _Reconciler:
             if isinstance(decision, RunProbe):
                 assert tool is not None
                 assert policy is not None
-                value, error = self._probe(tool, rec)
-                decision = after_probe(rec, policy, value=value, error=error, now=self.ledger.clock(), by=self.by)
+                probed = self._probe(tool, rec)
+                decision = after_probe(
+                    rec, policy, value=probed.value, error=probed.error, now=self.ledger.clock(), by=self.by
+                )
                 if isinstance(decision, Leave):
                     return line(decision.settlement, decision.detail, rec)
             if isinstance(decision, Resend):
@@ -450,15 +449,11 @@ class _Reconciler:
             rec = decision.new
         return line(Settlement.UNSETTLED, "no decision after three rounds", rec)  # pragma: no cover
 
-    def _probe(self, tool: _BaseTool[Any, Any], rec: Record) -> tuple[Any, BaseException | None]:
-        assert tool.probe is not None
-        try:
-            value = tool.probe(rec.args, rec.key)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_awaited(value))
-            return value, None
-        except Exception as exc:
-            return None, exc
+    def _probe(self, tool: _BaseTool[Any, Any], rec: Record) -> Probed:
+        """The ledger's own probe step; an async tool's probe runs on an event loop of its own."""
+        if isinstance(tool, AsyncTool):
+            return asyncio.run(self.ledger._aprobe(tool, rec))
+        return self.ledger._probe(tool, rec)
 
     def _resend(self, tool: _BaseTool[Any, Any], rec: Record, before: State) -> ReconcileLine:
         """Run the guard's own plan for the stored call, as one more caller of the operation."""
@@ -476,7 +471,7 @@ class _Reconciler:
 
         try:
             if isinstance(tool, AsyncTool):
-                out = asyncio.run(_awaited(ledger._adrive(gen, tool, call, (), kwargs)))
+                out = asyncio.run(ledger._adrive(gen, tool, call, (), kwargs))
             else:
                 out = ledger._drive(gen, tool, call, (), kwargs)
         except _Stop as stop:
@@ -505,10 +500,6 @@ class _Reconciler:
         if out.replayed:
             return line(Settlement.SKIPPED, f"someone else settled it first (via {out.via})")
         return line(Settlement.CONFIRMED, f"re-sent with the same key: {encode_result(out.result, rec.key)[:200]}")
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
 
 
 def _as_reconciler(gen: Plan, version: int, sleep_budget: Callable[[], float], clock: Callable[[], float]) -> Plan:
@@ -712,25 +703,25 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
     .. versionadded:: 0.1
     """
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    names = f"{module_name}.{attr}".split(".")
+    if not sep or not all(name.isidentifier() for name in names):
         raise ValueError(f"--app {spec!r}: use module:attribute, e.g. myapp.tools:ledger")
     if app_dir is not None:
         path = os.path.abspath(app_dir)
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = pkgutil.resolve_name(spec)
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name.startswith(exc.name):
             raise ImportError(
                 f"--app {spec!r}: no module {module_name!r} on the path (run from its directory, or pass --app-dir)"
             ) from exc
-        raise
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
+        raise  # the app itself imports something that is missing: its own message says what
+    except AttributeError as exc:
+        if exc.name not in attr.split("."):
+            raise  # raised while importing the app, not a name missing from it
+        raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
     if not isinstance(obj, Ledger) and callable(obj):
         try:
             inspect.signature(obj).bind()
