@@ -153,16 +153,11 @@ if _MISSING_CLI is None:
             ledger.close()
         click.echo(f"removed {removed} expired record(s)")
 
-    # Commands that live beside the things they run (the ticket service, the reconciler, the demo)
-    # register here; a module that is not there yet, or whose extra is not installed, is skipped.
-    import importlib
+    # Commands that live beside the things they run. Their modules import only click and rich at the
+    # top (the ticket service and the demo load their extras when run), so `onceonly --help` stays fast.
+    from onceonly import settle_cli
+    from onceonly.demo import cli as demo_cli
+    from onceonly.tickets import cli as tickets_cli
 
-    for _name in ("onceonly.tickets.cli", "onceonly.settle_cli", "onceonly.demo.cli"):
-        try:
-            _module = importlib.import_module(_name)
-        except ModuleNotFoundError as _exc:
-            if _exc.name is not None and _name.startswith(_exc.name):
-                continue  # the module itself is absent
-            raise
-        for _command in getattr(_module, "COMMANDS", ()):
-            cli.add_command(_command)
+    for _command in (*tickets_cli.COMMANDS, *settle_cli.COMMANDS, *demo_cli.COMMANDS):
+        cli.add_command(_command)
