@@ -99,3 +99,36 @@ def test_override_and_explicit_verdict() -> None:
     override = lambda exc: Classification(Verdict.UNKNOWN) if isinstance(exc, KeyError) else None  # noqa: E731
     assert classify(KeyError("x"), override).verdict is Verdict.UNKNOWN
     assert classify(ValueError("x"), override).verdict is Verdict.FAILED
+
+
+def test_aiohttp_exceptions() -> None:
+    """aiohttp, with its real exceptions: a refused connection is not sent, a 503 with Retry-After is
+    not executed, a 502 and a dropped connection are unknown, a 404 failed."""
+    import asyncio
+
+    import aiohttp
+    from multidict import CIMultiDict, CIMultiDictProxy
+    from yarl import URL
+
+    async def refused() -> BaseException:
+        async with aiohttp.ClientSession() as session:
+            try:
+                await session.get("http://127.0.0.1:1/")
+            except aiohttp.ClientError as exc:
+                return exc
+        raise AssertionError("port 1 answered")
+
+    exc = asyncio.run(refused())
+    assert isinstance(exc, aiohttp.ClientConnectorError)
+    assert classify(exc).verdict is Verdict.NOT_SENT
+
+    info = aiohttp.RequestInfo(URL("http://x/t"), "POST", CIMultiDictProxy(CIMultiDict()), URL("http://x/t"))
+
+    def response_error(status: int, **headers: str) -> aiohttp.ClientResponseError:
+        return aiohttp.ClientResponseError(info, (), status=status, headers=CIMultiDictProxy(CIMultiDict(headers)))
+
+    busy = classify(response_error(503, **{"Retry-After": "2"}))
+    assert busy.verdict is Verdict.NOT_EXECUTED and busy.retry_after == 2.0
+    assert classify(response_error(502)).verdict is Verdict.UNKNOWN
+    assert classify(response_error(404)).verdict is Verdict.FAILED
+    assert classify(aiohttp.ServerDisconnectedError()).verdict is Verdict.UNKNOWN
