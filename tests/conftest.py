@@ -1,7 +1,8 @@
 """Fixtures shared by the whole suite: one store fixture per backend, each on its real server.
 
 Redis and PostgreSQL come from ONCEONLY_TEST_REDIS_URL and ONCEONLY_TEST_POSTGRES_URL (loopback
-defaults). An unreachable server skips its tests with the reason shown; under CI=true it fails them.
+defaults). An unreachable server, or a store whose client library (redis-py, psycopg) is not installed,
+skips its tests with the reason shown; under CI=true it fails them.
 Each run makes its own PostgreSQL database and Redis key prefix, and removes only what it made.
 """
 
@@ -42,8 +43,18 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _has_store(name: str) -> bool:
-    return importlib.util.find_spec(f"onceonly.stores.{name}") is not None
+# The client libraries each networked store needs (its extra). The store modules themselves always
+# exist, so it is these that decide whether the store can run here.
+_DRIVERS = {"redis": ("redis",), "postgres": ("psycopg", "psycopg_pool")}
+
+
+def require_driver(store: str) -> None:
+    """Skip (under CI: fail) the test, with the reason shown, when ``store``'s client library is missing."""
+    missing = [name for name in _DRIVERS[store] if importlib.util.find_spec(name) is None]
+    if missing:
+        _unavailable(
+            f"{', '.join(missing)} not installed, so the {store} store cannot run: pip install 'onceonly[{store}]'"
+        )
 
 
 # --- per-run resources: a PostgreSQL database, a Redis key prefix ------------------------------
@@ -52,6 +63,7 @@ def _has_store(name: str) -> bool:
 @pytest.fixture(scope="session", name="postgres_database_url")
 def fixture_postgres_database_url() -> Iterator[str]:
     """A PostgreSQL database made for this run, dropped at its end."""
+    require_driver("postgres")
     reason = _reachable(POSTGRES_URL, 5432)
     if reason:
         _unavailable(reason)
@@ -72,6 +84,7 @@ def fixture_postgres_database_url() -> Iterator[str]:
 @pytest.fixture(scope="session", name="redis_base_url")
 def fixture_redis_base_url() -> Iterator[str]:
     """The Redis URL; at the end of the run every key under this run's prefix is removed."""
+    require_driver("redis")
     reason = _reachable(REDIS_URL, 6379)
     if reason:
         _unavailable(reason)
@@ -96,7 +109,8 @@ def join_url(url: str, **params: str) -> str:
 
 # --- one fresh, empty ledger URL per test, for each store ----------------------------------------
 
-STORES = ["sqlite"] + [name for name in ("redis", "postgres") if _has_store(name)]
+# Every store, always: one whose driver is missing shows up as a skip that says so (see require_driver).
+STORES = ["sqlite", "redis", "postgres"]
 
 
 @pytest.fixture(name="store_url", params=STORES)

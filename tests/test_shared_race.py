@@ -7,7 +7,6 @@ count is taken outside the ledger under test.
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import random
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RUN_ID
+from tests.conftest import RUN_ID, join_url
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +26,15 @@ OPS = 1000
 ASKERS = 4
 
 
-def _has_postgres_store() -> bool:
-    return importlib.util.find_spec("onceonly.stores.postgres") is not None
-
-
 @pytest.fixture(name="ledger_url", params=["redis", "postgres"])
 def fixture_ledger_url(request: pytest.FixtureRequest) -> str:
-    """An empty shared ledger on each networked store."""
+    """An empty shared ledger on each networked store (its server fixture skips, saying why, when the
+    server is unreachable or its client library is not installed)."""
     if request.param == "redis":
         base = request.getfixturevalue("redis_base_url")
-        sep = "&" if "?" in base else "?"
-        return f"{base}{sep}prefix=onceonly-test-{RUN_ID}-race-{uuid.uuid4().hex[:8]}&warn_persistence=false"
-    if not _has_postgres_store():
-        pytest.skip("onceonly.stores.postgres does not exist yet: no PostgreSQL ledger to race on")
+        return join_url(base, prefix=f"onceonly-test-{RUN_ID}-race-{uuid.uuid4().hex[:8]}", warn_persistence="false")
     base = request.getfixturevalue("postgres_database_url")
-    return f"{base}?schema=race_{uuid.uuid4().hex[:8]}"
+    return join_url(base, schema=f"race_{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture(name="effects_table")
