@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import pytest
 
 from onceonly import states as st
-from onceonly.states import Record, State
+from onceonly.states import State
 from onceonly.stores import Query, Store, open_store
+from tests.stores._records import NOW, make
 
-NOW = 1_800_000_000.0
+T = TypeVar("T")
 
 
 @pytest.fixture(name="store")
@@ -24,11 +27,17 @@ def fixture_store(store_url: str) -> Iterator[Store]:
     store.close()
 
 
-def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW, tool: str = "t", scope: str = "s") -> Record:
-    return st.new_record(
-        key=key, scope=scope, tool=tool, fingerprint="f" * 64, args_json='{"a":1}', state=state,
-        owner="host:1:1", now=now, lease_seconds=30,
-    )  # fmt: skip
+def _at_once(n: int, call: Callable[[int], T]) -> list[T]:
+    """``call(0)`` … ``call(n - 1)``, each in a thread of its own, released together by a barrier: their
+    results in that order. An error in any of them is raised here, not lost in its thread."""
+    barrier = threading.Barrier(n)
+
+    def run(i: int) -> T:
+        barrier.wait(timeout=30)
+        return call(i)
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(run, range(n)))
 
 
 def test_is_a_store(store: Store) -> None:
@@ -95,19 +104,7 @@ def test_concurrent_swaps_one_wins(store_url: str) -> None:
     try:
         rec = make("race")
         store.insert(rec)
-        wins: list[bool] = []
-        barrier = threading.Barrier(8)
-
-        def attempt(i: int) -> None:
-            barrier.wait()
-            new = st.mark_unknown(rec, now=NOW + i, reason=f"t{i}", by=f"t{i}")
-            wins.append(store.swap(new, rec))
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        wins = _at_once(8, lambda i: store.swap(st.mark_unknown(rec, now=NOW + i, reason=f"t{i}", by=f"t{i}"), rec))
         assert wins.count(True) == 1
     finally:
         store.close()
@@ -214,18 +211,7 @@ def test_concurrent_claims_one_holder(store_url: str) -> None:
     """Eight threads claim one key at once: exactly one becomes the holder, the rest read its record."""
     store = open_store(store_url)
     try:
-        results: list[Record | None] = []
-        barrier = threading.Barrier(8)
-
-        def attempt(i: int) -> None:
-            barrier.wait()
-            results.append(store.claim(make("one", now=NOW + i)))
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = _at_once(8, lambda i: store.claim(make("one", now=NOW + i)))
         assert results.count(None) == 1
         winner = store.get("one")
         assert all(r == winner for r in results if r is not None)

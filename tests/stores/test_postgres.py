@@ -22,22 +22,17 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
+import onceonly  # noqa: E402
 from onceonly import states as st  # noqa: E402
 from onceonly.errors import StoreCorrupt, StoreUnavailable  # noqa: E402
 from onceonly.states import Record, State  # noqa: E402
 from onceonly.stores import Query, open_store  # noqa: E402
-from onceonly.stores.postgres import _COLUMNS, SCHEMA_VERSION, PostgresStore, parse_postgres_url  # noqa: E402
+from onceonly.stores._sql import COLUMNS  # noqa: E402
+from onceonly.stores.postgres import SCHEMA_VERSION, PostgresStore, parse_postgres_url  # noqa: E402
+from tests.conftest import join_url  # noqa: E402
+from tests.stores._records import NOW, make  # noqa: E402
 
 pytestmark = pytest.mark.postgres
-
-NOW = 1_800_000_000.0
-
-
-def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW) -> Record:
-    return st.new_record(
-        key=key, scope="s", tool="t", fingerprint="f" * 64, args_json='{"a":1}', state=state,
-        owner="host:1:1", now=now, lease_seconds=30,
-    )  # fmt: skip
 
 
 @pytest.fixture(name="tag")
@@ -49,7 +44,7 @@ def fixture_tag() -> str:
 @pytest.fixture(name="pg_url")
 def fixture_pg_url(postgres_database_url: str, tag: str) -> str:
     """A ledger URL on a schema that does not exist yet, in this run's database."""
-    return f"{postgres_database_url}?schema={tag}&application_name={tag}"
+    return join_url(postgres_database_url, schema=tag, application_name=tag)
 
 
 @pytest.fixture(name="admin")
@@ -147,7 +142,7 @@ def test_schema_is_created_with_its_version(store: PostgresStore, admin: Any, ta
             "onceonly_notify"} <= names  # fmt: skip
     assert ("version", str(SCHEMA_VERSION)) in found
     by = admin.execute(f'SELECT installed_by FROM "{tag}".onceonly_schema').fetchone()[0]
-    assert by.startswith("onceonly ")
+    assert by == f"onceonly {onceonly.__version__}"  # the installed package's version, as the package says
     # Reopening finds it done and changes nothing.
     PostgresStore(store.url).close()
     assert catalog(admin, tag) == found
@@ -365,7 +360,7 @@ def test_the_hot_path_notifies_only_when_someone_watches(store: PostgresStore, a
 
 def test_listen_false_polls(pg_url: str) -> None:
     """With listen=false waiting is a plain sleep of the timeout: correct, only slower."""
-    store = PostgresStore(pg_url + "&listen=false")
+    store = PostgresStore(join_url(pg_url, listen="false"))
     try:
         rec = make("polled")
         store.insert(rec)
@@ -458,11 +453,11 @@ def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
     other = psycopg.connect(store.options.conninfo)
     try:
         if primitive == "swap":
-            sets = ", ".join(f"{c} = %s" for c in _COLUMNS.split(", "))
+            sets = ", ".join(f"{c} = %s" for c in COLUMNS.split(", "))
             sql = f'UPDATE "{tag}".onceonly_records SET {sets} WHERE key = %s AND version = %s'
             assert other.execute(sql, (*_values(new), old.key, old.version)).rowcount == 1
         else:
-            sql = f'INSERT INTO "{tag}".onceonly_records ({_COLUMNS}) VALUES ({", ".join(["%s"] * 20)})'
+            sql = f'INSERT INTO "{tag}".onceonly_records ({COLUMNS}) VALUES ({", ".join(["%s"] * 20)})'
             assert other.execute(sql, _values(old)).rowcount == 1
         result: list[object] = []
         errors: list[BaseException] = []
@@ -505,7 +500,7 @@ def _terminate(admin: Any, tag: str) -> int:
 def test_terminated_backends_cost_at_most_one_call(pg_url: str, admin: Any, tag: str) -> None:
     """After pg_terminate_backend of all the store's connections, the next call fails cleanly or works, the
     one after works: never a hang, never another error type. Five times over, through each primitive."""
-    store = PostgresStore(pg_url + "&pool_min_size=3")
+    store = PostgresStore(join_url(pg_url, pool_min_size="3"))
     try:
         rec = make("survivor")
         store.insert(rec)
@@ -653,10 +648,37 @@ def test_float_times_round_trip_exactly(store: PostgresStore) -> None:
         assert store.get(rec.key) == rec
 
 
+def test_connections_speak_utf8_whatever_the_url_says(pg_url: str) -> None:
+    """The hot statements send text as UTF-8 bytes: a URL asking for LATIN1 (which cannot even hold the
+    key below) still gets UTF-8 connections, and keys and results of any script round-trip exactly,
+    through the hot statements (get) and psycopg's own decoding (scan)."""
+    url = join_url(pg_url, client_encoding="LATIN1")
+    conninfo = parse_postgres_url(url).conninfo
+    assert "client_encoding=UTF8" in conninfo and "LATIN1" not in conninfo
+    store = PostgresStore(url)
+    try:
+        key = "é-中文-🙂"
+        rec = make(key)
+        assert store.claim(rec) is None
+        assert store.claim(rec) == rec
+        done = st.confirm(rec, result_json='{"title":"é-中文-🙂"}', now=NOW + 1, ttl=None, via="run", by="ü")
+        assert store.swap(done, rec)
+        assert store.get(key) == done
+        assert store.scan(Query()) == [done]
+        assert asyncio.run(store.aget(key)) == done
+        conn = store._getconn()
+        try:
+            assert conn.execute("SHOW client_encoding").fetchone() == ("UTF8",)
+        finally:
+            store._pool.putconn(conn)
+    finally:
+        store.close()
+
+
 def test_the_pool_hands_out_the_connection_returned_last(pg_url: str) -> None:
     """LIFO: one caller keeps one warm backend instead of round-robin over every pooled connection
     (psycopg_pool is FIFO; ``_LifoPool`` turns it; this fails if a psycopg_pool upgrade undoes that)."""
-    store = PostgresStore(pg_url + "&pool_min_size=3&pool_max_size=3")
+    store = PostgresStore(join_url(pg_url, pool_min_size="3", pool_max_size="3"))
     try:
         store._pool.wait(timeout=10)
         held = [store._pool.getconn() for _ in range(3)]
@@ -675,19 +697,46 @@ def test_the_pool_hands_out_the_connection_returned_last(pg_url: str) -> None:
         store.close()
 
 
-def test_hot_statements_survive_a_lost_or_doubled_preparation(store: PostgresStore) -> None:
-    """The hot statements are prepared once per connection. A backend that forgot them (DEALLOCATE, or
-    a transaction pooler handing us another backend) prepares them again; one that still has a
-    statement we think is new (42P05) uses it. Either way the call works and nothing runs twice."""
-    store.insert(make("prep"))
-    assert store.get("prep") is not None
+def _forget_prepared(store: PostgresStore) -> Any:
+    """The server forgets the hot statements of the next connection the store takes; the connection does
+    not know. That connection (LIFO: the one handed back last), to look at afterwards."""
     conn = store._getconn()
     try:
         assert conn.ledger_prepared  # the hot statements are prepared on it
-        conn.execute("DEALLOCATE ALL")  # the server forgets them; the connection does not know
+        conn.execute("DEALLOCATE ALL")
     finally:
         store._pool.putconn(conn)
-    assert store.get("prep") == make("prep")
+    return conn
+
+
+def test_hot_statements_survive_a_lost_or_doubled_preparation(store: PostgresStore, admin: Any, tag: str) -> None:
+    """The hot statements are prepared once per connection. A backend that forgot them (DEALLOCATE, or
+    a transaction pooler handing us another backend) prepares them again; one that still has a
+    statement we think is new (42P05) uses it. Either way the call works and nothing runs twice: a
+    write that is the first to meet "not prepared" (26000) ran nowhere, and runs once."""
+
+    def rows(key: str) -> int:
+        return int(admin.execute(f'SELECT count(*) FROM "{tag}".onceonly_records WHERE key = %s', (key,)).fetchone()[0])
+
+    store.insert(make("prep"))
+    assert store.get("prep") is not None
+    conn = _forget_prepared(store)
+    assert store.insert(make("prep-first")) is True  # the first statement to meet 26000 is a write
+    assert conn.ledger_prepared == {store._stmt_insert.name}, "the insert did not meet the forgotten statement"
+    assert rows("prep-first") == 1 and store.get("prep-first") == make("prep-first")
+
+    def settle(rec: Record) -> Record:
+        return st.confirm(rec, result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
+
+    assert store.swap(settle(make("prep")), make("prep"))  # prepares the UPDATE of this shape
+    update = store._update(settle(make("prep")), make("prep"))[0].name
+    conn = _forget_prepared(store)
+    swapped = settle(make("prep-first"))
+    assert store.swap(swapped, make("prep-first")) is True  # again, a write first meets 26000
+    assert conn.ledger_prepared == {update}, "the swap did not meet the forgotten statement"
+    assert rows("prep-first") == 1 and store.get("prep-first") == swapped
+    _forget_prepared(store)
+    assert store.get("prep") == settle(make("prep"))
     assert store.insert(make("prep2")) is True
     conn = store._getconn()
     try:

@@ -1,12 +1,35 @@
-"""What the SQL stores share: the query that answers ``Store.scan``. Pure: builds text, runs nothing."""
+"""What the SQL stores share: the record's columns, how a row becomes a Record, which fields a swap
+may write, and the query that answers ``Store.scan``. Pure: builds text and records, runs nothing."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
-from onceonly.states import HELD, State
+from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
+
+#: The table's columns, in the order of the Record's fields (a row is a Record's arguments).
+COLUMNS = (
+    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
+    "next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts"
+)
+#: A state's stored text → the State.
+STATES = {s.value: s for s in State}
+#: Record fields a swap may change (key never changes; version is always written), in field order.
+SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
+#: A Record field → its column, where the names differ.
+COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
+#: The SWAP_FIELDS of a record, all in one C call: a swap reads them of both records to diff them.
+swap_fields = operator.attrgetter(*SWAP_FIELDS)
+
+
+def row_to_record(row: Sequence[Any]) -> Record:
+    """A row of ``COLUMNS`` as a Record."""
+    rec = Record(*row)  # the columns are the fields, in order
+    rec.state = STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
+    return rec
 
 
 def state_literals(states: Sequence[State]) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.metadata
 import logging
 import operator
 import select
@@ -47,9 +48,18 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
-from onceonly.states import Record, State
+from onceonly.states import UNSETTLED, Record, State
 from onceonly.stores import _pgwire as wire
-from onceonly.stores._sql import scan_sql, state_literals
+from onceonly.stores._sql import (
+    COLUMN_OF,
+    COLUMNS,
+    STATES,
+    SWAP_FIELDS,
+    row_to_record,
+    scan_sql,
+    state_literals,
+    swap_fields,
+)
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
@@ -66,21 +76,23 @@ _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fals
 # reads % in a statement as a placeholder).
 _SCHEMA_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
-_COLUMNS = (
-    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
-    "next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts"
-)
-_STATES = {s.value: s for s in State}
-_OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEEDS_REVIEW)
-# Record fields a swap may change (key never changes; version is always written) → their column.
-_SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
-_COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
-_SWAP_COLUMNS = tuple(_COLUMN_OF.get(f, f) for f in _SWAP_FIELDS)
-_swap_values = operator.attrgetter(*_SWAP_FIELDS)  # all of them in one call: a settle runs this twice
+# The states the open-records index holds, in the enum's order: the index's text stays the same
+# from one run to the next (a frozenset's order may not).
+_OPEN_STATES = tuple(s for s in State if s in UNSETTLED)
+_SWAP_COLUMNS = tuple(COLUMN_OF.get(f, f) for f in SWAP_FIELDS)
 _FIELD_AT = {f: i for i, f in enumerate(Record.__dataclass_fields__)}
-_SWAP_TYPES = tuple(wire.COLUMN_TYPES[_FIELD_AT[f]] for f in _SWAP_FIELDS)
-_SWAP_ENCODERS = tuple(wire.FIELD_ENCODERS[_FIELD_AT[f]] for f in _SWAP_FIELDS)
+_SWAP_TYPES = tuple(wire.COLUMN_TYPES[_FIELD_AT[f]] for f in SWAP_FIELDS)
+_SWAP_ENCODERS = tuple(wire.FIELD_ENCODERS[_FIELD_AT[f]] for f in SWAP_FIELDS)
 _ALL, _COUNT = 1, 2  # what _run returns of a statement: all its rows, or its row count
+
+
+def _installed_version() -> str:
+    """This onceonly's version, for the schema's ``installed_by``: read from the installed package's
+    metadata, not from ``onceonly/__init__.py``, which sits layers above the stores (DESIGN.md 10)."""
+    try:
+        return importlib.metadata.version("onceonly")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _ident(name: str) -> str:
@@ -257,14 +269,6 @@ def _mask(url: str) -> str:
 
 
 # --- rows ----------------------------------------------------------------------------------------
-
-
-# Rows are read in binary: float8 arrives as its eight bytes (exact by construction, and cheaper to
-# load than text), text as text.
-def _row_to_record(row: Sequence[Any]) -> Record:
-    rec = Record(*row)  # the columns are the fields, in order
-    rec.state = _STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
-    return rec
 
 
 def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool | None:
@@ -608,8 +612,8 @@ class PostgresStore:
         self._conninfo = options.conninfo
         t = f"{_ident(self.schema)}.onceonly_records"
         self._table = t
-        select = f"SELECT {_COLUMNS} FROM {t} WHERE key = %s"
-        insert = f"INSERT INTO {t} ({_COLUMNS}) VALUES ({', '.join(['%s'] * 20)}) ON CONFLICT (key) DO NOTHING"
+        select = f"SELECT {COLUMNS} FROM {t} WHERE key = %s"
+        insert = f"INSERT INTO {t} ({COLUMNS}) VALUES ({', '.join(['%s'] * 20)}) ON CONFLICT (key) DO NOTHING"
         # The hot statements, prepared once per connection (_pgwire); named per table, so that two
         # stores on one server never mix theirs up.
         tag = hashlib.sha256(t.encode()).hexdigest()[:10]
@@ -725,20 +729,18 @@ class PostgresStore:
         exists = conn.execute("SELECT to_regnamespace(%s) IS NOT NULL", (_ident(self.schema),)).fetchone()
         if not (exists and exists[0]):
             conn.execute(f"CREATE SCHEMA {_ident(self.schema)}")
-        from onceonly import __version__
-
         steps = _migrations(self.schema)
         for target in range((version or 0) + 1, SCHEMA_VERSION + 1):
             for statement in steps[target]:
                 conn.execute(statement)
             conn.execute(
                 f"INSERT INTO {_ident(self.schema)}.onceonly_schema (version, installed_by) VALUES (%s, %s)",
-                (target, f"onceonly {__version__}"),
+                (target, f"onceonly {_installed_version()}"),
             )
 
     def _check_columns(self, conn: psycopg.Connection[Any]) -> None:
         try:
-            conn.execute(f"SELECT {_COLUMNS}, watched FROM {self._table} LIMIT 0")
+            conn.execute(f"SELECT {COLUMNS}, watched FROM {self._table} LIMIT 0")
         except psycopg.errors.UndefinedColumn as exc:
             raise StoreCorrupt(
                 f"{self._where}: {self.schema}.onceonly_records lacks columns of schema version {SCHEMA_VERSION} "
@@ -810,8 +812,8 @@ class PostgresStore:
         # Write only the columns that changed: a settle leaves args and fingerprint alone. Every swap
         # clears "watched": a waiter marks the row again if it still waits. The diff runs in C (map,
         # compress).
-        new = _swap_values(record)
-        changed = tuple(map(operator.ne, new, _swap_values(expected)))
+        new = swap_fields(record)
+        changed = tuple(map(operator.ne, new, swap_fields(expected)))
         plan = self._updates.get(changed)
         if plan is None:
             fields = list(compress(range(len(changed)), changed))
@@ -832,7 +834,7 @@ class PostgresStore:
         return stmt, params
 
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
-        return scan_sql(query, table=self._table, columns=_COLUMNS, placeholder="%s")
+        return scan_sql(query, table=self._table, columns=COLUMNS, placeholder="%s")
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 
@@ -863,6 +865,7 @@ class PostgresStore:
         def op(conn: _Connection) -> Any:
             cur = conn.ledger_cursor
             if cur is None:
+                # Binary rows: float8 arrives as its eight bytes (exact, and cheaper to load than text).
                 cur = conn.ledger_cursor = conn.cursor(binary=True)
             cur.execute(sql, params)
             return cur.fetchall() if fetch == _ALL else cur.rowcount
@@ -921,11 +924,11 @@ class PostgresStore:
         if built is None:
             return []
         rows, _ = self._run(built[0], built[1], _ALL)
-        return [_row_to_record(r) for r in rows]
+        return [row_to_record(r) for r in rows]
 
     def count_by_state(self) -> dict[State, int]:
         rows, _ = self._run(self._sql_count, (), _ALL)
-        return {_STATES[s]: int(n) for s, n in rows}
+        return {STATES[s]: int(n) for s, n in rows}
 
     def _watch(self, key: str, version: int) -> bool:
         """Mark the row watched if it is still at ``version``; ``False``: it changed or is gone."""
@@ -1056,7 +1059,7 @@ class PostgresStore:
         if built is None:
             return []
         rows, _ = await self._arun(built[0], built[1], _ALL)
-        return [_row_to_record(r) for r in rows]
+        return [row_to_record(r) for r in rows]
 
     async def await_for_change(self, key: str, version: int, timeout: float) -> None:
         if timeout <= 0:

@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import compress
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.states import Record, State
-from onceonly.stores._sql import scan_sql
+from onceonly.stores._sql import COLUMN_OF, COLUMNS, STATES, SWAP_FIELDS, row_to_record, scan_sql, swap_fields
 from onceonly.stores.base import Query
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -38,11 +38,6 @@ T = TypeVar("T")
 APPLICATION_ID = 0x6F6E6365
 #: ``PRAGMA user_version``: bumped with every schema change; ``_MIGRATIONS`` brings older files up.
 SCHEMA_VERSION = 1
-
-_COLUMNS = (
-    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
-    "next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts"
-)
 
 _SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS onceonly_records (
@@ -75,25 +70,14 @@ CREATE TABLE IF NOT EXISTS onceonly_records (
 # version reached → the statements that reach it from the one before.
 _MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
 
-_SELECT = f"SELECT {_COLUMNS} FROM onceonly_records WHERE key = ?"
-_INSERT = f"INSERT OR IGNORE INTO onceonly_records ({_COLUMNS}) VALUES ({','.join('?' * 20)})"
-_STATES = {s.value: s for s in State}
-# Record fields a swap may change (key never changes; version is always written) → their column.
-_SWAP_FIELDS = tuple(f for f in Record.__dataclass_fields__ if f not in ("key", "version"))
-_COLUMN_OF = {"result_json": "result", "args_json": "args", "history_json": "history"}
-_swap_fields = operator.attrgetter(*_SWAP_FIELDS)  # one C call reads them all
+_SELECT = f"SELECT {COLUMNS} FROM onceonly_records WHERE key = ?"
+_INSERT = f"INSERT OR IGNORE INTO onceonly_records ({COLUMNS}) VALUES ({','.join('?' * 20)})"
 _UPDATES: dict[tuple[bool, ...], str] = {}  # which fields changed → the UPDATE that writes them
 # Our own type binds as its text; a dict lookup in C (Enum.value is a Python-level property).
 sqlite3.register_adapter(State, {s: s.value for s in State}.__getitem__)
 
 
-def _row_to_record(row: tuple[Any, ...]) -> Record:
-    rec = Record(*row)  # the columns are the fields, in order
-    rec.state = _STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
-    return rec
-
-
-# A record's values in _COLUMNS order, in one C call (the state binds through its adapter).
+# A record's values in COLUMNS order, in one C call (the state binds through its adapter).
 _record_values = operator.attrgetter(*Record.__dataclass_fields__)
 
 
@@ -301,7 +285,7 @@ class SQLiteStore:
             rows = self._cursor().execute(_SELECT, (key,)).fetchall()
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
-        return _row_to_record(rows[0]) if rows else None
+        return row_to_record(rows[0]) if rows else None
 
     def claim(self, record: Record) -> Record | None:
         # Insert first: a first call is then the floor's two writes and no read. A read before every
@@ -327,11 +311,11 @@ class SQLiteStore:
         # Write only the columns that changed: a settle that leaves args alone does not rewrite them
         # (about 10 µs of the floor per call, docs/benchmarks.md).
         # The diff runs in C (map, compress); a changed state binds through the adapter registered above.
-        new = _swap_fields(record)
-        changed = tuple(map(operator.ne, new, _swap_fields(expected)))
+        new = swap_fields(record)
+        changed = tuple(map(operator.ne, new, swap_fields(expected)))
         sql = _UPDATES.get(changed)
         if sql is None:
-            sets = "".join(f", {_COLUMN_OF.get(n, n)}=?" for n in compress(_SWAP_FIELDS, changed))
+            sets = "".join(f", {COLUMN_OF.get(n, n)}=?" for n in compress(SWAP_FIELDS, changed))
             sql = _UPDATES[changed] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
         values = [record.version, *compress(new, changed), record.key, expected.version]
         try:
@@ -348,18 +332,18 @@ class SQLiteStore:
         return cur.rowcount == 1
 
     def scan(self, query: Query) -> list[Record]:
-        built = scan_sql(query, table="onceonly_records", columns=_COLUMNS, placeholder="?")
+        built = scan_sql(query, table="onceonly_records", columns=COLUMNS, placeholder="?")
         if built is None:
             return []
         sql, params = built
         with self._errors():
             rows = self._conn().execute(sql, params).fetchall()
-        return [_row_to_record(r) for r in rows]
+        return [row_to_record(r) for r in rows]
 
     def count_by_state(self) -> dict[State, int]:
         with self._errors():
             rows = self._conn().execute("SELECT state, COUNT(*) FROM onceonly_records GROUP BY state").fetchall()
-        return {_STATES[s]: n for s, n in rows}
+        return {STATES[s]: n for s, n in rows}
 
     def wait_for_change(self, key: str, version: int, timeout: float) -> None:
         # SQLite has no notifications across processes: the caller polls with a growing interval.
