@@ -24,29 +24,21 @@ from onceonly import states as st
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.states import HELD, Record, State
 from onceonly.stores import Query
-from tests.conftest import RUN_ID
+from tests.conftest import RUN_ID, join_url
+from tests.stores._records import NOW, make
 
 redis = pytest.importorskip("redis")
 from onceonly.stores.redis import RedisStore, parse_redis_url  # noqa: E402
+from onceonly.stores.sqlite import SQLiteStore  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
-NOW = 1_800_000_000.0
 AWKWARD = ["plain", "a{b}c", "{x}", "}{", "{", "glob*?[x]", "quo'te\"", "é-中文-🙂", "k" * 255, "::{}::"]
 
 
-def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW, tool: str = "t", scope: str = "s") -> Record:
-    return st.new_record(
-        key=key, scope=scope, tool=tool, fingerprint="f" * 64, args_json='{"a":1}', state=state,
-        owner="host:1:1", now=now, lease_seconds=30,
-    )  # fmt: skip
-
-
-def _url(base: str, **options: Any) -> str:
-    query = "&".join(
-        f"{k}={v}" for k, v in {"prefix": f"onceonly-test-{RUN_ID}-{uuid.uuid4().hex[:8]}", **options}.items()
-    )
-    return f"{base}{'&' if '?' in base else '?'}{query}"
+def _url(base: str, **options: str) -> str:
+    """``base`` on a fresh prefix of this run, with ``options``."""
+    return join_url(base, prefix=f"onceonly-test-{RUN_ID}-{uuid.uuid4().hex[:8]}", **options)
 
 
 @pytest.fixture(name="url")
@@ -189,6 +181,128 @@ def test_a_server_that_lost_the_scripts_gets_them_again(cluster_url: str) -> Non
         store.close()
 
 
+# --- a write whose reply is lost -------------------------------------------------------------------
+
+LOST_KEY = "lost-{reply}-é"
+
+
+def _where_indexed(raw: Any, store: RedisStore, key: str) -> dict[str, float | None]:
+    """The scores of ``key`` in its shard's indexes, as stored (None: not a member)."""
+    names = store._indexes[store._shard(key)][:4]
+    return {label: raw.zscore(name, key) for label, name in zip(("all", "open", "held", "expiry"), names, strict=True)}
+
+
+def _index_of(rec: Record) -> dict[str, float | None]:
+    """Where ``rec`` belongs in the indexes, by the contract of the key layout (redis.py's docstring)."""
+    lease = float("-inf") if rec.lease_until is None else rec.lease_until
+    return {
+        "all": 0.0,
+        "open": 0.0 if rec.state in (State.UNKNOWN, State.NEEDS_REVIEW) else None,
+        "held": lease if rec.state in HELD else None,
+        "expiry": rec.expires_at,
+    }
+
+
+def _lost_write(store: RedisStore, op: str) -> tuple[Record, Record | None, dict[State, int]]:
+    """The write under test: (the record it writes, the record it expects, the counts after it lands)."""
+    old = make(LOST_KEY)
+    if op == "claim":
+        return old, None, {State.IN_FLIGHT: 1}
+    assert store.claim(old) is None
+    new = st.confirm(old, result_json='{"id":"中文-🙂"}', now=NOW + 1, ttl=60, via="run", by=None)
+    return new, old, {State.CONFIRMED: 1}
+
+
+def _write_through(
+    store: RedisStore, face: str, rec: Record, expected: Record | None, fault: str, hit: list[tuple[Any, ...]]
+) -> Any:
+    """Claim (``expected`` None) or swap through the sync face (``_write``) or the async one (``_awrite``),
+    with the first EVALSHA's connection failing: after the script ran (``fault="reply_lost"``) or before
+    it was sent (``"not_sent"``). That EVALSHA's command is appended to ``hit``."""
+
+    def first(command: tuple[Any, ...]) -> bool:
+        if command[0] != "EVALSHA" or hit:
+            return False
+        hit.append(command)
+        return True
+
+    if face == "sync":
+        send = store._command
+
+        def command_path(*command: Any) -> Any:
+            if not first(command):
+                return send(*command)
+            if fault == "reply_lost":
+                send(*command)  # it runs on the server, and its reply is never read
+            raise redis.ConnectionError(fault)
+
+        store._command = command_path  # type: ignore[method-assign]
+        try:
+            return store.claim(rec) if expected is None else store.swap(rec, expected)
+        finally:
+            del store._command
+
+    async def main() -> Any:
+        client: Any = (await store._side()).client
+        asend = client.execute_command
+
+        async def acommand_path(*command: Any) -> Any:
+            if not first(command):
+                return await asend(*command)
+            if fault == "reply_lost":
+                await asend(*command)
+            raise redis.ConnectionError(fault)
+
+        client.execute_command = acommand_path
+        try:
+            return await (store.aclaim(rec) if expected is None else store.aswap(rec, expected))
+        finally:
+            del client.execute_command  # the loop's end closes this client (the store stays open)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+@pytest.mark.parametrize("op", ["claim", "swap"])
+def test_a_write_whose_reply_is_lost_is_rerun_exactly(store: RedisStore, raw: Any, op: str, face: str) -> None:
+    """The first EVALSHA runs on the server, then its connection fails before the reply arrives. The
+    "again" script re-runs it and answers what the first run did (claim: held, None; swap: True), and
+    the record, its indexes and the per-state counts hold one write: not two, nor one reported as
+    someone else's."""
+    rec, expected, counts = _lost_write(store, op)
+    hit: list[tuple[Any, ...]] = []
+    got = _write_through(store, face, rec, expected, "reply_lost", hit)
+    assert hit, "the fault never hit the write: the test proved nothing"
+    assert got is (None if op == "claim" else True)
+    assert store.reruns == 1
+    assert store.get(LOST_KEY) == rec
+    assert _where_indexed(raw, store, LOST_KEY) == _index_of(rec)
+    assert store.count_by_state() == counts
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+@pytest.mark.parametrize("op", ["claim", "swap"])
+def test_a_first_run_executed_after_its_rerun_changes_nothing(store: RedisStore, raw: Any, op: str, face: str) -> None:
+    """The first EVALSHA's connection fails before it is sent; the "again" script lands the write; then
+    the first run reaches the server after all (sent here by another client, as a delayed packet
+    would be): it finds the write already made and changes nothing (record, indexes, counts)."""
+    rec, expected, counts = _lost_write(store, op)
+    hit: list[tuple[Any, ...]] = []
+    got = _write_through(store, face, rec, expected, "not_sent", hit)
+    assert hit, "the fault never hit the write: the test proved nothing"
+    assert got is (None if op == "claim" else True)
+    assert store.reruns == 1
+    record_key = store._keys(LOST_KEY)[0]
+    stored = raw.hgetall(record_key)
+
+    late = raw.execute_command(*hit[0])  # the first run, executed after its rerun
+    assert late == ([stored[b"d"], stored[b"a"]] if op == "claim" else 0)  # "taken" / "not written"
+    assert raw.hgetall(record_key) == stored
+    assert store.get(LOST_KEY) == rec
+    assert _where_indexed(raw, store, LOST_KEY) == _index_of(rec)
+    assert store.count_by_state() == counts
+
+
 # --- the indexes ----------------------------------------------------------------------------------
 
 
@@ -267,40 +381,13 @@ def test_indexes_match_the_records_after_many_transitions(store: RedisStore, raw
         assert members(exp_k) == {k: r.expires_at for k, r in mine.items() if r.expires_at is not None}
 
 
-def _expected(model: dict[str, Record], q: Query) -> list[str]:
-    """What the SQLite store would answer: the contract, evaluated on the model."""
-    out = []
-    for key in sorted(model, key=lambda k: k.encode()):
-        r = model[key]
-        if q.states is not None:
-            if r.state not in q.states:
-                continue
-            if (
-                r.state in HELD
-                and q.lease_expired_before is not None
-                and not (r.lease_until is None or r.lease_until < q.lease_expired_before)
-            ):
-                continue
-        elif q.lease_expired_before is not None and (
-            r.state not in HELD or not (r.lease_until is None or r.lease_until < q.lease_expired_before)
-        ):
-            continue
-        if q.tool is not None and r.tool != q.tool:
-            continue
-        if q.scope is not None and r.scope != q.scope:
-            continue
-        if q.expires_before is not None and (r.expires_at is None or r.expires_at >= q.expires_before):
-            continue
-        if q.after is not None and key.encode() <= q.after.encode():
-            continue
-        out.append(key)
-    return out[: q.limit]
-
-
-def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str) -> None:
+def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str, tmp_path: Path) -> None:
     """Scans over 4 shards, with filters that drop most candidates and small pages, list exactly the
-    records the contract names, in key order; paging with `after` visits each match once."""
-    store = RedisStore(_url(redis_base_url, warn_persistence="false", shards=4))
+    records that SQLite's scan lists for the same records, in key order; paging with `after` visits each
+    match once. SQLite is the oracle: its condition is SQL (stores/_sql.py), written apart from the
+    Redis store's `_matches`, and the conformance suite pins it to the contract."""
+    store = RedisStore(_url(redis_base_url, warn_persistence="false", shards="4"))
+    oracle = SQLiteStore(f"sqlite:///{tmp_path / 'oracle.db'}")
     try:
         rng = random.Random(11)
         model: dict[str, Record] = {}
@@ -316,6 +403,7 @@ def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str) -> N
             elif move == 3:
                 rec = st.park(st.mark_unknown(rec, now=NOW, reason="r", by=None), now=NOW, reason="r", by=None)
             assert store.insert(rec)
+            assert oracle.insert(rec)
             model[key] = rec
         queries = [
             Query(limit=1000),
@@ -339,11 +427,14 @@ def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str) -> N
                 if len(page) < q.limit:
                     break
                 after = page[-1]
-            everything = _expected(model, Query(**{**_fields(q), "limit": 10_000}))
+            everything = [r.key for r in oracle.scan(Query(**{**_fields(q), "limit": 10_000}))]
+            assert everything, f"the oracle matches nothing for {q}: the comparison would prove nothing"
             assert pages == everything, q
-            assert [r.key for r in store.scan(q)] == _expected(model, q), q
+            assert [r.key for r in store.scan(q)] == [r.key for r in oracle.scan(q)], q
+            assert store.scan(q) == oracle.scan(q), q
             assert all(r == model[r.key] for r in store.scan(q))
     finally:
+        oracle.close()
         store.close()
 
 
@@ -446,7 +537,7 @@ def test_the_shard_count_is_fixed_per_prefix(url: str) -> None:
     """Reopening a prefix with another shard count would lose its records: refused with the fix."""
     RedisStore(url).close()
     with pytest.raises(ValueError, match="shards=16"):
-        RedisStore(url + "&shards=8")
+        RedisStore(join_url(url, shards="8"))
 
 
 def test_url_options() -> None:

@@ -255,6 +255,15 @@ def _head(r: Record) -> str:
     return f"{r.version} {_VALUE[r.state]} {lease} {'' if r.expires_at is None else repr(r.expires_at)}"
 
 
+def _swap_args(record: Record, expected: Record) -> tuple[str, ...]:
+    """A swap script's ARGV: the head with the expected version appended, ``d``, and ``a`` only when the
+    arguments changed (a settle leaves them alone: they are not sent again)."""
+    head = f"{_head(record)} {expected.version}"
+    if record.args_json == expected.args_json:
+        return head, _encode(record)
+    return head, _encode(record), record.args_json
+
+
 def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
     """The full condition of ``q`` on one record (the indexes only narrow the candidates)."""
     if states is not None:
@@ -699,22 +708,19 @@ class RedisStore:
         return None if d is None else _decode(key, d, a)
 
     def _write(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
-        """Run a write script; if its connection fails, re-run its "again" twin, which is exact."""
-        try:
+        """Run a write script; if its connection fails, its "again" twin, which is exact, up to _RERUNS times."""
+        run, reruns = script, 0
+        while True:
             try:
-                return self._script(script, keys, args)
-            except RedisConnectionError:
-                pass
-            # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
-            for attempt in range(_RERUNS):
-                self.reruns += 1
-                try:
-                    return self._script(again, keys, args)
-                except RedisConnectionError:
-                    if attempt == _RERUNS - 1:
-                        raise
-        except RedisError as exc:
-            raise self._unavailable(exc, what) from exc
+                return self._script(run, keys, args)
+            except RedisConnectionError as exc:
+                if reruns == _RERUNS:
+                    raise self._unavailable(exc, what) from exc
+            except RedisError as exc:
+                # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
+                raise self._unavailable(exc, what) from exc
+            run, reruns = again, reruns + 1
+            self.reruns += 1
 
     def claim(self, record: Record) -> Record | None:
         self._check_open()
@@ -727,11 +733,7 @@ class RedisStore:
 
     def swap(self, record: Record, expected: Record) -> bool:
         self._check_open()
-        head = f"{_head(record)} {expected.version}"
-        args: tuple[str, ...] = (
-            (head, _encode(record)) if record.args_json == expected.args_json
-            else (head, _encode(record), record.args_json)
-        )  # fmt: skip
+        args = _swap_args(record, expected)
         return bool(
             self._write(self._swap, self._swap_again, self._keys(record.key), args, f"writing {record.key!r}") == 1
         )
@@ -829,20 +831,17 @@ class RedisStore:
 
     async def _awrite(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
         """``_write`` awaited: a write script, and its exact "again" twin if the connection fails."""
-        try:
+        run, reruns = script, 0
+        while True:
             try:
-                return await script(keys, args)
-            except RedisConnectionError:
-                pass
-            for attempt in range(_RERUNS):
-                self.reruns += 1
-                try:
-                    return await again(keys, args)
-                except RedisConnectionError:
-                    if attempt == _RERUNS - 1:
-                        raise
-        except RedisError as exc:
-            raise self._unavailable(exc, what) from exc
+                return await run(keys, args)
+            except RedisConnectionError as exc:
+                if reruns == _RERUNS:
+                    raise self._unavailable(exc, what) from exc
+            except RedisError as exc:
+                raise self._unavailable(exc, what) from exc
+            run, reruns = again, reruns + 1
+            self.reruns += 1
 
     async def aclaim(self, record: Record) -> Record | None:
         self._check_open()
@@ -857,11 +856,7 @@ class RedisStore:
     async def aswap(self, record: Record, expected: Record) -> bool:
         self._check_open()
         side = await self._side()
-        head = f"{_head(record)} {expected.version}"
-        args: tuple[str, ...] = (
-            (head, _encode(record)) if record.args_json == expected.args_json
-            else (head, _encode(record), record.args_json)
-        )  # fmt: skip
+        args = _swap_args(record, expected)
         written = await self._awrite(
             side.swap, side.swap_again, self._keys(record.key), args, f"writing {record.key!r}"
         )
