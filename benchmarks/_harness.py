@@ -24,6 +24,19 @@ def tool_body(i: int) -> dict[str, object]:
     return {"ok": True, "i": i}
 
 
+def floor_histories() -> tuple[str, str]:
+    """The history JSON of a floor's record once claimed and once settled: the ledger's own shape."""
+    from onceonly import states as st
+
+    now = time.time()
+    claimed = st.new_record(
+        key="bench", scope="default", tool="bench.tool", fingerprint="f" * 64, args_json="{}",
+        state=st.State.IN_FLIGHT, owner="h:1:1", now=now, lease_seconds=30,
+    )  # fmt: skip
+    settled = st.confirm(claimed, result_json="{}", now=now, ttl=86400, via="run", by="h:1:1")
+    return claimed.history_json, settled.history_json
+
+
 def guarded_pair(call: Callable[[int], object], warm: int = 1) -> tuple[Contender, Contender]:
     """A guarded first call (a new operation each time) and a replay of one already done."""
     done: list[int] = []

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
-from _harness import Contender, guarded_pair, interleave, report, tool_body
+from _harness import Contender, floor_histories, guarded_pair, interleave, report, tool_body
 
 import onceonly
 from onceonly.stores.postgres import PostgresStore, parse_postgres_url
@@ -72,9 +72,7 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
     """Two raw round trips per call (claim insert, settle update) on ``table``, one connection."""
     conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
     _OPENED.append(conn)
-    entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
-    history_1 = json.dumps([entry])
-    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
+    history_1, history_2 = floor_histories()
     prefix = uuid.uuid4().hex
     cur = conn.cursor()  # one cursor for all calls, as the store keeps one per connection
     insert = f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
@@ -104,9 +102,7 @@ def wire_floor(url: str, table: str = "public.onceonly_records") -> Callable[[in
 
     conn = psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True)
     _OPENED.append(conn)
-    entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
-    history_1 = json.dumps([entry]).encode()
-    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}]).encode()
+    history_1, history_2 = (h.encode() for h in floor_histories())
     prefix = uuid.uuid4().hex
     T, I4, I8, F8 = wire.TEXT, 23, wire.INT8, 701
     insert = wire.Statement(

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _harness import Contender, guarded_pair, interleave, report, store_main, tool_body
+from _harness import Contender, floor_histories, guarded_pair, interleave, report, store_main, tool_body
 
 import onceonly
 from onceonly.stores.redis import RedisStore
@@ -52,10 +52,7 @@ def floor(store: RedisStore, prefix: str, *, direct: bool = False) -> Callable[[
     against); this second floor shows how much of the store's lead is that path, so they read fairly.
     """
     client = store._thread()  # the single-connection client the store's primitives use
-    now = time.time()
-    entry = {"at": now, "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
-    history_1 = json.dumps([entry])
-    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
+    history_1, history_2 = floor_histories()
 
     def run(i: int) -> None:
         key = f"{prefix}:floor:default:bench.tool:{i:032d}"
@@ -169,11 +166,11 @@ def _make_call(kind: str, worker: int) -> Callable[[int], object]:
     prefix = os.environ[_PREFIX_ENV]
     store = RedisStore(_url(prefix))
     if kind == "guarded":
-        return onceonly.Ledger(store).tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
+        return onceonly.Ledger(store).tool(name="bench.tool")(tool_body)
     return floor(store, f"{prefix}:{worker}")
 
 
-def throughput(processes: int = 8, seconds: float = 3.0, rounds: int = 3) -> dict[str, float]:
+def throughput(processes: int, seconds: float, rounds: int) -> dict[str, float]:
     """Calls per second of ``processes`` processes on one ledger: guarded first calls vs the floor."""
     from _harness import spawn_rate
     from _harness import throughput as alternate

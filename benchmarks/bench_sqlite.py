@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from _harness import Contender, guarded_pair, interleave, report, store_main, tool_body
+from _harness import Contender, floor_histories, guarded_pair, interleave, report, store_main, tool_body
 
 import onceonly
 from onceonly.stores.sqlite import SQLiteStore
@@ -24,9 +24,7 @@ from onceonly.stores.sqlite import SQLiteStore
 def floor(path: Path) -> Callable[[int], None]:
     """Two raw write transactions per call (claim insert, settle update), same table, same pragmas."""
     conn = SQLiteStore(f"sqlite:///{path}")._conn()
-    entry = {"at": time.time(), "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "h:1:1"}
-    history_1 = json.dumps([entry])
-    history_2 = json.dumps([entry, {**entry, "from": "in_flight", "to": "confirmed"}])
+    history_1, history_2 = floor_histories()
     prefix = uuid.uuid4().hex
 
     def run(i: int) -> None:
