@@ -34,6 +34,16 @@ def fixture_real_ledger(store_url: str) -> Iterator[Ledger]:
     ledger.close()
 
 
+def _wait_for(ledger: Ledger, key: str, done: Any) -> Any:
+    """The record of ``key`` once ``done(record)`` holds (up to 5 s)."""
+    for _ in range(100):
+        rec = ledger.get(key)
+        if rec is not None and done(rec):
+            return rec
+        time.sleep(0.05)
+    raise AssertionError(f"{key}: never reached the expected state; last {ledger.get(key)}")
+
+
 def test_first_call_runs_then_replays(ledger: Ledger) -> None:
     """The tool runs once; the same call again returns the recorded result without running it."""
     runs: list[str] = []
@@ -572,12 +582,8 @@ def test_timeout_late_result_confirms(real_ledger: Ledger) -> None:
     with pytest.raises(OutcomeUnknown):
         slow()
     assert done.wait(5)
-    for _ in range(100):
-        rec = real_ledger.get(slow.key_for())
-        if rec is not None and rec.state is State.CONFIRMED:
-            break
-        time.sleep(0.05)
-    assert rec is not None and rec.state is State.CONFIRMED and rec.result == "late"
+    rec = _wait_for(real_ledger, slow.key_for(), lambda r: r.state is State.CONFIRMED)
+    assert rec.result == "late"
     assert slow.outcome().result == "late"
 
 
@@ -610,16 +616,6 @@ def test_late_result_after_a_resend_is_counted_as_a_conflict(real_ledger: Ledger
     rec = real_ledger.get(slow_first.key_for())
     assert rec is not None and rec.state is State.CONFIRMED
     assert len(executions) == 2 and rec.conflicts == 1 and rec.result == 2 and rec.fence == 2
-
-
-def _wait_for(ledger: Ledger, key: str, done: Any) -> Any:
-    """The record of ``key`` once ``done(record)`` holds (up to 5 s)."""
-    for _ in range(100):
-        rec = ledger.get(key)
-        if rec is not None and done(rec):
-            return rec
-        time.sleep(0.05)
-    raise AssertionError(f"{key}: never reached the expected state; last {ledger.get(key)}")
 
 
 def test_late_failure_of_the_unknown_attempt_settles_it_failed(real_ledger: Ledger) -> None:
