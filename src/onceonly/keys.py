@@ -23,10 +23,12 @@ from typing import Any
 from onceonly.errors import InvalidKey, NotSerializable
 
 __all__ = [
+    "KEY_PATTERN",
     "MAX_KEY_LENGTH",
     "canonical_json",
     "compose_key",
     "fingerprint",
+    "is_wire_key",
     "normalize_number",
     "normalize_text",
     "normalize_whitespace",
@@ -185,6 +187,20 @@ def canonical_json(value: Any, *, path: str = "args") -> str:
             path=where,
             value=bad,
         ) from exc
+
+
+#: A key as it travels in an ``Idempotency-Key`` header, unquoted: 1-255 visible ASCII characters
+#: (VCHAR: no space, no control). The middleware, the HTTP client and the ticket service's OpenAPI share it.
+KEY_PATTERN = f"[!-~]{{1,{MAX_KEY_LENGTH}}}"
+_WIRE_KEY = re.compile(KEY_PATTERN)
+
+
+def is_wire_key(text: str) -> bool:
+    """Whether ``text`` can travel as an idempotency key header as it is (``KEY_PATTERN``).
+
+    .. versionadded:: 0.1
+    """
+    return _WIRE_KEY.fullmatch(text) is not None
 
 
 def fingerprint(canonical: str) -> str:

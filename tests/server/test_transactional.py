@@ -273,3 +273,24 @@ def test_table_name_is_checked() -> None:
 def test_placeholders_follow_the_driver(style: str, sql: str, args: Any) -> None:
     """``:name`` placeholders become each PEP 249 paramstyle."""
     assert _convert("a = :a AND b = :b", {"a": 1, "b": 2}, style) == (sql, args)
+
+
+def test_complete_keeps_headers_lower_cased_and_filters_them_on_request(tmp_path: Path) -> None:
+    """complete() keeps every header (names lower-cased) unless replay_headers names the ones to keep;
+    a replay repeats what was stored."""
+    conn = sqlite3.connect(tmp_path / "h.db", isolation_level=None)
+    table = IdempotencyTable()
+    table.create(conn)
+    headers = {"Content-Type": "application/json", "Location": "/t/1", "Set-Cookie": "s=1"}
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        every = table.begin(conn, "k-all", FP).complete(201, "{}", headers)
+        some = table.begin(conn, "k-some", FP).complete(201, "{}", headers, replay_headers=["content-TYPE"])
+        conn.execute("COMMIT")
+        assert every.headers == (("content-type", "application/json"), ("location", "/t/1"), ("set-cookie", "s=1"))
+        assert some.headers == (("content-type", "application/json"),)
+        with pytest.raises(Replay) as caught:
+            table.begin(conn, "k-some", FP)
+        assert caught.value.response == some
+    finally:
+        conn.close()

@@ -57,3 +57,13 @@ def test_bad_specs_are_refused(specs: list[str], message: str) -> None:
     """A fault spec that cannot be meant is refused with a message that says what to write."""
     with pytest.raises(ValueError, match=message):
         Faults.parse(specs)
+
+
+def test_delay_seconds_is_bounded() -> None:
+    """A held answer is at most MAX_DELAY_SECONDS long, and never negative."""
+    from onceonly.tickets.faults import MAX_DELAY_SECONDS
+
+    assert Faults(delay_seconds=MAX_DELAY_SECONDS).delay_seconds == MAX_DELAY_SECONDS
+    for bad in (-1.0, MAX_DELAY_SECONDS + 1):
+        with pytest.raises(ValueError, match="delay_seconds"):
+            Faults(delay_seconds=bad)

@@ -163,6 +163,8 @@ def test_admin_endpoint_sets_and_reports_faults(tickets: Start) -> None:
         assert c.put("/admin/faults", json={"lost": 0.7, "fail": 0.7}).status_code == 422
         assert c.put("/admin/faults", json={"lost": 2}).status_code == 422
         assert c.put("/admin/faults", json={"bogus": 1}).status_code == 422
+        assert c.put("/admin/faults", json={"delay_seconds": 601}).status_code == 422
+        assert c.put("/admin/faults", json={"seed": "x"}).status_code == 422
         state = c.put("/admin/faults", json={"fail": 1.0, "seed": 9}).json()
         assert state["faults"]["fail"] == 1.0 and state["faults"]["seed"] == 9
         c.post("/tickets", json=new_ticket(), headers=_key("k-1"))

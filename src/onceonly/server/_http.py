@@ -1,5 +1,7 @@
-"""What the middleware and the transactional mode share: the key header, the fingerprint, the stored
-response and problem details. Pure, no I/O beyond building ASGI messages.
+"""What the middleware, the transactional mode, the ticket service and the HTTP client share: the key
+header and its rules, the fingerprint, the stored response and problem details. Pure, no I/O beyond
+building ASGI messages. The rule for a key on the wire itself is in ``onceonly.keys`` (the client uses
+it too, without loading the server).
 """
 
 from __future__ import annotations
@@ -7,14 +9,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import re
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from onceonly.keys import KEY_PATTERN, MAX_KEY_LENGTH, is_wire_key
 
 __all__ = [
     "CONTEXT_KEY",
     "DEFAULT_REPLAY_HEADERS",
+    "KEY_HEADERS",
+    "KEY_PATTERN",
     "BadKey",
     "IdempotencyContext",
     "Replay",
@@ -22,8 +27,10 @@ __all__ = [
     "authorization_identity",
     "client_hash",
     "idempotency_context",
+    "is_wire_key",
     "parse_key",
     "problem_messages",
+    "request_key",
     "store_key",
 ]
 
@@ -42,8 +49,8 @@ DEFAULT_REPLAY_HEADERS: frozenset[str] = frozenset(
     {"content-type", "content-language", "content-location", "location", "etag", "last-modified", "link"}
 )
 
-MAX_KEY_LENGTH = 255
-_VISIBLE = re.compile(r"[!-~]{1,255}")  # a bare key: 1-255 visible ASCII characters (VCHAR)
+#: The request headers that carry a key (lower case, as in an ASGI scope): the draft's and the older form.
+KEY_HEADERS: tuple[bytes, ...] = (b"idempotency-key", b"x-idempotency-key")
 
 
 class BadKey(ValueError):
@@ -68,7 +75,7 @@ def parse_key(raw: bytes) -> str:
         raise BadKey("the key has non-ASCII bytes: a key is 1-255 visible ASCII characters") from None
     if text.startswith('"'):
         text = _unquote(text)
-    if _VISIBLE.fullmatch(text):
+    if is_wire_key(text):
         return text
     if not text:
         raise BadKey("the key is empty: a key is 1-255 visible ASCII characters")
@@ -76,6 +83,22 @@ def parse_key(raw: bytes) -> str:
         raise BadKey(f"the key is {len(text)} characters long; the limit is {MAX_KEY_LENGTH}")
     pos = next(i for i, ch in enumerate(text) if not "!" <= ch <= "~")
     raise BadKey(f"the key has {text[pos]!r} at position {pos}: a key is visible ASCII, without spaces")
+
+
+def request_key(scope: Scope) -> str | None:
+    """The key of a request: its ``Idempotency-Key`` or ``X-Idempotency-Key`` header, else ``None``.
+
+    Raises:
+        BadKey: a header that is not a key, or several headers with keys that differ.
+    """
+    found: str | None = None
+    for name, value in scope.get("headers", ()):
+        if name in KEY_HEADERS:
+            key = parse_key(value)
+            if found is not None and key != found:
+                raise BadKey("the request has several idempotency keys that differ: send exactly one")
+            found = key
+    return found
 
 
 def _unquote(text: str) -> str:
@@ -207,14 +230,19 @@ class StoredResponse:
 
     @classmethod
     def build(
-        cls, status: int, headers: Iterable[tuple[bytes | str, bytes | str]], body: bytes, allow: frozenset[str]
+        cls,
+        status: int,
+        headers: Iterable[tuple[bytes | str, bytes | str]],
+        body: bytes,
+        allow: Collection[str] | None,
     ) -> StoredResponse:
-        """Keep only the allow-listed headers (lower-cased names) of a response."""
+        """A response with its header names lower-cased, keeping only those in ``allow`` (lower case;
+        ``None`` keeps them all)."""
         kept = []
         for name, value in headers:
             n = name.decode("latin-1") if isinstance(name, bytes) else name
             n = n.lower()
-            if n in allow:
+            if allow is None or n in allow:
                 kept.append((n, value.decode("latin-1") if isinstance(value, bytes) else value))
         return cls(status, tuple(kept), body)
 

@@ -53,8 +53,8 @@ from ._http import (
     authorization_identity,
     client_hash,
     fingerprint_start,
-    parse_key,
     problem_messages,
+    request_key,
     store_key,
 )
 
@@ -66,7 +66,6 @@ log = logging.getLogger("onceonly.server")
 #: (the handler failed), 408 and 429 (the request was refused before it ran).
 DEFAULT_RELEASE_STATUSES: frozenset[int] = frozenset({408, 429, *range(500, 600)})
 
-_HEADERS = (b"idempotency-key", b"x-idempotency-key")
 _TOOL = "http"
 _owner_counter = itertools.count(1)
 _HOST = socket.gethostname()[:40]
@@ -194,7 +193,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            key = _key_of(scope)
+            key = request_key(scope)
         except BadKey as exc:
             await _send(send, problem_messages(400, "Invalid Idempotency-Key", str(exc), slug="invalid-key"))
             return
@@ -341,6 +340,7 @@ class IdempotencyMiddleware:
                 chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
             await send(message)
 
+        # Every way out stores or releases the key, and both stop the renewal timer and beats first.
         try:
             await self.app(scope, receive, capture)
         except BaseException:
@@ -348,8 +348,6 @@ class IdempotencyMiddleware:
                 finished = True
                 await self._release(held, "the application raised")
             raise
-        finally:
-            held.timer.cancel()
         if not finished:
             await self._release(held, "the application returned without a complete response")
 
@@ -548,18 +546,6 @@ class IdempotencyMiddleware:
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
         )
-
-
-def _key_of(scope: Scope) -> str | None:
-    """The key of a request: ``Idempotency-Key`` or ``X-Idempotency-Key``; several differing → 400."""
-    found: str | None = None
-    for name, value in scope.get("headers", ()):
-        if name in _HEADERS:
-            key = parse_key(value)
-            if found is not None and key != found:
-                raise BadKey("the request has several idempotency keys that differ: send exactly one")
-            found = key
-    return found
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -174,13 +174,12 @@ class Slot:
     .. versionadded:: 0.1
     """
 
-    __slots__ = ("_run", "key", "response", "table")
+    __slots__ = ("_run", "key", "table")
 
     def __init__(self, table: IdempotencyTable, run: Executor, key: str) -> None:
         self.table = table
         self._run = run
         self.key = key
-        self.response: StoredResponse | None = None
 
     def complete(
         self,
@@ -199,20 +198,15 @@ class Slot:
             replay_headers: if given, only these header names are kept.
         """
         raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
-        pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
-        kept = tuple(
-            (n.lower(), v)
-            for n, v in pairs
-            if replay_headers is None or n.lower() in {h.lower() for h in replay_headers}
-        )
-        stored = StoredResponse(status, kept, raw)
+        pairs = headers.items() if isinstance(headers, Mapping) else headers
+        allow = None if replay_headers is None else {h.lower() for h in replay_headers}
+        stored = StoredResponse.build(status, pairs, raw, allow)
         expires = None if self.table.ttl is None else self.table.clock() + self.table.ttl
         count, _ = self._run(
             self.table._sql["complete"], {"key": self.key, "response": stored.to_json(), "expires": expires}
         )
         if count != 1:
             raise RuntimeError(f"{self.key!r}: complete() found no row in progress; was begin() rolled back?")
-        self.response = stored
         return stored
 
 

@@ -15,6 +15,7 @@ instead (the store mode), and with ``idempotency=False`` there is none: every PO
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -23,20 +24,20 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from onceonly.keys import MAX_KEY_LENGTH
 from onceonly.server import (
     IdempotencyMiddleware,
     IdempotencyTable,
     authorization_identity,
     client_hash,
     idempotency_context,
-    parse_key,
 )
-from onceonly.server._http import BadKey, Scope
+from onceonly.server._http import KEY_PATTERN, BadKey, request_key
 from onceonly.stores.base import Store
 from onceonly.tickets.faults import CRASH_EXIT_CODE, FAULT_KEY, FaultInjector, FaultMiddleware, Faults
 
@@ -95,22 +96,8 @@ class Problem(BaseModel):
     detail: str
 
 
-class FaultSettings(BaseModel):
-    """Fault probabilities per ``POST /tickets`` (summing to at most 1), the RNG seed, the delay."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    fail: float = Field(default=0.0, ge=0.0, le=1.0)
-    crash: float = Field(default=0.0, ge=0.0, le=1.0)
-    crash_after_commit: float = Field(default=0.0, ge=0.0, le=1.0)
-    lost: float = Field(default=0.0, ge=0.0, le=1.0)
-    delay: float = Field(default=0.0, ge=0.0, le=1.0)
-    delay_seconds: float = Field(default=3.0, ge=0.0, le=600.0)
-    seed: int | None = None
-
-
 class FaultState(BaseModel):
-    faults: FaultSettings
+    faults: Faults
     injected: dict[str, int]
     requests: int
 
@@ -252,7 +239,7 @@ def create_app(
         faults = Faults.from_mapping(faults)
     faults = faults or Faults()
     if seed is not None:
-        faults = Faults.from_mapping({**faults.to_dict(), "seed": seed})
+        faults = dataclasses.replace(faults, seed=seed)
     transactional = idempotency and store is None
     table = IdempotencyTable(ttl=ttl)
     db = TicketDB(db_path, table)
@@ -280,7 +267,7 @@ def create_app(
         "required": idempotency,
         "description": "One key per logical operation, the same on every retry: 1-255 visible ASCII "
         "characters, bare or as a quoted sf-string (X-Idempotency-Key is accepted too).",
-        "schema": {"type": "string", "pattern": "^[!-~]{1,255}$"},
+        "schema": {"type": "string", "pattern": f"^{KEY_PATTERN}$"},
     }
 
     @app.post(
@@ -316,7 +303,8 @@ def create_app(
         if ctx is not None:
             client, key = ctx.client, ctx.key
         else:
-            client, key = client_hash(authorization_identity(request.scope)), _raw_key(request.scope)
+            # Idempotency off: no middleware read the key, but the ticket still records it for the lookup.
+            client, key = client_hash(authorization_identity(request.scope)), _sent_key(request)
         conn = db.conn()
         # One writer at a time in this process: SQLite allows one anyway, and its busy handler would
         # make the others sleep in steps of milliseconds instead of queueing behind a lock.
@@ -360,7 +348,7 @@ def create_app(
         responses={404: _PROBLEM},
         summary="The ticket this client created with an idempotency key",
     )
-    def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=255)], request: Request) -> Any:
+    def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=MAX_KEY_LENGTH)], request: Request) -> Any:
         client = client_hash(authorization_identity(request.scope))
         found = db.by_key(client, key)
         if found is None:
@@ -385,11 +373,9 @@ def create_app(
             return injector.snapshot()
 
         @app.put("/admin/faults", response_model=FaultState, summary="Set the faults (restarts the RNG)")
-        def put_faults(settings: FaultSettings) -> Any:
-            try:
-                injector.configure(Faults.from_mapping(settings.model_dump()))
-            except ValueError as exc:
-                raise HTTPException(status_code=422, detail=str(exc)) from exc
+        def put_faults(settings: Faults) -> Any:
+            # FastAPI validated the body as Faults (its __post_init__ included): a bad setting was a 422.
+            injector.configure(settings)
             return injector.snapshot()
 
     # Outermost first: the faults see the finished answer; the idempotency middleware sees the app.
@@ -405,12 +391,9 @@ def create_app(
     return app
 
 
-def _raw_key(scope: Scope) -> str | None:
-    """The key a request sent, without the middleware (idempotency off): kept for the lookup by key."""
-    for name, value in scope.get("headers", ()):
-        if name in (b"idempotency-key", b"x-idempotency-key"):
-            try:
-                return parse_key(value)
-            except BadKey:
-                return None
-    return None
+def _sent_key(request: Request) -> str | None:
+    """The key a request sent, if it is one (a bad key is no key when nothing enforces keys)."""
+    try:
+        return request_key(request.scope)
+    except BadKey:
+        return None

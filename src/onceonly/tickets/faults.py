@@ -22,7 +22,7 @@ import struct
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from onceonly.server._http import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,6 +36,8 @@ FAULT_KEY = "onceonly.fault"
 ABORT_KEY = "onceonly.abort"
 #: The exit status of a process stopped by a ``crash`` fault.
 CRASH_EXIT_CODE = 75
+#: The longest ``delay_seconds``: a held answer past this is a stuck server, not a slow one.
+MAX_DELAY_SECONDS = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +48,14 @@ class Faults:
         seed: seeds the RNG: the same seed and the same order of requests give the same faults.
         delay_seconds: how long ``delay`` holds an answer.
 
+    Validated by ``__post_init__``, so also where pydantic builds one (``PUT /admin/faults`` takes it
+    as its body): a bad value there is a 422, and unknown names are refused.
+
     .. versionadded:: 0.1
     """
+
+    # Read by pydantic (no import needed here): unknown settings are an error, not ignored.
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}
 
     fail: float = 0.0
     crash: float = 0.0
@@ -66,8 +74,8 @@ class Faults:
             total += p
         if total > 1.0 + 1e-9:
             raise ValueError(f"the fault probabilities add up to {total:g}: at most 1 (one fault per request)")
-        if self.delay_seconds < 0:
-            raise ValueError(f"delay_seconds={self.delay_seconds}: cannot be negative")
+        if not 0 <= self.delay_seconds <= MAX_DELAY_SECONDS:
+            raise ValueError(f"delay_seconds={self.delay_seconds}: between 0 and {MAX_DELAY_SECONDS:g} seconds")
 
     @classmethod
     def parse(cls, specs: Iterable[str], *, seed: int | None = None, delay_seconds: float = 3.0) -> Faults:
