@@ -221,6 +221,52 @@ def test_500_is_resent_with_the_key_unless_told_not_to(scripted: tuple[Scripted,
     assert len(app.keys()) == 3
 
 
+def test_safe_method_is_resent_on_an_unknown_outcome(scripted: tuple[Scripted, str]) -> None:
+    """A GET carries no key, but re-sending it is safe (RFC 9110): a 502 is re-sent and the 200 returned,
+    whatever ``resend_unknown`` says (that switch is about servers honouring keys)."""
+    app, url = scripted
+    app.then(502).then(200, b'{"ok":true}')
+    with Client(url, sleep=Sleeps()) as c:
+        response = c.get("/x")
+    assert response.status_code == 200 and response.json() == {"ok": True}
+    app.then(502).then(200)
+    with Client(url, sleep=Sleeps(), resend_unknown=False) as c:
+        assert c.request("OPTIONS", "/x").status_code == 200
+    assert [s[":method"] for s in app.seen] == ["GET", "GET", "OPTIONS", "OPTIONS"]
+    assert app.keys() == [None] * 4
+
+
+def test_unsafe_method_without_a_key_is_not_resent(scripted: tuple[Scripted, str]) -> None:
+    """A PUT left out of ``key_methods`` has no key: an unknown outcome (502) may have run, so it is
+    final (one request), while a 503 (not executed) is still retried."""
+    app, url = scripted
+    app.then(502)
+    with Client(url, sleep=Sleeps(), key_methods=("POST",)) as c, pytest.raises(httpx.HTTPStatusError) as caught:
+        c.put("/x", json={})
+    assert caught.value.response.status_code == 502
+    assert app.keys() == [None]
+    app.then(503).then(200)
+    with Client(url, sleep=Sleeps(), key_methods=("POST",)) as c:
+        assert c.put("/x", json={}).status_code == 200
+    assert app.keys() == [None] * 3
+
+
+def test_async_safe_method_resent_and_unsafe_without_key_not(scripted: tuple[Scripted, str]) -> None:
+    """AsyncClient: a GET after a 502 is re-sent and succeeds; a key-less PUT after a 502 is final."""
+    app, url = scripted
+    app.then(502).then(200).then(502)
+
+    async def scenario() -> tuple[int, int]:
+        async with AsyncClient(url, sleep=Sleeps().asleep, key_methods=("POST",)) as c:
+            got = await c.get("/x")
+            with pytest.raises(httpx.HTTPStatusError) as caught:
+                await c.put("/x", json={})
+        return got.status_code, caught.value.response.status_code
+
+    assert asyncio.run(scenario()) == (200, 502)
+    assert [s[":method"] for s in app.seen] == ["GET", "GET", "PUT"]
+
+
 def test_other_4xx_is_final(scripted: tuple[Scripted, str]) -> None:
     """404 and friends are definite failures: no retry; raised, or returned with raise_for_status=False."""
     app, url = scripted
@@ -287,6 +333,37 @@ def test_guarded_tool_sends_the_ledger_key(tickets: RunningServer, sqlite_url: s
         assert _count(tickets) == 1
     finally:
         ledger.close()
+
+
+def test_ledger_resend_after_a_lost_answer_sends_the_same_key(tickets: RunningServer, sqlite_url: str) -> None:
+    """The ticket is committed but its answer lost; the client gives up at once (one attempt) and the
+    ledger settles the unknown by running the tool again (``on_unknown="resend"``): both requests carry
+    the ledger's one key, so the service makes one ticket and replays it."""
+    _faults(tickets, lost=1.0)
+    sent: list[str] = []
+    ledger_sleeps = Sleeps(then=lambda: _faults(tickets))  # the network heals while the ledger backs off
+    ledger = onceonly.Ledger.open(sqlite_url, sleep=ledger_sleeps)
+
+    def record(request: httpx.Request) -> None:
+        sent.append(request.headers["Idempotency-Key"])
+
+    @ledger.tool(name="create_ticket", key=("session_id", "title"), on_unknown="resend")
+    def create_ticket(session_id: str, title: str, body: str) -> dict[str, Any]:
+        hooks = {"request": [record]}
+        with Client(tickets.url, retry=Retry(attempts=1), sleep=Sleeps(), event_hooks=hooks) as c:
+            response = c.post("/tickets", json={"session_id": session_id, "title": title, "body": body})
+            assert is_replayed(response)
+            out: dict[str, Any] = response.json()
+            return out
+
+    try:
+        result = create_ticket(**TICKET)
+    finally:
+        ledger.close()
+    assert len(ledger_sleeps) == 1
+    assert sent == [header_key(create_ticket.key_for(**TICKET))] * 2
+    assert _count(tickets) == 1
+    assert httpx.get(f"{tickets.url}/tickets/by-idempotency-key/{sent[0]}").json() == result
 
 
 def test_reports_dispatch_tool_is_marked_sent_before_the_request(

@@ -11,6 +11,9 @@ One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`
        ├─connect error / timeout───▶ not sent: backoff, same key, again
        └─read timeout, reset───────▶ unknown: re-send with the same key
 
+Methods outside ``key_methods`` (GET…) carry no key and follow the same rules, except on an unknown
+outcome: only the safe methods (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) are sent again then.
+
 Errors are classified by ``onceonly.classify`` (DESIGN.md section 4). Backoff is exponential with
 full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a guarded tool the key is the
 ledger's (``onceonly.current_call().key``), so a retry by the ledger, after a crash or by another
@@ -25,24 +28,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
 from onceonly import ledger as _ledger
 from onceonly.errors import InProgress, KeyConflict
+from onceonly.keys import is_wire_key
 from onceonly.policy import Retry, Verdict, classify, classify_status, retry_after_seconds
 from onceonly.states import State
 
-__all__ = ["DEFAULT_RETRY", "AsyncClient", "Client", "header_key", "is_replayed"]
+__all__ = ["DEFAULT_RETRY", "SAFE_METHODS", "AsyncClient", "Client", "header_key", "is_replayed"]
 
 #: Four attempts, backoff ceilings 0.5, 1, 2 s (full jitter).
 DEFAULT_RETRY = Retry(attempts=4, base=0.5, cap=8.0)
-_VISIBLE = re.compile(r"[!-~]{1,255}")
+#: Methods that change nothing on the server (RFC 9110 section 9.2.1): re-sending one whose outcome is
+#: unknown is safe without a key.
+SAFE_METHODS: frozenset[str] = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
 def header_key(key: str) -> str:
@@ -52,7 +57,7 @@ def header_key(key: str) -> str:
 
     .. versionadded:: 0.1
     """
-    if _VISIBLE.fullmatch(key):
+    if is_wire_key(key):
         return key
     return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -70,41 +75,74 @@ def is_replayed(response: httpx.Response) -> bool:
     return value.strip().lower() == "true"
 
 
-class _Sleep:
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+_H = TypeVar("_H", httpx.Client, httpx.AsyncClient)
+_R = TypeVar("_R")  # what ``sleep`` returns: None, or an awaitable for AsyncClient
 
 
 class _Attempts:
-    """The state of one logical call: which attempt, how long it waited on 409s."""
+    """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
-    __slots__ = ("attempt", "key", "waited")
+    __slots__ = ("attempt", "key", "resendable", "waited")
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, *, resendable: bool) -> None:
         self.key = key
+        #: Whether an unknown outcome may be sent again: the key makes it safe, or the method is.
+        self.resendable = resendable
         self.attempt = 0
         self.waited = 0.0
 
 
-class _BaseClient:
-    """What ``Client`` and ``AsyncClient`` share: the key of a call and every decision. No I/O."""
+class _BaseClient(Generic[_H, _R]):
+    """What ``Client`` and ``AsyncClient`` share: the arguments, the key of a call and every decision.
+
+    The two subclasses only name their httpx client class and default sleep, and drive the requests.
+    """
+
+    _httpx_class: type[_H]
+    _default_sleep: Callable[[float], _R]
 
     def __init__(
         self,
+        base_url: str = "",
         *,
-        retry: Retry,
-        wait: float,
-        max_retry_after: float,
-        header: str,
-        quoted: bool,
-        resend_unknown: bool,
-        raise_for_status: bool,
-        key_methods: Iterable[str],
-        rng: random.Random | None,
-        key_factory: Callable[[], str],
+        client: _H | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        wait: float = 30.0,
+        max_retry_after: float = 60.0,
+        header: str = "Idempotency-Key",
+        quoted: bool = False,
+        resend_unknown: bool = True,
+        raise_for_status: bool = True,
+        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
+        sleep: Callable[[float], _R] | None = None,
+        rng: random.Random | None = None,
+        key_factory: Callable[[], str] = _new_key,
+        **httpx_kwargs: Any,
     ) -> None:
+        """A client; every argument but ``base_url`` is keyword-only.
+
+        Args:
+            base_url: prefix of relative URLs.
+            client: an httpx client to use (then ``base_url`` and ``httpx_kwargs`` are ignored);
+                default: one made here and closed by ``close()`` / ``aclose()``.
+            retry: attempts and backoff of one logical call (default ``DEFAULT_RETRY``: 4 attempts).
+            wait: the most seconds one call waits on 409 (in progress) before ``InProgress``.
+            max_retry_after: a ``Retry-After`` longer than this is not waited for: the call ends.
+            header: ``Idempotency-Key`` (or ``X-Idempotency-Key`` for older servers).
+            quoted: send the key as the draft's sf-string (``"key"``) instead of a bare token.
+            resend_unknown: re-send with the same key when the outcome is unknown (timeout, reset, 5xx).
+                Right for a server that honours the key; turn it off for one that does not. Safe methods
+                (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) without a key are re-sent either way.
+            raise_for_status: raise ``httpx.HTTPStatusError`` for a final 4xx/5xx (so a guarded tool's
+                ledger classifies it); ``False`` returns the response.
+            key_methods: methods that get a key. Others are sent without one: retried when not sent or
+                not executed, and re-sent on an unknown outcome only if they are safe methods.
+            sleep: the sleep between attempts (injectable for tests); default ``time.sleep``, or
+                ``asyncio.sleep`` for ``AsyncClient``.
+            rng: the random source of the jitter.
+            key_factory: makes the key of a call outside a guarded tool (default: a UUID4 hex).
+            **httpx_kwargs: passed to the httpx client (``timeout``, ``auth``, ``headers``, ``transport``…).
+        """
         self.retry = retry
         self.wait = wait
         self.max_retry_after = max_retry_after
@@ -115,17 +153,21 @@ class _BaseClient:
         self.key_methods = frozenset(m.upper() for m in key_methods)
         self.rng = rng or random.Random()
         self.key_factory = key_factory
+        self.sleep: Callable[[float], _R] = sleep if sleep is not None else self._default_sleep
+        self._owns = client is None
+        self.httpx: _H = client if client is not None else self._httpx_class(base_url=base_url, **httpx_kwargs)
 
     def _start(self, method: str, explicit: str | None) -> _Attempts:
         """The key of a new logical call: explicit, else the guarded call's, else a fresh one."""
-        if method.upper() not in self.key_methods:
-            return _Attempts(None)
+        method = method.upper()
+        if method not in self.key_methods:
+            return _Attempts(None, resendable=method in SAFE_METHODS)
         if explicit is not None:
             key = explicit
         else:
             info = _ledger.current_call()
             key = info.key if info is not None else self.key_factory()
-        return _Attempts(header_key(key))
+        return _Attempts(header_key(key), resendable=self.resend_unknown or method in SAFE_METHODS)
 
     def _headers(self, call: _Attempts, headers: Any) -> httpx.Headers:
         merged = httpx.Headers(headers)
@@ -133,8 +175,8 @@ class _BaseClient:
             merged[self.header] = f'"{call.key}"' if self.quoted else call.key
         return merged
 
-    def _on_response(self, call: _Attempts, response: httpx.Response) -> _Sleep | None:
-        """``None``: return ``response``. A ``_Sleep``: try again after it. Raises for the rest."""
+    def _on_response(self, call: _Attempts, response: httpx.Response) -> float | None:
+        """``None``: return ``response``. Seconds: try again after them. Raises for the rest."""
         status = response.status_code
         if status < 400:
             return None
@@ -150,7 +192,7 @@ class _BaseClient:
                 )
             call.waited += seconds
             call.attempt -= 1  # nothing ran: a 409 is a wait, not a spent attempt
-            return _Sleep(seconds)
+            return seconds
         if call.key is not None and status == 422 and _is_problem(response):
             raise KeyConflict(
                 f"the server refused key {call.key!r}: it was used with another request "
@@ -161,16 +203,16 @@ class _BaseClient:
             )
         verdict = classify_status(status, response.headers.get("retry-after")).verdict
         if self._again(call, verdict, retry_after):
-            return _Sleep(self.retry.backoff(call.attempt, self.rng, floor=retry_after))
+            return self.retry.backoff(call.attempt, self.rng, floor=retry_after)
         if self.raise_for_status:
             response.raise_for_status()
         return None
 
-    def _on_error(self, call: _Attempts, exc: Exception) -> _Sleep:
-        """A ``_Sleep`` to try again, or raises ``exc`` when it is final."""
+    def _on_error(self, call: _Attempts, exc: Exception) -> float:
+        """Seconds to wait before trying again, or raises ``exc`` when it is final."""
         got = classify(exc)
         if self._again(call, got.verdict, got.retry_after):
-            return _Sleep(self.retry.backoff(call.attempt, self.rng, floor=got.retry_after))
+            return self.retry.backoff(call.attempt, self.rng, floor=got.retry_after)
         raise exc
 
     def _again(self, call: _Attempts, verdict: Verdict, retry_after: float | None) -> bool:
@@ -180,8 +222,8 @@ class _BaseClient:
             return False
         if verdict in (Verdict.NOT_SENT, Verdict.NOT_EXECUTED):
             return True
-        # Unknown: the request may have run. Re-sending is safe only because the key goes with it.
-        return verdict is Verdict.UNKNOWN and self.resend_unknown and call.key is not None
+        # Unknown: the request may have run. Sending it again is safe only with its key or a safe method.
+        return verdict is Verdict.UNKNOWN and call.resendable
 
 
 def _is_problem(response: httpx.Response) -> bool:
@@ -197,67 +239,28 @@ def _detail(response: httpx.Response) -> str:
     return str(doc.get("detail") or doc.get("title") or f"HTTP {response.status_code}")
 
 
-def _needs_mark_sent() -> bool:
-    """Whether this code runs in a guarded call still ``pending`` (a ``reports_dispatch`` tool).
+def _needs_mark_sent(call: _Attempts) -> bool:
+    """Whether a keyed call runs in a guarded call still ``pending`` (a ``reports_dispatch`` tool).
 
     Asks the ledger's current call, so that a call already ``in_flight`` costs nothing (the async
     ``amark_sent`` would hop to a thread for a no-op).
     """
+    if call.key is None:
+        return False
     info = _ledger.current_call()
     return info is not None and info.state is State.PENDING
 
 
-class Client(_BaseClient):
+class Client(_BaseClient[httpx.Client, None]):
     """A sync httpx client that sends one idempotency key per logical call and retries with it.
 
-    Args:
-        base_url: prefix of relative URLs.
-        client: an ``httpx.Client`` to use (then ``base_url`` and ``httpx_kwargs`` are ignored);
-            default: one made here and closed by ``close()``.
-        retry: attempts and backoff of one logical call (default ``DEFAULT_RETRY``: 4 attempts).
-        wait: the most seconds one call waits on 409 (in progress) before ``InProgress``.
-        max_retry_after: a ``Retry-After`` longer than this is not waited for: the call ends.
-        header: ``Idempotency-Key`` (or ``X-Idempotency-Key`` for older servers).
-        quoted: send the key as the draft's sf-string (``"key"``) instead of a bare token.
-        resend_unknown: re-send with the same key when the outcome is unknown (timeout, reset, 5xx).
-            Right for a server that honours the key; turn it off for one that does not.
-        raise_for_status: raise ``httpx.HTTPStatusError`` for a final 4xx/5xx (so a guarded tool's
-            ledger classifies it); ``False`` returns the response.
-        key_methods: methods that get a key; others (GET…) are retried without one.
-        sleep: the blocking sleep between attempts (injectable for tests).
-        rng: the random source of the jitter.
-        key_factory: makes the key of a call outside a guarded tool (default: a UUID4 hex).
-        **httpx_kwargs: passed to ``httpx.Client`` (``timeout``, ``auth``, ``headers``, ``transport``…).
+    Its arguments are documented on ``__init__``; ``sleep`` blocks (default ``time.sleep``).
 
     .. versionadded:: 0.1
     """
 
-    def __init__(
-        self,
-        base_url: str = "",
-        *,
-        client: httpx.Client | None = None,
-        retry: Retry = DEFAULT_RETRY,
-        wait: float = 30.0,
-        max_retry_after: float = 60.0,
-        header: str = "Idempotency-Key",
-        quoted: bool = False,
-        resend_unknown: bool = True,
-        raise_for_status: bool = True,
-        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
-        sleep: Callable[[float], None] = time.sleep,
-        rng: random.Random | None = None,
-        key_factory: Callable[[], str] = _new_key,
-        **httpx_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            retry=retry, wait=wait, max_retry_after=max_retry_after, header=header, quoted=quoted,
-            resend_unknown=resend_unknown, raise_for_status=raise_for_status, key_methods=key_methods,
-            rng=rng, key_factory=key_factory,
-        )  # fmt: skip
-        self._owns = client is None
-        self.httpx = client if client is not None else httpx.Client(base_url=base_url, **httpx_kwargs)
-        self.sleep = sleep
+    _httpx_class = httpx.Client
+    _default_sleep = staticmethod(time.sleep)
 
     def request(
         self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
@@ -275,23 +278,21 @@ class Client(_BaseClient):
         """
         call = self._start(method, idempotency_key)
         headers = self._headers(call, kwargs.pop("headers", None))
-        marked = False
+        if _needs_mark_sent(call):
+            _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
         while True:
-            if not marked and call.key is not None and _needs_mark_sent():
-                _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
-            marked = True
             call.attempt += 1
             try:
                 response = self.httpx.request(method, url, headers=headers, **kwargs)
             except httpx.HTTPError as exc:
-                step = self._on_error(call, exc)
+                seconds = self._on_error(call, exc)
             else:
                 got = self._on_response(call, response)
                 if got is None:
                     return response
                 response.close()
-                step = got
-            self.sleep(step.seconds)
+                seconds = got
+            self.sleep(seconds)
 
     def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return self.request("GET", url, **kwargs)
@@ -320,38 +321,14 @@ class Client(_BaseClient):
         self.close()
 
 
-class AsyncClient(_BaseClient):
+class AsyncClient(_BaseClient[httpx.AsyncClient, Awaitable[None]]):
     """``Client`` for asyncio: the same arguments (``sleep`` is an async function), awaited methods.
 
     .. versionadded:: 0.1
     """
 
-    def __init__(
-        self,
-        base_url: str = "",
-        *,
-        client: httpx.AsyncClient | None = None,
-        retry: Retry = DEFAULT_RETRY,
-        wait: float = 30.0,
-        max_retry_after: float = 60.0,
-        header: str = "Idempotency-Key",
-        quoted: bool = False,
-        resend_unknown: bool = True,
-        raise_for_status: bool = True,
-        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        rng: random.Random | None = None,
-        key_factory: Callable[[], str] = _new_key,
-        **httpx_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            retry=retry, wait=wait, max_retry_after=max_retry_after, header=header, quoted=quoted,
-            resend_unknown=resend_unknown, raise_for_status=raise_for_status, key_methods=key_methods,
-            rng=rng, key_factory=key_factory,
-        )  # fmt: skip
-        self._owns = client is None
-        self.httpx = client if client is not None else httpx.AsyncClient(base_url=base_url, **httpx_kwargs)
-        self.sleep = sleep
+    _httpx_class = httpx.AsyncClient
+    _default_sleep = staticmethod(asyncio.sleep)
 
     async def request(
         self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
@@ -359,23 +336,21 @@ class AsyncClient(_BaseClient):
         """See ``Client.request``."""
         call = self._start(method, idempotency_key)
         headers = self._headers(call, kwargs.pop("headers", None))
-        marked = False
+        if _needs_mark_sent(call):
+            await _ledger.amark_sent()
         while True:
-            if not marked and call.key is not None and _needs_mark_sent():
-                await _ledger.amark_sent()
-            marked = True
             call.attempt += 1
             try:
                 response = await self.httpx.request(method, url, headers=headers, **kwargs)
             except httpx.HTTPError as exc:
-                step = self._on_error(call, exc)
+                seconds = self._on_error(call, exc)
             else:
                 got = self._on_response(call, response)
                 if got is None:
                     return response
                 await response.aclose()
-                step = got
-            await self.sleep(step.seconds)
+                seconds = got
+            await self.sleep(seconds)
 
     async def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return await self.request("GET", url, **kwargs)
