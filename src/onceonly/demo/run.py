@@ -16,6 +16,7 @@ Counting, per strategy (docs/demo.md):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sqlite3
 import tempfile
@@ -117,9 +118,13 @@ class DemoResult:
     .. versionadded:: 0.1
     """
 
-    seed: int
     config: DemoConfig
     strategies: list[StrategyResult]
+
+    @property
+    def seed(self) -> int:
+        """The seed of the run (``config.seed``)."""
+        return self.config.seed
 
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "strategies": [s.to_dict() for s in self.strategies]}
@@ -263,8 +268,8 @@ def run_strategy(
     row = count(strategy.name, operations, _tickets(db_path), statuses, latencies, asks_per_op)
     report = getattr(strategy, "report", None)
     reconciled = {k: v for k, v in report.counts.items() if v} if report is not None else {}
-    return StrategyResult(
-        **{**row.to_dict(), "calls": row.calls, "duplicates_reasked": row.duplicates_reasked},
+    return dataclasses.replace(
+        row,
         faults={k: v for k, v in injected.items() if v},
         seconds=round(time.perf_counter() - started, 2),
         reconciled=reconciled,
@@ -281,27 +286,26 @@ def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] |
     .. versionadded:: 0.1
     """
     config = config or DemoConfig()
-    workload = make_workload(
-        seed=config.seed,
-        agents=config.agents,
-        operations=config.ops,
-        replan_rate=config.replan_rate,
-        shared_rate=config.shared_rate,
-    )
+    workload = _workload(config)
     rows = []
     with tempfile.TemporaryDirectory(prefix="onceonly-demo-") as tmp:
         for name in config.strategies:
             strategy = STRATEGIES[name](timeout=config.timeout, url=config.url, settle=config.settle)
             rows.append(run_strategy(strategy, workload, config, Path(tmp) / name, progress))
-    return DemoResult(seed=config.seed, config=config, strategies=rows)
+    return DemoResult(config=config, strategies=rows)
 
 
 def asks_of(config: DemoConfig) -> int:
     """How many asks one strategy makes under ``config`` (the progress bar's total)."""
+    return _workload(config).asks
+
+
+def _workload(config: DemoConfig) -> Workload:
+    """The asks ``config`` draws: the same for every strategy of a run."""
     return make_workload(
         seed=config.seed,
         agents=config.agents,
         operations=config.ops,
         replan_rate=config.replan_rate,
         shared_rate=config.shared_rate,
-    ).asks
+    )

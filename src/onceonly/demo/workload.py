@@ -45,7 +45,6 @@ class Ask:
 class Workload:
     """Every agent's asks, in order."""
 
-    seed: int
     agents: tuple[tuple[Ask, ...], ...]
     operations: int
 
@@ -95,4 +94,4 @@ def make_workload(
         # Insert from the back so that earlier positions stay right.
         for position, ask in sorted(extra, key=lambda pa: pa[0], reverse=True):
             lists[agent].insert(min(position, len(lists[agent])), ask)
-    return Workload(seed=seed, agents=tuple(tuple(a) for a in lists), operations=operations)
+    return Workload(agents=tuple(tuple(a) for a in lists), operations=operations)
