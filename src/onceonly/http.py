@@ -18,7 +18,8 @@ Errors are classified by ``onceonly.classify`` (DESIGN.md section 4). Backoff is
 full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a guarded tool the key is the
 ledger's (``onceonly.current_call().key``), so a retry by the ledger, after a crash or by another
 process, sends the same key; and a tool declared ``reports_dispatch=True`` is marked sent
-(``pending`` → ``in_flight``) just before the first byte leaves.
+(``pending`` → ``in_flight``) just before the request is handed to httpx (so before its DNS lookup
+and connect: a crash there is treated as possibly sent, the safe side).
 
 Needs the ``http`` extra (httpx). See docs/http.md.
 """
