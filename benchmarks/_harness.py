@@ -150,8 +150,10 @@ def store_main(
     bench: Callable[[int, int, Path], object],
     throughput_table: Callable[[int, float, int], object],
     preload: Callable[[int, int, int], object],
+    decompose: Callable[[int, int], object] | None = None,
 ) -> int:
-    """The command line of a store's benchmark module: the table, --throughput N or --preload N."""
+    """The command line of a store's benchmark module: the table, --throughput N, --preload N or
+    (where the store has one) --decompose."""
     import argparse
     import tempfile
 
@@ -162,8 +164,12 @@ def store_main(
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one throughput round")
     parser.add_argument("--throughput-rounds", type=int, default=3, metavar="N", help="alternating rounds")
     parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
+    if decompose is not None:
+        parser.add_argument("--decompose", action="store_true", help="where a first call's time goes")
     args = parser.parse_args(argv)
-    if args.throughput:
+    if getattr(args, "decompose", False):
+        decompose(args.rounds, args.batch)
+    elif args.throughput:
         throughput_table(args.throughput, args.seconds, args.throughput_rounds)
     elif args.preload:
         preload(args.preload, args.rounds, args.batch)

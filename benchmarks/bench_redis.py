@@ -3,6 +3,7 @@
     python benchmarks/bench.py --stores redis                 # the table (bench())
     python benchmarks/bench_redis.py --throughput 8           # 8 processes: guarded vs raw calls/s
     python benchmarks/bench_redis.py --preload 1000000        # per-call cost with 1M records stored
+    python benchmarks/bench_redis.py --decompose              # where a first call's time goes, one run
 
 Every contender uses the same redis-py client settings as the store (retries off, 5 s timeouts), the
 same server ($ONCEONLY_BENCH_REDIS_URL, default redis://127.0.0.1:6379/0) and does the same work:
@@ -218,8 +219,90 @@ def preload(records: int, rounds: int = 10, batch: int = 200) -> list[dict[str, 
     return report("redis", contenders)
 
 
+# --- opt-in: where a first call's time goes -------------------------------------------------------
+
+# The store's own scripts with the indexes, counters and change notification taken out: what is left
+# is the record's compare-and-set, the least a ledger with one Lua script per transition can do.
+# Not a ledger (nothing finds its records again); it exists to measure what the indexes cost.
+_RECORD_ONLY = {
+    "claim": ("reindex(false, s, lease, expiry)", "redis.call('ZADD', KEYS[2], 0, key)"),
+    "swap": ("reindex(cur[2], s, lease, expiry)", "changed(v)\n"),
+}
+
+
+def _record_only(script: str, part: str) -> str:
+    for line in _RECORD_ONLY[part]:
+        assert line in script, f"the store's {part} script changed: update _RECORD_ONLY ({line!r})"
+        script = script.replace(line, "")
+    return script
+
+
+def scripts_floor(store: RedisStore, prefix: str) -> Callable[[int], None]:
+    """Two minimal Lua scripts per call, sent the store's way: read-check-write of one record, no index.
+
+    The claim reads the record and writes it if absent; the settle checks the version and writes it:
+    the floor's two writes, each made atomic by a script, which is what one script per transition costs
+    before anything is indexed.
+    """
+    claim = (
+        "local c = redis.call('HMGET', KEYS[1], 'd', 'a') if c[1] then return c end "
+        "redis.call('HSET', KEYS[1], 'v', '1', 's', 'in_flight', 'd', ARGV[1], 'a', ARGV[2]) return 1"
+    )
+    swap = (
+        "if redis.call('HGET', KEYS[1], 'v') ~= ARGV[2] then return 0 end "
+        "redis.call('HSET', KEYS[1], 'v', '2', 's', 'confirmed', 'd', ARGV[1]) return 1"
+    )
+    claim_sha, swap_sha = (store._command("SCRIPT", "LOAD", text).decode() for text in (claim, swap))
+    history_1, history_2 = floor_histories()
+
+    def run(i: int) -> None:
+        key = f"{prefix}:{{t}}:r:default:bench.tool:{i:032d}"
+        t = time.time()
+        claimed = json.dumps(["default", "bench.tool", "f" * 64, "in_flight", 1, 1, 1, "h:1:1", t + 30, None, None,
+                              t, t, None, None, history_1, None, 0])  # fmt: skip
+        store._command("EVALSHA", claim_sha, 1, key, claimed, f'{{"i":{i}}}')
+        settled = json.dumps(["default", "bench.tool", "f" * 64, "confirmed", 1, 1, 2, None, None, None, t + 86400,
+                              t, t, f'{{"ok":true,"i":{i}}}', None, history_2, "run", 0])  # fmt: skip
+        store._command("EVALSHA", swap_sha, 1, key, settled, "1")
+
+    return run
+
+
+def decompose(rounds: int, batch: int) -> list[dict[str, object]]:
+    """One run, five contenders: the floor, the floor below redis-py, two minimal scripts, the guarded
+    call on scripts that keep no index, and the guarded call: each step's cost is the next row's lead."""
+    import onceonly.stores.redis as redis_store
+
+    prefix = f"onceonly-bench-{uuid.uuid4().hex[:8]}"
+    ledger = onceonly.Ledger.open(_url(prefix))
+    bare = onceonly.Ledger.open(_url(f"{prefix}-bare"))
+    store, bare_store = ledger.store, bare.store
+    assert isinstance(store, RedisStore) and isinstance(bare_store, RedisStore)
+    bare_store._claim = bare_store._client.register_script(_record_only(redis_store._CLAIM, "claim"))
+    bare_store._swap = bare_store._client.register_script(_record_only(redis_store._SWAP, "swap"))
+    for script in (bare_store._claim, bare_store._swap):
+        store._command("SCRIPT", "LOAD", script.script)
+    guarded, _ = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
+    bare_first, _ = guarded_pair(bare.tool(name="bench.tool")(tool_body))
+    bare_first.name = "guarded first call, scripts without indexes"
+    contenders = [
+        Contender("floor: 2 raw round trips", floor(store, prefix)),
+        Contender("same 2 SET below redis-py's client", floor(store, f"{prefix}:direct", direct=True)),
+        Contender("2 minimal scripts (record only)", scripts_floor(store, prefix)),
+        bare_first,
+        guarded,
+    ]
+    try:
+        interleave(contenders, rounds, batch)
+    finally:
+        ledger.close()
+        bare.close()
+        _cleanup(prefix)
+    return report("redis", contenders)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return store_main(argv, __doc__, bench, throughput, preload)
+    return store_main(argv, __doc__, bench, throughput, preload, decompose)
 
 
 if __name__ == "__main__":
