@@ -46,6 +46,7 @@ def test_redis_decomposition(redis_base_url: str) -> None:
         "same 2 SET below redis-py's client",
         "2 minimal scripts (record only)",
         "guarded first call, scripts without indexes",
+        "guarded, no all-keys index, no counters",
         "guarded first call",
     ):
         assert row in out
