@@ -707,20 +707,26 @@ class RedisStore:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
+    def _rerun_or_raise(self, exc: RedisError, reruns: int, what: str) -> None:
+        """After a write script failed: return if its "again" twin should run now, else raise.
+
+        Only a failed connection is re-run, at most _RERUNS times: a timeout has already waited
+        socket_timeout, and any other error is the server's answer. What is raised is the store's error;
+        the guard then re-reads the record to learn whether the write landed.
+        """
+        if not isinstance(exc, RedisConnectionError) or reruns == _RERUNS:
+            raise self._unavailable(exc, what) from exc
+        self.reruns += 1
+
     def _write(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
         """Run a write script; if its connection fails, its "again" twin, which is exact, up to _RERUNS times."""
         run, reruns = script, 0
         while True:
             try:
                 return self._script(run, keys, args)
-            except RedisConnectionError as exc:
-                if reruns == _RERUNS:
-                    raise self._unavailable(exc, what) from exc
             except RedisError as exc:
-                # A timeout is not re-run: it has already waited socket_timeout, and the guard re-reads.
-                raise self._unavailable(exc, what) from exc
+                self._rerun_or_raise(exc, reruns, what)
             run, reruns = again, reruns + 1
-            self.reruns += 1
 
     def claim(self, record: Record) -> Record | None:
         self._check_open()
@@ -835,13 +841,9 @@ class RedisStore:
         while True:
             try:
                 return await run(keys, args)
-            except RedisConnectionError as exc:
-                if reruns == _RERUNS:
-                    raise self._unavailable(exc, what) from exc
             except RedisError as exc:
-                raise self._unavailable(exc, what) from exc
+                self._rerun_or_raise(exc, reruns, what)
             run, reruns = again, reruns + 1
-            self.reruns += 1
 
     async def aclaim(self, record: Record) -> Record | None:
         self._check_open()
