@@ -28,7 +28,7 @@ from tests.conftest import RUN_ID, join_url
 from tests.stores._records import NOW, make
 
 redis = pytest.importorskip("redis")
-from onceonly.stores.redis import RedisStore, parse_redis_url  # noqa: E402
+from onceonly.stores.redis import _RERUNS, RedisStore, parse_redis_url  # noqa: E402
 from onceonly.stores.sqlite import SQLiteStore  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -214,14 +214,23 @@ def _lost_write(store: RedisStore, op: str) -> tuple[Record, Record | None, dict
 
 
 def _write_through(
-    store: RedisStore, face: str, rec: Record, expected: Record | None, fault: str, hit: list[tuple[Any, ...]]
+    store: RedisStore,
+    face: str,
+    rec: Record,
+    expected: Record | None,
+    fault: str,
+    hit: list[tuple[Any, ...]],
+    *,
+    every: bool = False,
 ) -> Any:
     """Claim (``expected`` None) or swap through the sync face (``_write``) or the async one (``_awrite``),
-    with the first EVALSHA's connection failing: after the script ran (``fault="reply_lost"``) or before
-    it was sent (``"not_sent"``). That EVALSHA's command is appended to ``hit``."""
+    with the first EVALSHA's connection failing (``every``: each EVALSHA's): after the script ran
+    (``fault="reply_lost"``), before it was sent (``"not_sent"``), or timing out before it was sent
+    (``"timeout"``). The EVALSHA commands that failed are appended to ``hit``."""
+    error = redis.TimeoutError if fault == "timeout" else redis.ConnectionError
 
     def first(command: tuple[Any, ...]) -> bool:
-        if command[0] != "EVALSHA" or hit:
+        if command[0] != "EVALSHA" or (hit and not every):
             return False
         hit.append(command)
         return True
@@ -234,7 +243,7 @@ def _write_through(
                 return send(*command)
             if fault == "reply_lost":
                 send(*command)  # it runs on the server, and its reply is never read
-            raise redis.ConnectionError(fault)
+            raise error(fault)
 
         store._command = command_path  # type: ignore[method-assign]
         try:
@@ -251,7 +260,7 @@ def _write_through(
                 return await asend(*command)
             if fault == "reply_lost":
                 await asend(*command)
-            raise redis.ConnectionError(fault)
+            raise error(fault)
 
         client.execute_command = acommand_path
         try:
@@ -262,6 +271,38 @@ def _write_through(
     return asyncio.run(main())
 
 
+def _rerun_once(
+    store: RedisStore, face: str, op: str, fault: str
+) -> tuple[Record, dict[State, int], list[tuple[Any, ...]]]:
+    """Write ``op`` through ``fault`` once; check the write was re-run exactly once and answered as the
+    first run would have (claim: held, None; swap: True). Returns the record written, the counts the
+    ledger must show, and the commands the fault hit."""
+    rec, expected, counts = _lost_write(store, op)
+    hit: list[tuple[Any, ...]] = []
+    got = _write_through(store, face, rec, expected, fault, hit)
+    assert hit, "the fault never hit the write: the test proved nothing"
+    assert got is (None if op == "claim" else True)
+    assert store.reruns == 1
+    return rec, counts, hit
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+@pytest.mark.parametrize(("fault", "sent"), [("not_sent", 1 + _RERUNS), ("timeout", 1)])
+def test_only_a_failed_connection_is_rerun_and_at_most_twice(
+    store: RedisStore, face: str, fault: str, sent: int
+) -> None:
+    """Every EVALSHA of a claim fails. A failed connection is re-run by the "again" script at most
+    _RERUNS times, then surfaces as StoreUnavailable; a timeout is not re-run at all (it has already
+    waited socket_timeout). Nothing was written either way."""
+    rec, expected, _ = _lost_write(store, "claim")
+    hit: list[tuple[Any, ...]] = []
+    with pytest.raises(StoreUnavailable):
+        _write_through(store, face, rec, expected, fault, hit, every=True)
+    assert len(hit) == sent
+    assert store.reruns == sent - 1
+    assert store.get(LOST_KEY) is None
+
+
 @pytest.mark.parametrize("face", ["sync", "async"])
 @pytest.mark.parametrize("op", ["claim", "swap"])
 def test_a_write_whose_reply_is_lost_is_rerun_exactly(store: RedisStore, raw: Any, op: str, face: str) -> None:
@@ -269,12 +310,7 @@ def test_a_write_whose_reply_is_lost_is_rerun_exactly(store: RedisStore, raw: An
     "again" script re-runs it and answers what the first run did (claim: held, None; swap: True), and
     the record, its indexes and the per-state counts hold one write: not two, nor one reported as
     someone else's."""
-    rec, expected, counts = _lost_write(store, op)
-    hit: list[tuple[Any, ...]] = []
-    got = _write_through(store, face, rec, expected, "reply_lost", hit)
-    assert hit, "the fault never hit the write: the test proved nothing"
-    assert got is (None if op == "claim" else True)
-    assert store.reruns == 1
+    rec, counts, _ = _rerun_once(store, face, op, "reply_lost")
     assert store.get(LOST_KEY) == rec
     assert _where_indexed(raw, store, LOST_KEY) == _index_of(rec)
     assert store.count_by_state() == counts
@@ -286,12 +322,7 @@ def test_a_first_run_executed_after_its_rerun_changes_nothing(store: RedisStore,
     """The first EVALSHA's connection fails before it is sent; the "again" script lands the write; then
     the first run reaches the server after all (sent here by another client, as a delayed packet
     would be): it finds the write already made and changes nothing (record, indexes, counts)."""
-    rec, expected, counts = _lost_write(store, op)
-    hit: list[tuple[Any, ...]] = []
-    got = _write_through(store, face, rec, expected, "not_sent", hit)
-    assert hit, "the fault never hit the write: the test proved nothing"
-    assert got is (None if op == "claim" else True)
-    assert store.reruns == 1
+    rec, counts, hit = _rerun_once(store, face, op, "not_sent")
     record_key = store._keys(LOST_KEY)[0]
     stored = raw.hgetall(record_key)
 
