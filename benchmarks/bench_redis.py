@@ -44,6 +44,18 @@ def _url(prefix: str) -> str:
     return f"{URL}{sep}prefix={prefix}&warn_persistence=false"
 
 
+def _claimed(t: float, history: str) -> list[Any]:
+    """The fields of a claimed record (as the store's ``d``), for the floors' own writes."""
+    return ["default", "bench.tool", "f" * 64, "in_flight", 1, 1, 1, "h:1:1", t + 30, None, None, t, t, None, None,
+            history, None, 0]  # fmt: skip
+
+
+def _settled(i: int, t: float, history: str) -> list[Any]:
+    """The fields of the same record settled with call ``i``'s result."""
+    return ["default", "bench.tool", "f" * 64, "confirmed", 1, 1, 2, None, None, None, t + 86400, t, t,
+            f'{{"ok":true,"i":{i}}}', None, history, "run", 0]  # fmt: skip
+
+
 def floor(store: RedisStore, prefix: str, *, direct: bool = False) -> Callable[[int], None]:
     """Two raw round trips per call on the store's own client: claim (SET NX), settle (SET).
 
@@ -58,14 +70,13 @@ def floor(store: RedisStore, prefix: str, *, direct: bool = False) -> Callable[[
     def run(i: int) -> None:
         key = f"{prefix}:floor:default:bench.tool:{i:032d}"
         t = time.time()
-        claim = json.dumps(["default", "bench.tool", "f" * 64, "in_flight", 1, 1, 1, "h:1:1", t + 30, None, None,
-                            t, t, None, None, history_1, None, 0, f'{{"i":{i}}}'])  # fmt: skip
+        args = f'{{"i":{i}}}'
+        claim = json.dumps([*_claimed(t, history_1), args])
         if direct:
             store._command("SET", key, claim, "NX")
         else:
             client.set(key, claim, nx=True)
-        settled = json.dumps(["default", "bench.tool", "f" * 64, "confirmed", 1, 1, 2, None, None, None, t + 86400,
-                              t, t, f'{{"ok":true,"i":{i}}}', None, history_2, "run", 0, f'{{"i":{i}}}'])  # fmt: skip
+        settled = json.dumps([*_settled(i, t, history_2), args])
         if direct:
             store._command("SET", key, settled)
         else:
@@ -280,12 +291,8 @@ def scripts_floor(store: RedisStore, prefix: str) -> Callable[[int], None]:
     def run(i: int) -> None:
         key = f"{prefix}:{{t}}:r:default:bench.tool:{i:032d}"
         t = time.time()
-        claimed = json.dumps(["default", "bench.tool", "f" * 64, "in_flight", 1, 1, 1, "h:1:1", t + 30, None, None,
-                              t, t, None, None, history_1, None, 0])  # fmt: skip
-        store._command("EVALSHA", claim_sha, 1, key, claimed, f'{{"i":{i}}}')
-        settled = json.dumps(["default", "bench.tool", "f" * 64, "confirmed", 1, 1, 2, None, None, None, t + 86400,
-                              t, t, f'{{"ok":true,"i":{i}}}', None, history_2, "run", 0])  # fmt: skip
-        store._command("EVALSHA", swap_sha, 1, key, settled, "1")
+        store._command("EVALSHA", claim_sha, 1, key, json.dumps(_claimed(t, history_1)), f'{{"i":{i}}}')
+        store._command("EVALSHA", swap_sha, 1, key, json.dumps(_settled(i, t, history_2)), "1")
 
     return run
 
