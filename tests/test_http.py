@@ -395,6 +395,52 @@ def test_reports_dispatch_tool_is_marked_sent_before_the_request(
     assert states == [State.IN_FLIGHT]
 
 
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_an_unkeyed_unsafe_request_is_marked_sent_and_not_run_again(
+    scripted: tuple[Scripted, str], sqlite_url: str, face: str
+) -> None:
+    """A ``reports_dispatch`` tool PUTs outside ``key_methods`` (no key) and gets 502, an unknown
+    outcome. The PUT may have run, so the tool is marked sent before it goes: the record turns
+    unknown and is parked, not read as "never sent" and run again. One PUT, and a GET lookup before
+    it does not mark the tool sent."""
+    app, url = scripted
+    app.then(200)  # the GET
+    for _ in range(3):  # the PUT, and any PUT after it
+        app.then(502)
+    ledger = onceonly.Ledger.open(sqlite_url)
+    states: list[State] = []
+
+    def note(info: Any) -> None:
+        rec = ledger.get(info.key)
+        assert rec is not None
+        states.append(rec.state)
+
+    @ledger.tool(name="put_sync", reports_dispatch=True, retry=Retry(attempts=3, base=0.001))
+    def put_sync() -> None:
+        with Client(url, key_methods=("POST",), retry=Retry(attempts=1)) as c:
+            c.get("/lookup", params={"n": 1})
+            note(onceonly.current_call())
+            c.put("/x", json={"n": 1})
+
+    @ledger.tool(name="put_async", reports_dispatch=True, retry=Retry(attempts=3, base=0.001))
+    async def put_async() -> None:
+        async with AsyncClient(url, key_methods=("POST",), retry=Retry(attempts=1)) as c:
+            await c.get("/lookup", params={"n": 1})
+            note(onceonly.current_call())
+            await c.put("/x", json={"n": 1})
+
+    try:
+        with pytest.raises(onceonly.OutcomeUnknown):
+            put_sync() if face == "sync" else asyncio.run(put_async())
+        rec = ledger.get((put_sync if face == "sync" else put_async).key_for())
+    finally:
+        ledger.close()
+    puts = [seen for seen in app.seen if seen[":method"] == "PUT"]
+    assert len(puts) == 1
+    assert states == [State.PENDING]  # the GET did not mark it sent
+    assert rec is not None and rec.state is State.NEEDS_REVIEW
+
+
 # --- async ----------------------------------------------------------------------------------------
 
 

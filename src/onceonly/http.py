@@ -83,10 +83,12 @@ _R = TypeVar("_R")  # what ``sleep`` returns: None, or an awaitable for AsyncCli
 class _Attempts:
     """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
-    __slots__ = ("attempt", "key", "resendable", "waited")
+    __slots__ = ("attempt", "key", "resendable", "safe", "waited")
 
-    def __init__(self, key: str | None, *, resendable: bool) -> None:
+    def __init__(self, key: str | None, *, safe: bool, resendable: bool) -> None:
         self.key = key
+        #: A safe method (``SAFE_METHODS``): it changes nothing on the server, with or without a key.
+        self.safe = safe
         #: Whether an unknown outcome may be sent again: the key makes it safe, or the method is.
         self.resendable = resendable
         self.attempt = 0
@@ -161,14 +163,15 @@ class _BaseClient(Generic[_H, _R]):
     def _start(self, method: str, explicit: str | None) -> _Attempts:
         """The key of a new logical call: explicit, else the guarded call's, else a fresh one."""
         method = method.upper()
+        safe = method in SAFE_METHODS
         if method not in self.key_methods:
-            return _Attempts(None, resendable=method in SAFE_METHODS)
+            return _Attempts(None, safe=safe, resendable=safe)
         if explicit is not None:
             key = explicit
         else:
             info = _ledger.current_call()
             key = info.key if info is not None else self.key_factory()
-        return _Attempts(header_key(key), resendable=self.resend_unknown or method in SAFE_METHODS)
+        return _Attempts(header_key(key), safe=safe, resendable=self.resend_unknown or safe)
 
     def _headers(self, call: _Attempts, headers: Any) -> httpx.Headers:
         merged = httpx.Headers(headers)
@@ -241,12 +244,15 @@ def _detail(response: httpx.Response) -> str:
 
 
 def _needs_mark_sent(call: _Attempts) -> bool:
-    """Whether a keyed call runs in a guarded call still ``pending`` (a ``reports_dispatch`` tool).
+    """Whether a request that may change something runs in a guarded call still ``pending`` (a
+    ``reports_dispatch`` tool).
 
-    Asks the ledger's current call, so that a call already ``in_flight`` costs nothing (the async
-    ``amark_sent`` would hop to a thread for a no-op).
+    Decided by the method, not by the key: a PUT outside ``key_methods`` changes things all the same,
+    and left ``pending`` its unknown outcome would read as "never sent" and be run again. A safe
+    method (a lookup before the side effect) does not mark. Asks the ledger's current call, so that a
+    call already ``in_flight`` costs nothing (the async ``amark_sent`` would hop to a thread for a no-op).
     """
-    if call.key is None:
+    if call.safe:
         return False
     info = _ledger.current_call()
     return info is not None and info.state is State.PENDING
