@@ -22,6 +22,7 @@ from onceonly import (
     TransitionEvent,
 )
 from onceonly import states as st
+from onceonly.errors import StoreUnavailable
 from onceonly.guard import late_outcome
 from tests._clock import FakeClock
 
@@ -720,3 +721,39 @@ def test_mark_sent_after_losing_the_lease_refuses_to_send(ledger: Ledger) -> Non
     with pytest.raises(InProgress, match="do not send"):
         send()
     assert sent == []
+
+
+def test_two_ledgers_in_one_process_never_take_each_others_claim_for_their_own(
+    store_url: str, clock: FakeClock
+) -> None:
+    """Two ledgers in one process, on one store and one clock reading. B's claim fails in the store
+    (nothing written), so B re-reads the record to learn whether its claim landed: it finds A's claim,
+    made at the same instant. Owners are unique per process, not per ledger, so A's record is not
+    byte for byte B's and B does not take it for its own: the tool runs once, B is told A holds it."""
+    a = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
+    b = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
+    runs: list[str] = []
+
+    def fail_claim(record: Any) -> None:
+        raise StoreUnavailable("the claim's connection failed before anything was written")
+
+    b.store.claim = fail_claim  # type: ignore[method-assign]
+
+    @b.tool(name="pay", wait=0)
+    def pay_b(n: int) -> str:
+        runs.append("b")
+        return "b"
+
+    @a.tool(name="pay")
+    def pay_a(n: int) -> str:
+        runs.append("a")
+        with pytest.raises(InProgress):
+            pay_b(n)  # while A holds the claim
+        return "a"
+
+    try:
+        assert pay_a(1) == "a"
+    finally:
+        a.close()
+        b.close()
+    assert runs == ["a"]

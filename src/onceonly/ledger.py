@@ -69,6 +69,10 @@ _log = logging.getLogger("onceonly")
 _MISSING: Any = object()
 _HOST = socket.gethostname()[:40]
 _owner_prefix = f"{_HOST}:{os.getpid()}"
+# One counter for the process, not one per Ledger: two ledgers in one process (two stores, or one
+# re-opened) must never hand out the same owner, since an owner with the same clock reading makes a
+# byte-identical record, and "did my write land?" (guard.landed) would then take another's for ours.
+_owners = itertools.count(1)
 
 
 def _after_fork() -> None:
@@ -534,7 +538,6 @@ class Ledger:
         self.rng = rng or random.Random()
         self._listeners: list[Listener] = []
         self._beats = _Heartbeats(store, clock)
-        self._counter = itertools.count(1)
         self._late_tasks: set[asyncio.Task[Any]] = set()
         self.tools: dict[str, _BaseTool[Any, Any]] = {}
 
@@ -555,8 +558,8 @@ class Ledger:
         return bool(self._listeners) or _transitions_log.isEnabledFor(logging.INFO)
 
     def _new_owner(self) -> str:
-        # Unique per call: host, process (kept right across fork by _after_fork) and a counter.
-        return f"{_owner_prefix}:{next(self._counter)}"
+        # Unique per call: host, process (kept right across fork by _after_fork) and the process's counter.
+        return f"{_owner_prefix}:{next(_owners)}"
 
     # --- the decorator ----------------------------------------------------------------------------
 
