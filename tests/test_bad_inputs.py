@@ -33,6 +33,30 @@ def test_unserialisable_argument_names_the_field(sqlite_url: str) -> None:
     ledger.close()
 
 
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [({"name": "caf\udce9"}, "args.order.name"), ({"caf\udce9": 1}, "args.order['caf\\udce9']")],
+)
+def test_text_with_no_utf8_form_is_refused_before_anything_runs(
+    sqlite_url: str, args: dict[str, object], path: str
+) -> None:
+    """A lone surrogate (what bytes decoded with surrogateescape leave) has no UTF-8 form, so no store
+    could hold the call: it is refused with the field named, before anything is written or run."""
+    ledger = Ledger.open(sqlite_url)
+    ran: list[int] = []
+
+    @ledger.tool(name="t")
+    def t(order: dict[str, object]) -> int:
+        ran.append(1)
+        return 1
+
+    with pytest.raises(NotSerializable, match="lone surrogate") as info:
+        t(args)
+    assert info.value.path == path and "errors='replace'" in str(info.value)
+    assert ran == [] and sum(ledger.stats().values()) == 0
+    ledger.close()
+
+
 def test_oversize_and_malformed_keys(sqlite_url: str) -> None:
     """Keys, scopes and explicit keys that cannot be stored are refused with what to change."""
     ledger = Ledger.open(sqlite_url)

@@ -757,3 +757,32 @@ def test_two_ledgers_in_one_process_never_take_each_others_claim_for_their_own(
         a.close()
         b.close()
     assert runs == ["a"]
+
+
+def test_an_error_or_result_with_no_utf8_form_is_recorded_not_lost(ledger: Ledger) -> None:
+    """A tool's exception message and its result may hold a lone surrogate (bytes decoded with
+    surrogateescape). Neither may cost the record: the caller gets its own exception and the failure is
+    recorded (escaped); a result is returned and kept as a described value. Each ran once."""
+    runs: list[str] = []
+    text = b"caf\xe9".decode("utf-8", "surrogateescape")
+
+    @ledger.tool(name="refuses", retry=Retry(attempts=1))
+    def refuses() -> None:
+        runs.append("refuses")
+        raise ValueError(text)
+
+    @ledger.tool(name="answers")
+    def answers() -> str:
+        runs.append("answers")
+        return text
+
+    with pytest.raises(ValueError, match="caf"):
+        refuses()
+    failed = ledger.get(refuses.key_for())
+    assert failed is not None and failed.state is State.FAILED
+    assert failed.error == "ValueError: caf\\udce9"
+    assert answers() == text
+    done = ledger.get(answers.key_for())
+    assert done is not None and done.state is State.CONFIRMED
+    assert done.result == {"$unserializable": "str", "repr": repr(text)}
+    assert runs == ["refuses", "answers"]

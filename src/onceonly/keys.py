@@ -135,9 +135,28 @@ _KNOWN = "dict, list, tuple, str, int, float, bool, None, dataclasses, pydantic 
 _KNOWN += "time, UUID, Decimal, Enum and bytes"
 
 
+def _lone_surrogate(text: str) -> str | None:
+    """Why ``text`` has no UTF-8 form (a lone surrogate, as bytes decoded with ``surrogateescape`` leave
+    behind), or None when it has one."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"it holds a lone surrogate {text[exc.start]!r} at position {exc.start}, which has no UTF-8 "
+            "form (bytes decoded with errors='surrogateescape'?); decode them with errors='replace', "
+            "or pass the bytes themselves"
+        )
+    return None
+
+
 def _find_bad(value: Any, path: str) -> tuple[str, Any, str] | None:
     """Walk a value the fast encoder refused and name the first field it cannot encode (slow path)."""
-    if value is None or isinstance(value, str | bool | int):
+    if isinstance(value, str):
+        why = _lone_surrogate(value)
+        return None if why is None else (path, value, why)
+    if value is None or isinstance(value, bool | int):
         return None
     if isinstance(value, float):
         return None if math.isfinite(value) else (path, value, "NaN and infinity have no JSON form")
@@ -145,6 +164,8 @@ def _find_bad(value: Any, path: str) -> tuple[str, Any, str] | None:
         for k, v in value.items():
             if not isinstance(k, str | int | float | bool) and k is not None:
                 return (f"{path}[{k!r}]", k, f"mapping keys must be str (or int), got {type(k).__name__}")
+            if isinstance(k, str) and (why := _lone_surrogate(k)) is not None:
+                return (f"{path}[{k!r}]", k, why)
             found = _find_bad(v, f"{path}.{k}")
             if found:
                 return found
@@ -171,19 +192,22 @@ def canonical_json(value: Any, *, path: str = "args") -> str:
     .. versionadded:: 0.1
     """
     try:
-        return _encode(value)
+        text = _encode(value)
+        if not text.isascii():
+            text.encode("utf-8")  # the stores hold UTF-8: a lone surrogate must fail here, not in a store
+        return text
     except RecursionError as exc:
         raise NotSerializable(
             f"cannot make a key from {path}: it refers to itself (a cycle) or nests too deeply",
             path=path,
             value=value,
         ) from exc
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         found = _find_bad(value, path)
         where, bad, why = found if found else (path, value, str(exc))
         raise NotSerializable(
             f"cannot make a key from {where} ({type(bad).__name__}): {why}. "
-            f"Convert it to one of those types, or leave the field out with ignore=('{where.split('.')[-1]}',)",
+            f"Convert it, or leave the field out with ignore=('{where.split('.')[-1]}',)",
             path=where,
             value=bad,
         ) from exc

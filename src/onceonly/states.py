@@ -164,15 +164,30 @@ _FROM[None] = "null"
 _REASONS: dict[str, str] = {}  # reason → its JSON member; the hot path's reasons are a few constants
 
 
+def _storable(text: str) -> str:
+    """``text`` as every store can hold it: NUL (which PostgreSQL text refuses) as U+FFFD, and a lone
+    surrogate (which has no UTF-8 form; ``surrogateescape`` leaves them in decoded bytes) as its
+    ``\\udcxx`` escape. Exception messages and people's notes reach records through here.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None) -> str:
     # Built by hand: this runs twice per guarded call. Floats print as valid JSON via repr; strings
-    # are escaped by the json module's C helper.
+    # are escaped by the json module's C helper (which keeps lone surrogates: _storable() escapes them).
     why = _REASONS.get(reason)
     if why is None:
-        why = f',"reason":{_quote(reason)}' if reason else ""
+        why = f',"reason":{_quote(_storable(reason))}' if reason else ""
         if len(_REASONS) < 1024:  # reasons that carry errors vary: keep the cache bounded
             _REASONS[reason] = why
-    who = f',"by":{_quote(by)}' if by else ""
+    who = f',"by":{_quote(by if by.isascii() else _storable(by))}' if by else ""
     return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_QUOTED[to]},"fence":{fence}{why}{who}}}'
 
 
@@ -254,6 +269,8 @@ def transition(
         raise IllegalTransition(f"{rec.key}: {rec.state.value} → {to.value} is not a transition of the ledger")
     version = rec.version + 1
     fence = changes.get("fence", rec.fence)
+    if changes.get("error") is not None:
+        changes["error"] = _storable(changes["error"])
     return replace(
         rec,
         state=to,

@@ -229,6 +229,19 @@ def test_swap_that_changes_only_the_version(store: Store) -> None:
     assert store.get("v1") == same
 
 
+def test_an_error_with_no_utf8_form_is_kept_escaped(store: Store) -> None:
+    """An exception message may hold a lone surrogate (bytes decoded with surrogateescape), which no
+    store can encode: the record keeps it as its \\udcxx escape, in the error and in the history."""
+    rec = make("surrogate")
+    assert store.insert(rec)
+    failed = st.fail(rec, error="boom \udcff tail", now=NOW + 1, retry_at=None, ttl=60, by="me \udcfe")
+    assert store.swap(failed, rec)
+    got = store.get("surrogate")
+    assert got is not None and got == failed
+    assert got.error == "boom \\udcff tail"
+    assert got.history[-1]["reason"] == "boom \\udcff tail" and got.history[-1]["by"] == "me \\udcfe"
+
+
 def test_an_error_with_a_nul_character_is_kept(store: Store) -> None:
     """An exception message may hold NUL, which PostgreSQL text cannot: the settle still lands, and the
     message keeps everything around it (PostgreSQL shows U+FFFD in the NUL's place)."""
