@@ -24,7 +24,9 @@ from onceonly import (
 from onceonly import states as st
 from onceonly.errors import StoreUnavailable
 from onceonly.guard import late_outcome
+from onceonly.stores import open_store
 from tests._clock import FakeClock
+from tests._settling import Fault, FlakyStore
 
 
 @pytest.fixture(name="real_ledger")
@@ -786,3 +788,58 @@ def test_an_error_or_result_with_no_utf8_form_is_recorded_not_lost(ledger: Ledge
     assert done is not None and done.state is State.CONFIRMED
     assert done.result == {"$unserializable": "str", "repr": repr(text)}
     assert runs == ["refuses", "answers"]
+
+
+def test_a_heartbeat_whose_answer_is_lost_keeps_the_lease(store_url: str) -> None:
+    """The first heartbeat lands but its answer is lost. The ledger re-reads, finds its own write and
+    keeps beating on it; it does not take the next beat's failed compare-and-set for a lost lease and
+    stop. So the lease never runs out under the running tool, and a second caller, arriving after the
+    lease would have run out without beats, waits and replays: the tool runs once."""
+    flaky = FlakyStore(open_store(store_url), Fault("swap", frm=State.IN_FLIGHT, to=State.IN_FLIGHT, lands=True))
+    holder = Ledger(flaky)
+    other = Ledger.open(store_url)
+    runs: list[str] = []
+
+    def slow(n: int) -> str:
+        runs.append("run")
+        time.sleep(1.6)  # beats every 0.2 s; without them the 0.6 s lease runs out at ~0.8 s
+        return "done"
+
+    first = holder.tool(name="slow", lease=0.6)(slow)
+    second = other.tool(name="slow", lease=0.6, on_unknown="retry", wait=5)(slow)
+    later: list[str] = []
+    waiter = threading.Timer(1.1, lambda: later.append(second(1)))
+    waiter.start()
+    try:
+        assert first(1) == "done"
+        waiter.join()
+    finally:
+        holder.close()
+        other.close()
+    assert flaky.raised == ["swap"], "the fault never hit a heartbeat: the test proved nothing"
+    assert later == ["done"] and runs == ["run"]
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_mark_sent_whose_answer_is_lost_sends_once(store_url: str, lands: bool) -> None:
+    """``mark_sent()``'s write fails in the store. If it landed (its answer lost), the ledger re-reads,
+    finds it, and the tool sends; if not, the record is still pending, mark_sent says so and the tool
+    does not send, so the attempt is retried as one that never left. Either way: sent once, confirmed."""
+    flaky = FlakyStore(open_store(store_url), Fault("swap", frm=State.PENDING, to=State.IN_FLIGHT, lands=lands))
+    ledger = Ledger(flaky)
+    sent: list[int] = []
+
+    @ledger.tool(name="send", reports_dispatch=True, retry=Retry(attempts=3, base=0.001))
+    def send(n: int) -> str:
+        onceonly.mark_sent()
+        sent.append(n)
+        return "ok"
+
+    try:
+        assert send(1) == "ok"
+        rec = ledger.get(send.key_for(1))
+    finally:
+        ledger.close()
+    assert flaky.raised == ["swap"], "the fault never hit mark_sent: the test proved nothing"
+    assert sent == [1]
+    assert rec is not None and rec.state is State.CONFIRMED

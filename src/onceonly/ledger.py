@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, get_args, overload
 
 from onceonly import states as st
-from onceonly.errors import InProgress, InvalidKey, OnceOnlyError, StoreError
+from onceonly.errors import InProgress, InvalidKey, OnceOnlyError, StoreError, StoreUnavailable
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
 from onceonly.guard import (
@@ -46,6 +46,7 @@ from onceonly.guard import (
     Swap,
     WaitChange,
     encode_result,
+    landed,
     late_outcome,
     plan,
 )
@@ -104,6 +105,20 @@ class _Lease:
         self.lock = threading.Lock()
         self.released = False
         self.lost = False
+
+
+def swap_now(store: Store, new: Record, old: Record) -> tuple[bool, Record | None]:
+    """One compare-and-set outside a guarded call (a heartbeat, ``mark_sent``, the reconciler), with the
+    plan's rule for a write whose answer was lost: re-read, and it landed exactly when the stored record
+    is the one written (``guard.landed``). Returns (written, the record as it now is); a re-read that
+    fails too raises its ``StoreError``.
+    """
+    try:
+        ok = store.swap(new, old)
+    except StoreError:
+        cur = store.get(new.key)
+        return landed(new, cur), cur
+    return (True, new) if ok else (False, store.get(new.key))
 
 
 class _Heartbeats:
@@ -166,14 +181,15 @@ class _Heartbeats:
                 return
             new = st.extend_lease(lease.record, now=now, lease_seconds=lease.seconds)
             try:
-                ok = self._store.swap(new, lease.record)
+                ok, cur = swap_now(self._store, new, lease.record)
             except StoreError:
-                return  # try again next tick; the lease still has two thirds left
-            if ok:
+                return  # not even a re-read: try again next tick; the lease still has two thirds left
+            if ok:  # written, or its answer was lost and it landed: the next beat builds on it
                 lease.record = new
                 lease.beat_at = now
-            else:
+            elif not landed(lease.record, cur):
                 lease.lost = True  # someone else moved the record: our attempt's outcome is now late
+            # else the store failed and the record is still ours, unchanged: try again next tick
 
 
 # --- the current call, for tools that report their dispatch or want their fence -------------------
@@ -911,7 +927,16 @@ class Ledger:
                 rec, State.IN_FLIGHT, now=self.clock(), reason="dispatched", by=rec.lease_owner,
                 lease_until=self.clock() + lease.seconds,
             )  # fmt: skip
-            if not self.store.swap(new, rec):
+            try:
+                ok, cur = swap_now(self.store, new, rec)
+                if not ok and landed(rec, cur):  # the store failed, and the record is still ours, pending
+                    raise StoreUnavailable(f"could not mark {rec.key!r} sent (the store failed): do not send")
+            except StoreError as exc:
+                # The tool stops here, so nothing was sent whatever the record says: the attempt may be
+                # retried (as "not sent") rather than settled as a definite failure.
+                exc.onceonly_verdict = Verdict.NOT_SENT  # type: ignore[attr-defined]
+                raise
+            if not ok:
                 lease.lost = True
                 raise InProgress(
                     f"the lease on {rec.key!r} was lost before dispatch (another caller took over): do not send",

@@ -59,10 +59,9 @@ from onceonly.guard import (
     Sleep,
     WaitChange,
     encode_result,
-    landed,
     plan,
 )
-from onceonly.ledger import AsyncTool, Ledger, _BaseTool
+from onceonly.ledger import AsyncTool, Ledger, _BaseTool, swap_now
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
 
@@ -396,16 +395,12 @@ class _Reconciler:
         self.sleep_budget = sleep_budget
 
     def _cas(self, new: Record, old: Record) -> tuple[bool, Record | None]:
-        """Compare-and-set; on a store error, re-read: our write landed exactly when the record is ours."""
-        try:
-            ok = self.store.swap(new, old)
-        except StoreError:
-            cur = self.store.get(new.key)  # if this read fails too, the run ends; a later run reads it
-            return landed(new, cur), cur
+        """Compare-and-set with the ledger's rule for a lost answer (``swap_now``); if the re-read fails
+        too, the run ends and a later run reads the record."""
+        ok, cur = swap_now(self.store, new, old)
         if ok:
-            emit(new, self.ledger._listeners)
-            return True, new
-        return False, self.store.get(new.key)
+            emit(new, self.ledger._listeners)  # also when the answer was lost but the write landed
+        return ok, cur
 
     def settle(self, rec: Record) -> ReconcileLine:
         before = rec.state
