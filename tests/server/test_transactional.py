@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from onceonly.errors import InProgress, KeyConflict
-from onceonly.server import IdempotencyTable, Replay, StoredResponse
+from onceonly.server import DEFAULT_REPLAY_HEADERS, IdempotencyTable, Replay, StoredResponse
 from onceonly.server.transactional import _convert
 
 FP = "f" * 64
@@ -292,5 +292,24 @@ def test_complete_keeps_headers_lower_cased_and_filters_them_on_request(tmp_path
         with pytest.raises(Replay) as caught:
             table.begin(conn, "k-some", FP)
         assert caught.value.response == some
+    finally:
+        conn.close()
+
+
+def test_complete_with_the_store_modes_allow_list_drops_set_cookie(tmp_path: Path) -> None:
+    """The docs' advice for a handler that holds per-response headers: complete(...,
+    replay_headers=DEFAULT_REPLAY_HEADERS) stores and replays what store mode would, no Set-Cookie."""
+    conn = sqlite3.connect(tmp_path / "d.db", isolation_level=None)
+    table = IdempotencyTable()
+    table.create(conn)
+    headers = {"Content-Type": "application/json", "Location": "/t/1", "Set-Cookie": "s=1", "X-Request-Id": "r1"}
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        stored = table.begin(conn, "k", FP).complete(201, "{}", headers, replay_headers=DEFAULT_REPLAY_HEADERS)
+        conn.execute("COMMIT")
+        assert stored.headers == (("content-type", "application/json"), ("location", "/t/1"))
+        with pytest.raises(Replay) as caught:
+            table.begin(conn, "k", FP)
+        assert caught.value.response.headers == stored.headers
     finally:
         conn.close()

@@ -24,7 +24,7 @@ import re
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from onceonly.errors import InProgress, KeyConflict
@@ -187,15 +187,17 @@ class Slot:
         body: bytes | str,
         headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
         *,
-        replay_headers: Sequence[str] | None = None,
+        replay_headers: Iterable[str] | None = None,
     ) -> StoredResponse:
         """Store the response in the same transaction. Commit after this, then send the same response.
 
         Args:
             status: the HTTP status the handler answers.
             body: the response body (``str`` is encoded as UTF-8).
-            headers: the response headers a replay repeats (``content-type``, ``location``…).
-            replay_headers: if given, only these header names are kept.
+            headers: the response headers a replay repeats (``content-type``, ``location``…). All of
+                them are kept (names lower-cased): pass no ``Set-Cookie`` or other per-response header.
+            replay_headers: if given, only these header names are kept (``DEFAULT_REPLAY_HEADERS``:
+                the store mode's list). The middleware's own ``replay_headers=`` does not apply here.
         """
         raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
         pairs = headers.items() if isinstance(headers, Mapping) else headers
