@@ -26,8 +26,15 @@ class Receipt:
 
 
 async def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="onceonly-async-"))
-    ledger = onceonly.Ledger.open(f"sqlite:///{tmp / 'ledger.db'}")
+    # The ledger is closed before the directory goes: the run leaves nothing behind.
+    with (
+        tempfile.TemporaryDirectory(prefix="onceonly-async-") as tmp,
+        onceonly.Ledger.open(f"sqlite:///{Path(tmp) / 'ledger.db'}") as ledger,
+    ):
+        await run(ledger)
+
+
+async def run(ledger: onceonly.Ledger) -> None:
     outbox: list[str] = []  # what really left: the side effect, counted
     lookups = 0
 
@@ -64,7 +71,6 @@ async def main() -> None:
     again: Any = await send_email.outcome("ada@example.com", "Your ticket is open")
     print(f"  -> {again.result}, replayed={again.replayed}")
     print(f"emails that left: {len(outbox)}; readonly lookups (not recorded): {lookups}")
-    ledger.close()
 
 
 if __name__ == "__main__":

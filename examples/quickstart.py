@@ -20,9 +20,12 @@ from onceonly.tickets import serve_in_thread
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="onceonly-quickstart-"))
-    with serve_in_thread(db_path=tmp / "tickets.db", idempotency=False, faults={"lost": 1.0}, seed=1) as server:
-        ledger = onceonly.Ledger.open(f"sqlite:///{tmp / 'ledger.db'}")
+    # The ledger is closed before the directory goes: the run leaves nothing behind.
+    with (
+        tempfile.TemporaryDirectory(prefix="onceonly-quickstart-") as tmp,
+        serve_in_thread(db_path=Path(tmp) / "tickets.db", idempotency=False, faults={"lost": 1.0}, seed=1) as server,
+        onceonly.Ledger.open(f"sqlite:///{Path(tmp) / 'ledger.db'}") as ledger,
+    ):
 
         def find_ticket(args: dict[str, Any], key: str) -> Any:
             """Ask the ticket system whether the ticket exists: the probe settles lost answers."""
@@ -47,7 +50,6 @@ def main() -> None:
         print(f"first call: ticket {first.result['id']}, settled via {first.via}")
         print(f"second call: ticket {again.result['id']}, replayed={again.replayed}")
         print(f"tickets in the service: {len(tickets)}")
-        ledger.close()
 
 
 if __name__ == "__main__":

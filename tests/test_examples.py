@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(example: str) -> str:
-    """Run ``examples/<example>`` as a newcomer would; its standard output."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / example)], check=False, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
+    """Run ``examples/<example>`` as a newcomer would; its standard output. The example's temporary
+    files go to a directory of the test's own, which must be empty again when it ends."""
+    with tempfile.TemporaryDirectory(prefix="onceonly-test-examples-") as tmp:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / example)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "TMPDIR": tmp},
+        )
+        assert out.returncode == 0, out.stderr
+        assert sorted(p.name for p in Path(tmp).iterdir()) == [], f"{example} left files behind"
     return out.stdout
 
 
@@ -34,3 +44,29 @@ def test_async_dispatch_events_example_runs() -> None:
     assert "failed -> pending (attempt 2, retry after failure)" in stdout
     assert "Receipt(message_id='msg-2', to='ada@example.com'), replayed=True" in stdout
     assert "emails that left: 1; readonly lookups (not recorded): 1" in stdout
+
+
+def test_keyed_shop_example_runs() -> None:
+    """examples/keyed_shop.py (docs/server.md): the same key from alice replays, from bob makes a second
+    order, both rows record it; IdempotencyTable.get finds alice's response; purge(before=) clears both."""
+    stdout = _run("keyed_shop.py")
+    assert stdout.splitlines() == [
+        "{'id': 1, 'sku': 'A1'} true {'id': 2, 'sku': 'A1'}",
+        "[(1, 'order-1'), (2, 'order-1')]",
+        '201 b\'{"id": 1, "sku": "A1"}\'',
+        "0",
+        "2",
+    ]
+
+
+def test_readme_quick_start_declares_the_tool_as_the_example_does() -> None:
+    """The README says examples/quickstart.py is its quick start, runnable: the same @ledger.tool(...)."""
+
+    def declarations(text: str) -> list[str]:
+        return [line.strip() for line in text.splitlines() if line.strip().startswith("@ledger.tool(")]
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick_start = readme[readme.index("## Quick start") : readme.index("## How it works")]
+    example = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
+    assert declarations(quick_start) == declarations(example)
+    assert len(declarations(example)) == 1
