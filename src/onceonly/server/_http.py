@@ -1,7 +1,7 @@
-"""What the middleware, the transactional mode, the ticket service and the HTTP client share: the key
-header and its rules, the fingerprint, the stored response and problem details. Pure, no I/O beyond
-building ASGI messages. The rule for a key on the wire itself is in ``onceonly.keys`` (the client uses
-it too, without loading the server).
+"""What the middleware, the transactional mode and the ticket service share: the key header and its
+rules, the fingerprint, the stored response and problem details. Pure, no I/O beyond building ASGI
+messages. The rule for a key on the wire itself is in ``onceonly.keys``, where the HTTP client
+(``onceonly.http``) takes it from without loading the server.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMa
 from dataclasses import dataclass
 from typing import Any
 
-from onceonly.keys import KEY_PATTERN, MAX_KEY_LENGTH, is_wire_key
+from onceonly.keys import MAX_KEY_LENGTH, is_wire_key
 
 __all__ = [
     "CONTEXT_KEY",
     "DEFAULT_REPLAY_HEADERS",
     "KEY_HEADERS",
-    "KEY_PATTERN",
     "BadKey",
     "IdempotencyContext",
     "Replay",
@@ -27,7 +26,6 @@ __all__ = [
     "authorization_identity",
     "client_hash",
     "idempotency_context",
-    "is_wire_key",
     "parse_key",
     "problem_messages",
     "request_key",

@@ -29,7 +29,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from onceonly.keys import MAX_KEY_LENGTH
+from onceonly.keys import KEY_PATTERN, MAX_KEY_LENGTH
 from onceonly.server import (
     IdempotencyMiddleware,
     IdempotencyTable,
@@ -37,7 +37,7 @@ from onceonly.server import (
     client_hash,
     idempotency_context,
 )
-from onceonly.server._http import KEY_PATTERN, BadKey, request_key
+from onceonly.server._http import BadKey, request_key
 from onceonly.stores.base import Store
 from onceonly.tickets.faults import CRASH_EXIT_CODE, FAULT_KEY, FaultInjector, FaultMiddleware, Faults
 
