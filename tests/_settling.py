@@ -46,8 +46,8 @@ class Fault:
 
 
 class FlakyStore:
-    """The real store, passed through, that fails as its ``faults`` say; ``raised`` lists the methods that
-    raised, in order."""
+    """The real store, passed through (sync and async), that fails as its ``faults`` say; ``raised``
+    lists the methods that raised, in order."""
 
     def __init__(self, inner: Store, *faults: Fault) -> None:
         self.inner = inner
@@ -111,3 +111,23 @@ class FlakyStore:
 
     def close(self) -> None:
         self.inner.close()
+
+    # The async face: the same faults on reads and swaps; the rest passes through.
+
+    async def aget(self, key: str) -> Record | None:
+        if self._fault("get"):
+            raise self._fail("get")
+        return await self.inner.aget(key)  # type: ignore[attr-defined, no-any-return]
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        fault = self._fault("swap", record, expected)
+        if fault is None:
+            return await self.inner.aswap(record, expected)  # type: ignore[attr-defined, no-any-return]
+        if fault.lands:
+            assert await self.inner.aswap(record, expected), "the injected fault expected this write to land"  # type: ignore[attr-defined]
+        raise self._fail("swap")
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("a"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # aclaim, ainsert, await_for_change: passed through

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -843,3 +844,44 @@ def test_mark_sent_whose_answer_is_lost_sends_once(store_url: str, lands: bool) 
     assert flaky.raised == ["swap"], "the fault never hit mark_sent: the test proved nothing"
     assert sent == [1]
     assert rec is not None and rec.state is State.CONFIRMED
+
+
+@pytest.mark.parametrize("lands", [True, False])
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_late_success_meeting_a_store_error_is_still_recorded(store_url: str, face: str, lands: bool) -> None:
+    """The caller stops waiting (timeout), the record is parked for review; then the tool's success
+    arrives, and the write recording it fails in the store (lands: it was written, its answer lost).
+    The late outcome reads again and the success is recorded, not dropped: confirmed with its result,
+    no conflict counted for our own write, and the tool ran once."""
+    flaky = FlakyStore(open_store(store_url), Fault("swap", to=State.CONFIRMED, lands=lands))
+    ledger = Ledger(flaky, sleep=lambda s: None)
+    runs: list[int] = []
+
+    def work(n: int) -> dict[str, int]:
+        runs.append(n)
+        time.sleep(0.3)
+        return {"n": n}
+
+    async def awork(n: int) -> dict[str, int]:
+        runs.append(n)
+        await asyncio.sleep(0.3)
+        return {"n": n}
+
+    tool = ledger.tool(name=f"late_{face}", timeout=0.05)(work if face == "sync" else awork)
+
+    async def main() -> None:
+        with pytest.raises(onceonly.OutcomeUnknown):
+            await tool(1)
+        await asyncio.sleep(0.5)  # the loop must outlive the late task
+
+    try:
+        if face == "sync":
+            with pytest.raises(onceonly.OutcomeUnknown):
+                tool(1)
+        else:
+            asyncio.run(main())
+        rec = _wait_for(ledger, tool.key_for(1), lambda r: r.state is State.CONFIRMED)
+    finally:
+        ledger.close()
+    assert flaky.raised == ["swap"], "the fault never hit the late write: the test proved nothing"
+    assert rec.result == {"n": 1} and rec.conflicts == 0 and runs == [1]

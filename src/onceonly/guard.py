@@ -630,6 +630,10 @@ def _settle(
     return (yield from _write(rec, new))
 
 
+#: Pauses before reading again when recording a late outcome meets a store error (about 3 s in all).
+_LATE_RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)
+
+
 def late_outcome(
     call: Call, fence: int, value: Any = None, error: BaseException | None = None
 ) -> Generator[Action, Any, Record | None]:
@@ -641,24 +645,34 @@ def late_outcome(
     .. versionadded:: 0.1
     """
     result_json = None if error is not None else encode_result(value, call.key)
+    failures = 0
     while True:
-        rec: Record | None = yield Get(call.key)
-        if rec is None:
-            log.warning("onceonly %s: late outcome of attempt %d for a record that is gone", call.key, fence)
-            return None
-        now = call.clock()
-        if error is None:
-            new = st.late_success(
-                rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner
-            )
-            if new is rec:
-                return rec
-        else:
-            verdict = classify(error, call.policy.classify)
-            same_attempt = rec.fence == fence and rec.state in (State.UNKNOWN, *HELD)
-            if verdict.verdict is Verdict.UNKNOWN or not same_attempt:
-                return rec
-            new = st.fail(rec, error=_err_text(error), now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner)
-        ok = yield Swap(new, rec)
+        try:
+            rec: Record | None = yield Get(call.key)
+            if rec is None:
+                log.warning("onceonly %s: late outcome of attempt %d for a record that is gone", call.key, fence)
+                return None
+            now = call.clock()
+            if error is None:
+                new = st.late_success(
+                    rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner
+                )
+                if new is rec:
+                    return rec
+            else:
+                verdict = classify(error, call.policy.classify)
+                same_attempt = rec.fence == fence and rec.state in (State.UNKNOWN, *HELD)
+                if verdict.verdict is Verdict.UNKNOWN or not same_attempt:
+                    return rec
+                new = st.fail(rec, error=_err_text(error), now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner)
+            ok = yield Swap(new, rec)
+        except StoreError:
+            # A store down for a moment, or a write whose answer was lost: read again. A write that
+            # landed is then the record as it is (late_success and the failure rule leave it alone).
+            failures += 1
+            if failures > len(_LATE_RETRY_DELAYS):
+                raise
+            yield Sleep(_LATE_RETRY_DELAYS[failures - 1])
+            continue
         if ok:
             return new
