@@ -437,13 +437,15 @@ def _values(r: Record) -> tuple[Any, ...]:
     return tuple(r.state.value if f == "state" else getattr(r, f) for f in Record.__dataclass_fields__)
 
 
+@pytest.mark.parametrize("face", ["sync", "async"])
 @pytest.mark.parametrize("primitive", ["claim", "insert", "swap"])
 def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
-    store: PostgresStore, admin: Any, tag: str, primitive: str
+    store: PostgresStore, admin: Any, tag: str, primitive: str, face: str
 ) -> None:
     """The store's write waits on a lock; its backend is terminated; the rerun on a fresh connection
     then finds the very row this write meant to leave (as if the first run had landed before the cut):
-    it reports the write as its own (claim → holder, insert/swap → True), not as someone else's."""
+    it reports the write as its own (claim → holder, insert/swap → True), not as someone else's. The
+    async face (its own connections, ``_aon_connection``) the same way."""
     old = make("cut")
     new = st.confirm(old, result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
     if primitive == "swap":
@@ -462,9 +464,18 @@ def test_a_write_whose_connection_dies_is_rerun_and_knows_its_own_row(
         result: list[object] = []
         errors: list[BaseException] = []
 
+        async def acall() -> object:
+            if primitive == "claim":
+                return await store.aclaim(old)
+            if primitive == "insert":
+                return await store.ainsert(old)
+            return await store.aswap(new, old)
+
         def call() -> None:
             try:
-                if primitive == "claim":
+                if face == "async":
+                    result.append(asyncio.run(acall()))
+                elif primitive == "claim":
                     result.append(store.claim(old))
                 elif primitive == "insert":
                     result.append(store.insert(old))
@@ -748,3 +759,65 @@ def test_hot_statements_survive_a_lost_or_doubled_preparation(store: PostgresSto
     done = st.confirm(make("prep2"), result_json="1", now=NOW + 1, ttl=None, via="run", by="a")
     assert store.swap(done, make("prep2"))
     assert store.reruns == 0
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_statement_forgotten_again_after_its_new_preparation_is_a_clear_error(
+    store: PostgresStore, admin: Any, tag: str, monkeypatch: pytest.MonkeyPatch, face: str
+) -> None:
+    """What a transaction pooler without prepared-statement support does: the backend that runs a
+    statement is never the one that prepared it. Here the real backend forgets every statement right
+    after it is prepared (DEALLOCATE ALL between the preparation and the execution), so the store's
+    one re-preparation meets 26000 again: StoreUnavailable naming the likely cause, not "unexpected
+    database error"; nothing written, nothing re-run."""
+    from psycopg.generators import execute as real_execute
+
+    forgot: list[bytes] = []
+
+    def forgetful_execute(pgconn: Any) -> Any:
+        results = yield from real_execute(pgconn)
+        res = results[-1]
+        if res.status == psycopg.pq.ExecStatus.COMMAND_OK and not res.command_status:  # a preparation's answer
+            done = pgconn.exec_(b"DEALLOCATE ALL")  # blocking, between the two round trips of run()
+            forgot.append(done.command_status)
+        return results
+
+    def insert() -> bool:
+        if face == "sync":
+            return store.insert(make("never"))
+        return asyncio.run(store.ainsert(make("never")))
+
+    monkeypatch.setattr("onceonly.stores._pgwire.execute", forgetful_execute)
+    with pytest.raises(StoreUnavailable, match="transaction mode") as info:
+        insert()
+    assert "max_prepared_statements" in str(info.value) and "ran nowhere" in str(info.value)
+    assert forgot == [b"DEALLOCATE ALL"] * 2, "prepared twice, and made to forget it twice"
+    assert admin.execute(f'SELECT count(*) FROM "{tag}".onceonly_records').fetchone() == (0,)
+    assert store.reruns == 0
+    monkeypatch.undo()
+    assert insert() is True  # the same connection works once its backend keeps what it prepares
+
+
+@pytest.mark.parametrize("filled", [True, False], ids=["every-field-set", "nones"])
+def test_record_params_agrees_with_the_field_encoders(filled: bool) -> None:
+    """``record_params`` is an unrolled copy of ``FIELD_ENCODERS`` (the INSERT of every first call):
+    the two give the same bytes, field by field, with every optional field set and with each left None."""
+    from onceonly.stores import _pgwire
+
+    fields = list(Record.__dataclass_fields__)
+    assert len(fields) == len(_pgwire.FIELD_ENCODERS) == len(_pgwire.COLUMN_TYPES) == len(COLUMNS.split(", "))
+    if filled:  # every value distinct, so that two fields swapped in the copy cannot agree by chance
+        rec = Record(
+            key="k:é", scope="sc", tool="to", fingerprint="fp", state=State.UNKNOWN, attempts=3, fence=-4,
+            version=2**40, lease_owner="host:1:2", lease_until=NOW + 0.5, next_attempt_at=NOW + 1.25,
+            expires_at=NOW + 86400.125, created_at=NOW - 3.5, updated_at=NOW - 1.75, result_json='{"r":1}',
+            error="boom", args_json='{"a":2}', history_json='[{"h":3}]', via="probe", conflicts=7,
+        )  # fmt: skip
+        assert all(getattr(rec, f) is not None for f in fields)
+    else:
+        rec = Record(key="k", scope="s", tool="t", fingerprint="f", state=State.PENDING)
+        assert [f for f in fields if getattr(rec, f) is None] == [
+            "lease_owner", "lease_until", "next_attempt_at", "expires_at", "result_json", "error", "via",
+        ]  # fmt: skip
+    expected = [enc(getattr(rec, f)) for enc, f in zip(_pgwire.FIELD_ENCODERS, fields, strict=True)]
+    assert _pgwire.record_params(rec) == expected

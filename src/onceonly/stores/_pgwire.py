@@ -4,9 +4,9 @@
 connection, with binary parameters and binary results, sent with psycopg's libpq wrapper
 (``PGconn.send_query_prepared``) and read by psycopg's own result reader (``generators.execute``,
 C-accelerated in psycopg's binary build) under the connection's ``wait()``, which also cancels the
-statement on Ctrl-C. A cursor's ``execute`` spends ~35 µs of Python per statement here (query
-conversion, adaptation, its preparation bookkeeping); this spends ~25 µs less on the insert, about a
-tenth of a guarded call's cost (docs/benchmarks.md).
+statement on Ctrl-C. A cursor's ``execute`` spends ~35 µs of client CPU per statement here (query
+conversion, adaptation, its preparation bookkeeping); this spends ~25 µs less per statement. It took
+a guarded first call from 1.19-1.22x of the floor to 1.15-1.19x (commit 7fd308c, docs/benchmarks.md).
 
 One logic for both faces: ``run()`` is a generator that the sync connection's ``wait()`` drives, and
 the async connection's ``await wait()``.
@@ -39,7 +39,9 @@ int4, int8, float8 = _I4.pack, _I8.pack, _F8.pack
 _STATE_BYTES = {s: s.value.encode() for s in State}
 _STATES = {s.value.encode(): s for s in State}
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
-_NOT_PREPARED = "26000"  # invalid_sql_statement_name: e.g. a transaction pooler moved us to another backend
+#: invalid_sql_statement_name: e.g. a transaction pooler moved us to another backend (the store's
+#: ``_translate`` names the likely cause when it comes back after the statement was prepared again).
+NOT_PREPARED = "26000"
 _ALREADY_PREPARED = "42P05"  # duplicate_prepared_statement
 
 
@@ -93,7 +95,7 @@ def decode_record(res: pq.abc.PGresult) -> Record | None:
     """The first row of a binary result of the store's column list, or None when there is none."""
     if not res.ntuples:
         return None
-    v = [res.get_value(0, i) for i in range(20)]
+    v = [res.get_value(0, i) for i in range(len(COLUMN_TYPES))]
     u4, u8, f8 = _I4.unpack, _I8.unpack, _F8.unpack
     return Record(
         v[0].decode(), v[1].decode(), v[2].decode(), v[3].decode(), _STATES[v[4]],  # type: ignore[union-attr,index]
@@ -143,9 +145,11 @@ def run(
         pgconn.send_query_prepared(stmt.name, params, stmt.formats, _BINARY)
         results = yield from execute(pgconn)
         res = results[-1]
-        if attempt == 1 and res.error_field(pq.DiagnosticField.SQLSTATE) == _NOT_PREPARED.encode():
+        if attempt == 1 and res.error_field(pq.DiagnosticField.SQLSTATE) == NOT_PREPARED.encode():
             # The statement ran nowhere: forget what this connection had prepared and do it again.
             prepared.clear()
             continue
+        # A second 26000 is raised: preparing again did not help, so the preparation and the execution
+        # reached different backends. Once is enough: it ran nowhere, and a loop might never end.
         return _check(results)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -5,8 +5,10 @@ proven by one conformance suite (``tests/stores/``):
 
 - ``get(key)``: the record, or ``None``.
 - ``claim(record)``: write it only if the key is absent and return ``None`` (the caller now holds
-  it); else return the stored record, unchanged. The first action of every guarded call: a store
-  that can do it in one round trip (a Lua script, one SQL statement) should.
+  it); else return the stored record, unchanged. The first action of every guarded call, and first
+  calls are the rule: keep that case cheap. Redis does it all in one round trip (a Lua script); the
+  SQL stores insert first and read only on a conflict, so a first call is just the two writes of
+  claim and settle, and a replay pays a second statement.
 - ``insert(record)``: write it only if the key is absent; ``True`` when this call wrote it.
 - ``swap(record, expected)``: replace the record only if its stored ``version`` is still
   ``expected.version``: the compare-and-set every transition goes through. ``expected`` is the

@@ -3,8 +3,9 @@
 One table, ``onceonly_records``, in the schema named by ``?schema=`` (default ``public``). Every
 write is one autocommitted statement, so every transition is one transaction:
 
-- claim: ``INSERT … ON CONFLICT (key) DO NOTHING`` and, in the same statement, the stored row when the
-  key was taken: one round trip whether the call is new or a replay;
+- claim: ``INSERT … ON CONFLICT (key) DO NOTHING``; only when it inserted nothing does a second
+  statement read the stored row. A first call is then the floor's two writes (claim, settle) and no
+  read; a replay costs two round trips;
 - swap: ``UPDATE … WHERE key = $1 AND version = $2``, writing only the columns that changed;
 - delete: ``DELETE … WHERE key = $1 AND version = $2``.
 
@@ -289,9 +290,9 @@ def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bo
 
 
 class _Connection(psycopg.Connection[Any]):
-    """A pooled connection that keeps one binary cursor for the store's statements.
-
-    Reusing the cursor saves building one per statement, about a fifth of psycopg's own time per call.
+    """A pooled connection and what the store keeps on it: the names of the hot statements prepared
+    on it (get, the claim's INSERT, the swaps' UPDATEs: ``_pgwire``, no cursor), and one binary cursor
+    reused by the other statements (scan, count, delete, a waiter's mark).
     """
 
     ledger_cursor: psycopg.Cursor[Any] | None = None
@@ -493,10 +494,18 @@ class _Listener:
 class _LoopConnections:
     """The async face's connections in one event loop: the idle ones, and a bound on how many.
 
-    Not a ``psycopg_pool.AsyncConnectionPool``: its maintenance tasks swallow the cancellation that
-    ``asyncio.run`` sends at its end when one of them is connecting, and ``asyncio.run`` then never
-    returns (psycopg_pool 3.3). This has no task of its own, so a loop may end at any moment: its
-    keeper, an async generator the loop closes at shutdown, closes the idle connections.
+    Not a ``psycopg_pool.AsyncConnectionPool``: in psycopg_pool 3.3 (3.3.3 when this was written) its
+    ``pool_async.py`` counts ``asyncio.CancelledError`` among ``CLIENT_EXCEPTIONS``, and catches those
+    in ``_add_connection`` around ``_connect()`` (it logs "error connecting in '<pool>': " with an empty
+    message and schedules another attempt) and in the maintenance ``worker`` around each task. When
+    ``asyncio.run`` ends while a worker is connecting (a pool filling up to ``min_size``, or growing),
+    it cancels the worker and waits for it; the worker swallows the cancellation and waits on its queue
+    again, and ``asyncio.run`` never returns. To check a newer release: ``asyncio.run`` a coroutine that
+    opens ``AsyncConnectionPool(url, min_size=4, open=False)`` with ``await pool.open(wait=False)``,
+    sleeps 1 ms and returns; it hangs while the bug is there.
+
+    This has no task of its own, so a loop may end at any moment: its keeper, an async generator the
+    loop closes at shutdown, closes the idle connections.
     """
 
     def __init__(self, store: PostgresStore) -> None:
@@ -765,6 +774,15 @@ class PostgresStore:
             return StoreUnavailable(
                 f"{self._where} failed: {text}. Whether the last write landed is unknown; the ledger reads "
                 "the record again before it decides"
+            )
+        if sqlstate == wire.NOT_PREPARED:
+            return StoreUnavailable(
+                f"{self._where}: a statement prepared on this connection was unknown to the backend that was "
+                f"to run it ({text}); a hot statement, even right after the store prepared it again. The likely "
+                "cause is a pooler in transaction mode without prepared-statement support, which sends the "
+                "preparation and the execution to different backends: connect the ledger in session mode (or "
+                "bypass the pooler), or use PgBouncer 1.21 or newer with max_prepared_statements set. The "
+                "statement ran nowhere"
             )
         if sqlstate in ("42P01", "42703", "3F000"):  # undefined table, column, schema
             return StoreCorrupt(
