@@ -142,7 +142,9 @@ class SQLiteStore:
             raise StoreUnavailable(f"the ledger {self.url} was closed")
         conn = self._connect()
         self._local.conn = conn
-        self._local.cursor = conn.cursor()  # reused by the hot primitives: a cursor per statement costs
+        # Reused by the hot primitives: conn.execute() would build a new cursor for every statement
+        # (one of the second session's cuts to the guard's Python, docs/benchmarks.md).
+        self._local.cursor = conn.cursor()
         with self._lock:
             self._all.append(conn)
         return conn
@@ -210,7 +212,7 @@ class SQLiteStore:
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         # A ledger is read by random hashed keys: a 64 MiB page cache and memory-mapped reads keep a
         # replay from paying a read() system call per B-tree page once the file outgrows the default
-        # 2 MiB cache (docs/benchmarks.md).
+        # 2 MiB cache. The cache is per connection, so per thread: docs/sqlite.md says what it costs.
         conn.execute("PRAGMA cache_size=-65536")
         conn.execute("PRAGMA mmap_size=268435456")
 
@@ -289,9 +291,9 @@ class SQLiteStore:
 
     def claim(self, record: Record) -> Record | None:
         # Insert first: a first call is then the floor's two writes and no read. A read before every
-        # insert cost ~4 µs alone, and with 8 processes on one file it halved the throughput (every
-        # extra transaction re-reads pages another process changed); a replay pays an ignored insert
-        # (~7 µs) before its read instead (docs/benchmarks.md).
+        # insert cost ~4 µs alone, and with 8 processes on one file a third of the throughput (0.45-0.49x
+        # of the floor against 0.72-0.75x: every extra transaction re-reads pages another process
+        # changed); a replay pays an ignored insert (~7 µs) before its read instead (docs/benchmarks.md).
         while True:
             if self.insert(record):
                 return None
