@@ -1,6 +1,7 @@
-"""The store's connections are cut again and again during a run of 500 guarded calls (Redis: CLIENT
-KILL of the ledger's connections; PostgreSQL: pg_terminate_backend of the ledger's backends; the
-servers themselves stay up, other tests share them).
+"""The store's connections are cut again and again during a run of 500 guarded calls, through a sync
+tool and through an ``async def`` tool, which drives the store's async face. Redis: CLIENT KILL of
+the ledger's connections; PostgreSQL: pg_terminate_backend of the ledger's backends; the servers
+themselves stay up, other tests share them.
 
 Every call must end confirmed, failed with StoreUnavailable, or unknown (OutcomeUnknown) — and the
 ledger must agree with the side effects, which the tool writes to a PostgreSQL table the faults do
@@ -10,6 +11,7 @@ pass on a healthy store runs what never ran and never re-runs what did.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -22,7 +24,7 @@ import pytest
 import onceonly
 from onceonly.errors import InProgress, OutcomeUnknown, StoreUnavailable
 from onceonly.states import Record, State
-from onceonly.stores import Query, Store, open_store
+from onceonly.stores import AsyncStore, Query, Store, open_store
 from tests.conftest import RUN_ID, join_url
 
 CALLS = 500
@@ -34,6 +36,8 @@ class CountingStore:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        assert isinstance(inner, AsyncStore)
+        self.ainner = inner
         self.url = inner.url
         self.errors = 0
 
@@ -70,6 +74,39 @@ class CountingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+    # The async face: what an ``async def`` tool's guard calls.
+
+    async def _acall(self, fn: Any, *args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except StoreUnavailable:
+            self.errors += 1
+            raise
+
+    async def aget(self, key: str) -> Record | None:
+        return await self._acall(self.ainner.aget, key)  # type: ignore[no-any-return]
+
+    async def aclaim(self, record: Record) -> Record | None:
+        return await self._acall(self.ainner.aclaim, record)  # type: ignore[no-any-return]
+
+    async def ainsert(self, record: Record) -> bool:
+        return await self._acall(self.ainner.ainsert, record)  # type: ignore[no-any-return]
+
+    async def aswap(self, record: Record, expected: Record) -> bool:
+        return await self._acall(self.ainner.aswap, record, expected)  # type: ignore[no-any-return]
+
+    async def adelete(self, key: str, expected_version: int) -> bool:
+        return await self._acall(self.ainner.adelete, key, expected_version)  # type: ignore[no-any-return]
+
+    async def ascan(self, query: Query) -> list[Record]:
+        return await self._acall(self.ainner.ascan, query)  # type: ignore[no-any-return]
+
+    async def await_for_change(self, key: str, version: int, timeout: float) -> None:
+        await self._acall(self.ainner.await_for_change, key, version, timeout)
+
+    async def aclose(self) -> None:
+        await self.ainner.aclose()
 
 
 class Cutter:
@@ -146,7 +183,7 @@ def fixture_effects(postgres_database_url: str) -> Iterator[tuple[Any, str]]:
     conn.close()
 
 
-def _run_all(ledger: onceonly.Ledger, tool: Any) -> dict[int, str]:
+def _run_all(tool: Any) -> dict[int, str]:
     outcomes: dict[int, str] = {}
     for n in range(CALLS):
         try:
@@ -161,27 +198,58 @@ def _run_all(ledger: onceonly.Ledger, tool: Any) -> dict[int, str]:
     return outcomes
 
 
+async def _arun_all(tool: Any) -> dict[int, str]:
+    """``_run_all`` for an ``async def`` tool: its guard drives the store's async face."""
+    outcomes: dict[int, str] = {}
+    for n in range(CALLS):
+        try:
+            assert await tool(n) == {"n": n}
+            outcomes[n] = "confirmed"
+        except StoreUnavailable:
+            outcomes[n] = "unavailable"
+        except OutcomeUnknown:
+            outcomes[n] = "unknown"
+        except InProgress:
+            outcomes[n] = "in_progress"
+    return outcomes
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
 def test_cut_connections_lose_nothing_and_repeat_nothing(
-    target: tuple[str, str, str, str], effects: tuple[Any, str]
+    target: tuple[str, str, str, str], effects: tuple[Any, str], face: str
 ) -> None:
     """500 calls while the store's connections are cut: each ends confirmed, StoreUnavailable or
-    unknown; the ledger never loses an execution; a second pass never runs one twice."""
+    unknown; the ledger never loses an execution; a second pass never runs one twice. Through a
+    sync tool, and through an ``async def`` tool (the store's async face, its own connections)."""
     kind, url, server_url, name = target
     conn, table = effects
     store = CountingStore(open_store(url))
     ledger = onceonly.Ledger(store)
 
-    @ledger.tool(name="outage.effect", lease=LEASE, wait=2 * LEASE)
-    def effect(n: int) -> dict[str, int]:
+    def record(n: int) -> dict[str, int]:
         conn.execute(f"INSERT INTO {table} (op) VALUES (%s)", (n,))
         return {"n": n}
+
+    effect: Any
+    if face == "sync":
+        effect = ledger.tool(name="outage.effect", lease=LEASE, wait=2 * LEASE)(record)
+    else:
+
+        @ledger.tool(name="outage.effect", lease=LEASE, wait=2 * LEASE)
+        async def aeffect(n: int) -> dict[str, int]:
+            return record(n)  # a plain blocking write: the one side effect, counted like the sync one's
+
+        effect = aeffect
+
+    def run_all() -> dict[int, str]:
+        return _run_all(effect) if face == "sync" else asyncio.run(_arun_all(effect))
 
     def executions() -> dict[int, int]:
         return dict(conn.execute(f"SELECT op, count(*) FROM {table} GROUP BY op").fetchall())
 
     try:
         with Cutter(kind, server_url, name) as cutter:
-            first = _run_all(ledger, effect)
+            first = run_all()
         hits = store.errors + getattr(store.inner, "reruns", 0)  # seen by the guard, or re-run in the store
         assert cutter.cuts > 0 and hits > 0, "the faults never hit a call: the test proved nothing"
         assert set(first.values()) <= {"confirmed", "unavailable", "unknown"}, {
@@ -200,7 +268,7 @@ def test_cut_connections_lose_nothing_and_repeat_nothing(
 
         # A healthy store, leases run out: what never ran runs now; nothing runs twice.
         time.sleep(LEASE + 0.2)
-        second = _run_all(ledger, effect)
+        second = run_all()
         runs = executions()
         assert max(runs.values(), default=0) <= 1, "a side effect happened twice after the outage"
         assert set(second.values()) <= {"confirmed", "unknown"}
@@ -208,7 +276,7 @@ def test_cut_connections_lose_nothing_and_repeat_nothing(
             if outcome == "confirmed":
                 assert runs.get(n) == 1
         print(
-            f"{kind}: {cutter.cuts} cuts, {store.errors} store errors, {hits} hits; first pass "
+            f"{kind} {face}: {cutter.cuts} cuts, {store.errors} store errors, {hits} hits; first pass "
             f"{sorted((o, list(first.values()).count(o)) for o in set(first.values()))}; second pass "
             f"{sorted((o, list(second.values()).count(o)) for o in set(second.values()))}"
         )
