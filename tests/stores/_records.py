@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from onceonly import states as st
 from onceonly.states import Record, State
+from tests._clock import NOW  # a fixed "now" (2027-01-15), far from the real clock
 
-#: A fixed "now" (2027-01-15), far from the real clock: nothing in these tests depends on the time of day.
-NOW = 1_800_000_000.0
+__all__ = ["NOW", "make"]
 
 
 def make(key: str, *, state: State = State.IN_FLIGHT, now: float = NOW, tool: str = "t", scope: str = "s") -> Record:
