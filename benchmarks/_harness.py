@@ -93,35 +93,88 @@ def report(store: str, contenders: list[Contender], floor_name: str = "floor") -
     return rows
 
 
+# How long a worker may take to start (spawn, import, connect) before the round is given up.
+START_TIMEOUT = 120.0
+_BROKEN = "the start barrier broke (another worker failed or did not start in time)"
+
+
 def _rate_worker(make: Callable[[str, int], Callable[[int], object]], kind: str, worker: int, seconds: float,
                  start: Any, out: Any) -> None:  # fmt: skip
-    call = make(kind, worker)
-    start.wait()
+    """Report exactly once on ``out``: ``(worker, calls, None)``, or ``(worker, 0, what went wrong)``."""
+    import threading
+    import traceback
+
     n = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        call(worker * 10_000_000 + n)
-        n += 1
-    out.put(n)
+    try:
+        call = make(kind, worker)
+        start.wait(timeout=START_TIMEOUT)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            call(worker * 10_000_000 + n)
+            n += 1
+    except threading.BrokenBarrierError:
+        out.put((worker, 0, _BROKEN))
+    except BaseException as exc:
+        traceback.print_exc()  # the whole story on stderr; the parent's error names it
+        out.put((worker, 0, f"{type(exc).__name__}: {exc}"))
+        start.abort()  # the others stop waiting for this one at the barrier
+    else:
+        out.put((worker, n, None))
+
+
+def _reports(out: Any, procs: list[Any], deadline: float) -> list[tuple[int, int, str | None]]:
+    """One report per worker, or RuntimeError when they stop answering (died, hung)."""
+    import queue
+
+    got: list[tuple[int, int, str | None]] = []
+    while len(got) < len(procs):
+        try:
+            got.append(out.get(timeout=0.5))
+            continue
+        except queue.Empty:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rate: {len(procs) - len(got)} of {len(procs)} workers did not report in time")
+        if not any(p.is_alive() for p in procs):
+            try:  # a report may still be in the pipe after its sender exited
+                got.append(out.get(timeout=1.0))
+            except queue.Empty:
+                codes = [p.exitcode for p in procs]
+                raise RuntimeError(f"rate: workers exited without reporting (exit codes {codes})") from None
+    return got
 
 
 def spawn_rate(make: Callable[[str, int], Callable[[int], object]], kind: str, processes: int, seconds: float) -> float:
     """Total calls per second of ``processes`` spawned processes each running ``make(kind, worker)``.
 
     ``make`` runs in the worker process and returns its call; it must be importable (a module-level
-    function) for the spawn start method.
+    function) for the spawn start method. A worker that fails fails the whole measure (RuntimeError,
+    with the worker's error); none is left running.
     """
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     start, out = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_rate_worker, args=(make, kind, w, seconds, start, out)) for w in range(processes)]
-    for p in procs:
-        p.start()
-    total = sum(out.get(timeout=seconds + 120) for _ in procs)
-    for p in procs:
-        p.join()
-    return total / seconds
+    procs = [ctx.Process(target=_rate_worker, args=(make, kind, w, seconds, start, out), daemon=True)
+             for w in range(processes)]  # fmt: skip
+    try:
+        for p in procs:
+            p.start()
+        reports = _reports(out, procs, time.monotonic() + START_TIMEOUT + seconds + 60)
+        failed = [(worker, error) for worker, _, error in reports if error is not None]
+        if failed:
+            # The failure itself, not a broken barrier, which only says that some other worker failed.
+            worker, error = next(((w, e) for w, e in failed if e != _BROKEN), failed[0])
+            raise RuntimeError(f"{kind} rate: worker {worker} of {processes} failed: {error}")
+        for p in procs:
+            p.join(timeout=10)
+        return sum(n for _, n, _ in reports) / seconds
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            if p.pid is not None:
+                p.join(timeout=5)
 
 
 def throughput(

@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
+from collections import Counter
 
 import onceonly
-from onceonly.states import Record
+from onceonly.states import Record, State
+from onceonly.stores.base import Query
 
 
 class DictStore:
-    """The store primitives the guard's happy path uses, on a dict. Not a store: no durability."""
+    """The sync store interface on a dict, for the guard's happy path. Not a store: no durability,
+    no other process, no waiting; what the happy path never calls says so."""
+
+    url = "dict://bench"
 
     def __init__(self) -> None:
         self.records: dict[str, Record] = {}
@@ -50,18 +53,33 @@ class DictStore:
         self.records[record.key] = record
         return True
 
+    def delete(self, key: str, expected_version: int) -> bool:
+        current = self.records.get(key)
+        if current is None or current.version != expected_version:
+            return False
+        del self.records[key]
+        return True
+
+    def scan(self, query: Query) -> list[Record]:
+        raise NotImplementedError("DictStore holds the happy path only")
+
+    def count_by_state(self) -> dict[State, int]:
+        return dict(Counter(r.state for r in self.records.values()))
+
+    def wait_for_change(self, key: str, version: int, timeout: float) -> None:
+        raise NotImplementedError("DictStore holds the happy path only: no other caller to wait for")
+
+    def close(self) -> None:
+        self.records.clear()
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=9)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
-        # A real ledger (its heartbeat thread, its clock), with the dict swapped in for the store.
-        ledger = onceonly.Ledger.open(f"sqlite:///{Path(tmp) / 'unused.db'}")
-        real, store = ledger.store, DictStore()
-        ledger.store = store  # type: ignore[assignment]
-        ledger._beats._store = store  # type: ignore[assignment]
+    store = DictStore()
+    with onceonly.Ledger(store) as ledger:  # a real ledger: its heartbeat thread, its clock
         tool = ledger.tool(name="bench.tool")(lambda i: {"ok": True, "i": i})
         for i in range(-1000, 0):
             tool(i)
@@ -78,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
                 tool(i)
             replay.append((time.perf_counter() - start) / args.calls * 1e6)
             store.records.clear()
-        ledger.store = real
-        ledger.close()
     for name, times in (("first call", first), ("replay", replay)):
         print(f"guard's Python, {name}: best {min(times):.2f} µs, median {statistics.median(times):.2f} µs")
     return 0

@@ -38,9 +38,14 @@ import onceonly
 from onceonly.stores.postgres import PostgresStore, parse_postgres_url
 
 SERVER_URL = os.environ.get("ONCEONLY_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
-INSERT_COLUMNS = (
-    "key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until, "
-    "created_at, updated_at, args, history"
+# The floors' two statements, on a table named at use: the claim's INSERT and the settle's UPDATE.
+INSERT = (
+    "INSERT INTO {table} (key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, "
+    "lease_until, created_at, updated_at, args, history) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+)
+UPDATE = (
+    "UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
+    "expires_at=%s, updated_at=%s, history=%s WHERE key=%s AND version=%s"
 )
 
 
@@ -75,11 +80,7 @@ def floor(url: str, table: str = "public.onceonly_records") -> Callable[[int], N
     history_1, history_2 = floor_histories()
     prefix = uuid.uuid4().hex
     cur = conn.cursor()  # one cursor for all calls, as the store keeps one per connection
-    insert = f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
-    update = (
-        f"UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
-        "expires_at=%s, updated_at=%s, history=%s WHERE key=%s AND version=%s"
-    )
+    insert, update = INSERT.format(table=table), UPDATE.format(table=table)
 
     def run(i: int) -> None:
         key = f"default:bench.tool:{hashlib.sha256(f'{prefix}{i}'.encode()).hexdigest()[:32]}"
@@ -104,18 +105,11 @@ def wire_floor(url: str, table: str = "public.onceonly_records") -> Callable[[in
     _OPENED.append(conn)
     history_1, history_2 = (h.encode() for h in floor_histories())
     prefix = uuid.uuid4().hex
-    T, I4, I8, F8 = wire.TEXT, 23, wire.INT8, 701
+    T, I4, I8, F8 = wire.TEXT, wire.INT4, wire.INT8, wire.FLOAT8
     insert = wire.Statement(
-        "bench_floor_insert",
-        f"INSERT INTO {table} ({INSERT_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-        [T, T, T, T, T, I4, I8, I8, T, F8, F8, F8, T, T],
+        "bench_floor_insert", INSERT.format(table=table), [T, T, T, T, T, I4, I8, I8, T, F8, F8, F8, T, T]
     )
-    update = wire.Statement(
-        "bench_floor_update",
-        f"UPDATE {table} SET version=%s, state=%s, lease_owner=NULL, lease_until=NULL, result=%s, via=%s, "
-        "expires_at=%s, updated_at=%s, history=%s WHERE key=%s AND version=%s",
-        [I8, T, T, T, F8, F8, T, T, I8],
-    )
+    update = wire.Statement("bench_floor_update", UPDATE.format(table=table), [I8, T, T, T, F8, F8, T, T, I8])
     prepared: set[bytes] = set()
     i4, i8, f8 = wire.int4, wire.int8, wire.float8
 

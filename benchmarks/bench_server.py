@@ -8,12 +8,16 @@ cost of a first call: a replay is cheaper), round after round, interleaved so dr
 Two load shapes: one request at a time (latency), and 8 in flight (throughput).
 
     python benchmarks/bench.py --stores server            # or: python benchmarks/bench_server.py
+    python benchmarks/bench_server.py --rounds 60 --batch 50 --seconds 18
 
-``bench(rounds, batch, workdir)`` is bounded to about 30 s whatever it is asked.
+``bench(rounds, batch, workdir)`` takes about 30 s at most, whatever rounds and batch it is asked:
+rounds are clamped to 3 to 60, batches to 20 to 50, and no round starts after ``--seconds`` (18) of
+measuring.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 import select
@@ -83,7 +87,9 @@ async def _measure(client: httpx.AsyncClient, n: int, workers: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-async def _run(names: list[str], urls: list[str], rounds: int, batch: int) -> dict[int, dict[str, list[float]]]:
+async def _run(
+    names: list[str], urls: list[str], rounds: int, batch: int, budget: float
+) -> dict[int, dict[str, list[float]]]:
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     clients = [
         httpx.AsyncClient(
@@ -95,7 +101,7 @@ async def _run(names: list[str], urls: list[str], rounds: int, batch: int) -> di
     try:
         for c in clients:
             await _measure(c, 50, CONCURRENCY)  # warm-up: imports, connections, SQLite caches
-        deadline = time.monotonic() + TIME_BUDGET
+        deadline = time.monotonic() + budget
         for _ in range(rounds):
             for name, c in zip(names, clients, strict=True):
                 for workers in (1, CONCURRENCY):
@@ -152,7 +158,7 @@ async def _in_process(workdir: Path, n: int = 2000) -> dict[str, float]:
     return out
 
 
-def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
+def bench(rounds: int, batch: int, workdir: Path, budget: float = TIME_BUDGET) -> list[dict[str, object]]:
     """Measure; print a table; return rows (requests/s medians and the ratio to no middleware)."""
     # Small batches, many rounds: a burst of load from elsewhere on the machine then hits every
     # contender of a round alike, and the medians of per-round ratios stay comparable.
@@ -166,7 +172,7 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     services = [Service(name, workdir, *flags) for name, flags in specs]
     try:
         urls = [s.wait_ready() for s in services]
-        results = asyncio.run(_run([s.name for s in services], urls, rounds, batch))
+        results = asyncio.run(_run([s.name for s in services], urls, rounds, batch, budget))
     finally:
         for s in services:
             s.stop()
@@ -208,8 +214,18 @@ def _print(rows: list[dict[str, object]], batch: int) -> None:
     Console().print(table)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     import tempfile
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds (3-60)")
+    parser.add_argument("--batch", type=int, default=50, help="requests per contender per round (20-50)")
+    parser.add_argument("--seconds", type=float, default=TIME_BUDGET, help="stop starting rounds after this")
+    args = parser.parse_args(argv)  # before any server starts: --help starts none
     with tempfile.TemporaryDirectory(prefix="onceonly-bench-server-") as tmp:
-        bench(60, 50, Path(tmp))
+        bench(args.rounds, args.batch, Path(tmp), args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
