@@ -45,12 +45,6 @@ NOT_PREPARED = "26000"
 _ALREADY_PREPARED = "42P05"  # duplicate_prepared_statement
 
 
-def error_text(error: str | None) -> str | None:
-    """PostgreSQL text cannot hold NUL; an exception message might. Better a replaced character in a
-    message than a settle the store refuses."""
-    return error.replace("\x00", "\ufffd") if error is not None and "\x00" in error else error
-
-
 def _text(v: str | None) -> bytes | None:
     return None if v is None else v.encode()
 
@@ -59,14 +53,10 @@ def _float(v: float | None) -> bytes | None:
     return None if v is None else _F8.pack(v)
 
 
-def _error(v: str | None) -> bytes | None:
-    return None if v is None else error_text(v).encode()  # type: ignore[union-attr]
-
-
 #: How each Record field becomes a parameter, in field order.
 FIELD_ENCODERS: tuple[Callable[[Any], bytes | None], ...] = (
     str.encode, str.encode, str.encode, str.encode, _STATE_BYTES.__getitem__, int4, int8, int8, _text,
-    _float, _float, _float, _float, _float, _text, _error, str.encode, str.encode, _text, int4,
+    _float, _float, _float, _float, _float, _text, _text, str.encode, str.encode, _text, int4,
 )  # fmt: skip
 
 
@@ -79,7 +69,7 @@ def record_params(r: Record) -> list[bytes | None]:
         None if r.lease_until is None else f(r.lease_until),
         None if r.next_attempt_at is None else f(r.next_attempt_at),
         None if r.expires_at is None else f(r.expires_at), f(r.created_at), f(r.updated_at), _text(r.result_json),
-        _error(r.error), r.args_json.encode(), r.history_json.encode(), _text(r.via), _I4.pack(r.conflicts),
+        _text(r.error), r.args_json.encode(), r.history_json.encode(), _text(r.via), _I4.pack(r.conflicts),
     ]  # fmt: skip
 
 
