@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -885,3 +886,23 @@ def test_a_late_success_meeting_a_store_error_is_still_recorded(store_url: str, 
         ledger.close()
     assert flaky.raised == ["swap"], "the fault never hit the late write: the test proved nothing"
     assert rec.result == {"n": 1} and rec.conflicts == 0 and runs == [1]
+
+
+def test_a_sync_tools_probe_that_returns_an_awaitable_is_an_error_not_an_answer(ledger: Ledger) -> None:
+    """A sync tool's probe written as a lambda around an async function returns a coroutine, which a
+    sync call cannot await. It is a probe error (the outcome stays unsettled), never an answer: the
+    coroutine is not recorded as the result, nor taken as "found"."""
+
+    async def afind(args: dict[str, Any]) -> Any:
+        return onceonly.NOT_FOUND
+
+    @ledger.tool(name="lost", on_unknown="probe", probe=lambda args, key: afind(args), retry=Retry(attempts=2))
+    def lost(n: int) -> int:
+        raise ConnectionResetError("the answer was lost")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a coroutine never awaited would warn
+        with pytest.raises(onceonly.OnceOnlyError, match="returned an awaitable"):
+            lost(1)
+    rec = ledger.get(lost.key_for(1))
+    assert rec is not None and rec.state is not State.CONFIRMED and rec.result is None

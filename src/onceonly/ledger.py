@@ -950,9 +950,22 @@ class Ledger:
     def _probe(self, tool: _BaseTool[Any, Any], rec: Record) -> Probed:
         assert tool.probe is not None
         try:
-            return Probed(value=tool.probe(rec.args, rec.key))
+            value = tool.probe(rec.args, rec.key)
         except Exception as exc:
             return Probed(error=exc)
+        if inspect.isawaitable(value):
+            # A sync call cannot await it (a lambda around an async function escapes the decorator's
+            # check): taken as an answer, the awaitable itself would be recorded as the result.
+            close = getattr(value, "close", None)
+            if close is not None:
+                close()  # no "never awaited" warning
+            return Probed(
+                error=TypeError(
+                    f"the probe of {tool.name!r} returned an awaitable, and the tool is sync: make the probe "
+                    "a plain function, or the tool async"
+                )
+            )
+        return Probed(value=value)
 
     async def _aprobe(self, tool: _BaseTool[Any, Any], rec: Record) -> Probed:
         assert tool.probe is not None
