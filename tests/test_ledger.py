@@ -906,3 +906,50 @@ def test_a_sync_tools_probe_that_returns_an_awaitable_is_an_error_not_an_answer(
             lost(1)
     rec = ledger.get(lost.key_for(1))
     assert rec is not None and rec.state is not State.CONFIRMED and rec.result is None
+
+
+def test_a_lease_held_while_the_heartbeat_looks_is_beaten_in_time(sqlite_url: str) -> None:
+    """The heartbeat thread wakes on its own tick (a 6 s lease: every second) and, while it looks, a
+    tool with a 0.9 s lease starts. That lease must wake it (it is due long before the next tick), or
+    it runs out under the live tool and a second caller runs the tool again."""
+    stall, looking = threading.Event(), threading.Event()
+
+    def clock() -> float:
+        if stall.is_set() and threading.current_thread().name == "onceonly-heartbeat":
+            stall.clear()
+            looking.set()
+            time.sleep(0.3)  # the thread is between its snapshot and setting its next wake
+        return time.time()
+
+    ledger = Ledger.open(sqlite_url, clock=clock)
+    other = Ledger.open(sqlite_url)
+    runs: list[str] = []
+
+    @ledger.tool(name="long", lease=6.0)
+    def long_one(n: int) -> None:
+        time.sleep(3.0)
+
+    def short(n: int) -> str:
+        runs.append("short")
+        time.sleep(1.6)
+        return "done"
+
+    short_here = ledger.tool(name="short", lease=0.9)(short)
+    short_there = other.tool(name="short", lease=0.9, on_unknown="retry", wait=0)(short)
+    background = [threading.Thread(target=long_one, args=(1,))]
+    try:
+        background[0].start()
+        time.sleep(0.5)
+        stall.set()  # the thread's next look, on its own tick at ~1 s, stalls
+        assert looking.wait(5)
+        background.append(threading.Thread(target=short_here, args=(1,)))
+        background[1].start()
+        time.sleep(1.2)  # past the 0.9 s lease if no beat came
+        with pytest.raises(InProgress):
+            short_there(1)
+    finally:
+        for thread in background:
+            thread.join()
+        ledger.close()
+        other.close()
+    assert runs == ["short"]

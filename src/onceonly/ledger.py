@@ -13,6 +13,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import os
 import random
 import socket
@@ -165,6 +166,9 @@ class _Heartbeats:
 
     def _run(self) -> None:
         while not self._closed:
+            # While it looks, any new lease wakes it: the last look's wake time is stale by now, and a
+            # lease held after the snapshot below would otherwise wait a whole tick of the others.
+            self._next_wake = math.inf
             leases = list(self._leases)
             now = self._clock()
             tick = max(0.01, min(lease.seconds for lease in leases) / 6) if leases else 1.0
