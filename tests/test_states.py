@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from onceonly import states as st
-from onceonly.states import HISTORY_LIMIT, IllegalTransition, State
-
-NOW = 1_800_000_000.0
+from onceonly.states import ALLOWED, HISTORY_LIMIT, IllegalTransition, State
+from tests._clock import NOW
 
 
 def held(fence: int = 1) -> st.Record:
@@ -70,3 +71,16 @@ def test_late_success_rules() -> None:
     failed = st.fail(held(fence=2), error="refused", now=NOW, retry_at=None, ttl=None, by=None)
     truth = st.late_success(failed, fence=1, result_json="1", now=NOW, ttl=None, by=None)
     assert (truth.state, truth.result, truth.conflicts) == (State.CONFIRMED, 1, 1)
+
+
+def test_the_design_pages_transition_table_is_allowed() -> None:
+    """docs/design.md#states shows the transitions a reader can check; they must be ALLOWED's, exactly."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    table = page[page.index("### Transitions") : page.index("A state moving to itself")]
+    shown: dict[State, frozenset[State]] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            targets = frozenset(State(t.strip(" `")) for t in cells[1].split(","))
+            shown[State(cells[0].strip("`"))] = targets
+    assert shown == dict(ALLOWED)

@@ -1,9 +1,9 @@
 """Retry policy and exception classification. Pure, no I/O.
 
 Classification answers one question about a failed attempt: could the side effect have happened?
-DESIGN.md section 4: connect errors → not sent (safe to retry); read/write timeouts, resets, 500/502/504
-→ unknown (must be settled); 408/429/503 → not executed (retry after ``Retry-After``); other 4xx and
-the tool's own errors → a definite failure.
+Connect errors → not sent (safe to retry); read/write timeouts, resets, 500/502/504 → unknown (must
+be settled); 408/429/503 → not executed (retry after ``Retry-After``); other 4xx and the tool's own
+errors → a definite failure (docs/design.md#classifying-a-failed-attempt).
 """
 
 from __future__ import annotations

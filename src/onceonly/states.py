@@ -2,7 +2,7 @@
 
 A store applies a transition as a compare-and-set on ``version``: read a record, compute the next one
 here, write it only if nobody wrote in between. Each function returns a new ``Record``; none mutates.
-DESIGN.md section 3 is the contract; ``ALLOWED`` below is that table in code.
+docs/design.md#states has the states and their transitions; ``ALLOWED`` below is that table in code.
 """
 
 from __future__ import annotations

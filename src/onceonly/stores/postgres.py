@@ -89,7 +89,7 @@ _ALL, _COUNT = 1, 2  # what _run returns of a statement: all its rows, or its ro
 
 def _installed_version() -> str:
     """This onceonly's version, for the schema's ``installed_by``: read from the installed package's
-    metadata, not from ``onceonly/__init__.py``, which sits layers above the stores (DESIGN.md 10)."""
+    metadata, not from ``onceonly/__init__.py``, which sits layers above the stores (docs/design.md#layers)."""
     try:
         return importlib.metadata.version("onceonly")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
