@@ -14,12 +14,13 @@ One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`
 Methods outside ``key_methods`` (GET…) carry no key and follow the same rules, except on an unknown
 outcome: only the safe methods (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) are sent again then.
 
-Errors are classified by ``onceonly.classify`` (docs/design.md#classifying-a-failed-attempt). Backoff is exponential with
-full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a guarded tool the key is the
-ledger's (``onceonly.current_call().key``), so a retry by the ledger, after a crash or by another
-process, sends the same key; and a tool declared ``reports_dispatch=True`` is marked sent
-(``pending`` → ``in_flight``) just before the request is handed to httpx (so before its DNS lookup
-and connect: a crash there is treated as possibly sent, the safe side).
+Errors are classified by ``onceonly.classify`` (docs/design.md#classifying-a-failed-attempt).
+Backoff is exponential with full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a
+guarded tool the key is the ledger's (``onceonly.current_call().key``), so a retry by the ledger,
+after a crash or by another process, sends the same key; and a tool declared
+``reports_dispatch=True`` is marked sent (``pending`` → ``in_flight``) just before the request is
+handed to httpx (so before its DNS lookup and connect: a crash there is treated as possibly sent,
+the safe side).
 
 Needs the ``http`` extra (httpx). See docs/http.md.
 """
