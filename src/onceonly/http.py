@@ -18,9 +18,9 @@ Errors are classified by ``onceonly.classify`` (docs/design.md#classifying-a-fai
 Backoff is exponential with full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a
 guarded tool the key is the ledger's (``onceonly.current_call().key``), so a retry by the ledger,
 after a crash or by another process, sends the same key; and a tool declared
-``reports_dispatch=True`` is marked sent (``pending`` → ``in_flight``) just before the request is
-handed to httpx (so before its DNS lookup and connect: a crash there is treated as possibly sent,
-the safe side).
+``reports_dispatch=True`` is marked sent (``pending`` → ``in_flight``) just before a request that
+may change something (any method but ``SAFE_METHODS``, keyed or not) is handed to httpx (so before
+its DNS lookup and connect: a crash there is treated as possibly sent, the safe side).
 
 Needs the ``http`` extra (httpx). See docs/http.md.
 """

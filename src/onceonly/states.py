@@ -68,8 +68,6 @@ ALLOWED: Mapping[State, frozenset[State]] = {
     State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT}),
 }
 
-#: Each state's JSON string (Enum.value is a descriptor call; this runs twice per guarded call).
-_QUOTED = {s: f'"{s.value}"' for s in State}
 
 #: How many transitions a record keeps in its history; older ones are dropped.
 HISTORY_LIMIT = 32
@@ -159,6 +157,8 @@ class Record:
         }
 
 
+#: Each state's JSON string, and null for "no state" (Enum.value is a descriptor call; this runs
+#: twice per guarded call).
 _FROM: dict[State | None, str] = {s: f'"{s.value}"' for s in State}
 _FROM[None] = "null"
 _REASONS: dict[str, str] = {}  # reason → its JSON member; the hot path's reasons are a few constants
@@ -188,7 +188,7 @@ def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by
         if len(_REASONS) < 1024:  # reasons that carry errors vary: keep the cache bounded
             _REASONS[reason] = why
     who = f',"by":{_quote(by if by.isascii() else _storable(by))}' if by else ""
-    return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_QUOTED[to]},"fence":{fence}{why}{who}}}'
+    return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_FROM[to]},"fence":{fence}{why}{who}}}'
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
