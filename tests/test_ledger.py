@@ -49,6 +49,15 @@ def _wait_for(ledger: Ledger, key: str, done: Any) -> Any:
     raise AssertionError(f"{key}: never reached the expected state; last {ledger.get(key)}")
 
 
+def _join_workers(tool: str) -> None:
+    """Wait (up to 5 s each) for the worker threads of ``tool``'s timed-out attempts: a late outcome is
+    recorded in its worker before the thread ends."""
+    for thread in threading.enumerate():
+        if thread.name == f"onceonly-{tool}"[:60]:
+            thread.join(5)
+            assert not thread.is_alive(), f"{thread.name} still runs"
+
+
 def test_first_call_runs_then_replays(ledger: Ledger) -> None:
     """The tool runs once; the same call again returns the recorded result without running it."""
     runs: list[str] = []
@@ -617,8 +626,7 @@ def test_late_result_after_a_resend_is_counted_as_a_conflict(real_ledger: Ledger
         return len(executions)
 
     assert slow_first() == 2
-    time.sleep(0.6)
-    rec = real_ledger.get(slow_first.key_for())
+    rec = _wait_for(real_ledger, slow_first.key_for(), lambda r: r.conflicts == 1)  # the late answer
     assert rec is not None and rec.state is State.CONFIRMED
     assert len(executions) == 2 and rec.conflicts == 1 and rec.result == 2 and rec.fence == 2
 
@@ -670,7 +678,7 @@ def test_late_failure_of_a_superseded_attempt_changes_nothing(real_ledger: Ledge
         return len(executions)
 
     assert slow_refusal() == 2
-    time.sleep(0.6)  # the first attempt's failure has arrived and been handled
+    _join_workers("slow_refusal")  # the first attempt's failure has arrived and been handled
     rec = _wait_for(real_ledger, slow_refusal.key_for(), lambda r: r.state is State.CONFIRMED)
     assert rec.result == 2 and rec.fence == 2 and rec.conflicts == 0
     assert [h["to"] for h in rec.history][-1] == "confirmed"
