@@ -18,6 +18,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import compress
@@ -107,6 +108,10 @@ def parse_sqlite_url(url: str) -> tuple[Path, dict[str, str]]:
     return Path(path), opts
 
 
+class _Connection(sqlite3.Connection):
+    """A connection the store can hold weakly (``sqlite3.Connection`` itself takes no weak reference)."""
+
+
 class SQLiteStore:
     """An onceonly ledger in one SQLite file.
 
@@ -126,7 +131,9 @@ class SQLiteStore:
             raise ValueError(f"synchronous={sync.lower()!r} in {url!r}: use normal or full")
         self.synchronous = sync
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        # Weak: a thread that ends drops its thread-local connection, which then closes; a strong list
+        # kept every ended thread's connection (its files and page cache) open until close().
+        self._all: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +153,7 @@ class SQLiteStore:
         # (one of the second session's cuts to the guard's Python, docs/benchmarks.md).
         self._local.cursor = conn.cursor()
         with self._lock:
-            self._all.append(conn)
+            self._all.add(conn)
         return conn
 
     def _cursor(self) -> sqlite3.Cursor:
@@ -157,9 +164,11 @@ class SQLiteStore:
             cursor = self._local.cursor
         return cursor
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self) -> _Connection:
         try:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False, factory=_Connection
+            )
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"cannot open the ledger file {self.path}: {exc}") from exc
         try:
@@ -354,7 +363,7 @@ class SQLiteStore:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            conns, self._all = self._all, []
+            conns, self._all = list(self._all), weakref.WeakSet()
         for conn in conns:
             with contextlib.suppress(sqlite3.Error):  # closing a broken connection
                 conn.close()

@@ -1,0 +1,49 @@
+"""SQLite-specific behaviour (the shared semantics are in test_conformance.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from onceonly.stores import Query
+from onceonly.stores.sqlite import SQLiteStore
+from tests.stores._records import make
+
+
+def _open_files(path: Path) -> int:
+    """How many of this process's file descriptors are the ledger file, its WAL or its shared memory."""
+    names = {str(path), f"{path}-wal", f"{path}-shm"}
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") in names
+        except OSError:
+            continue  # closed since the listing
+    return count
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts open files through /proc/self/fd")
+def test_a_thread_that_ends_takes_its_connection_with_it(tmp_path: Path) -> None:
+    """Each thread gets a connection of its own; when the thread ends, its connection is released.
+    Kept until close(), 20 short-lived threads (a thread per task) held 20 connections and their page
+    caches (up to 64 MiB each). SQLite keeps a closed connection's file open while another connection
+    of the process holds locks on the file (POSIX locks would be lost), so files are counted only at
+    close(); the live connections are what the store still holds."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        assert store.insert(make("main"))  # this thread's connection, and the WAL, exist now
+        threads = [threading.Thread(target=store.insert, args=(make(f"t{i}"),)) for i in range(20)]
+        for thread in threads:
+            thread.start()
+            thread.join()
+        gc.collect()
+        assert len(store._all) == 1  # this thread's; the ended threads' are closed
+        assert len(store.scan(Query(limit=100))) == 21  # every write landed
+    finally:
+        store.close()
+    assert _open_files(store.path) == 0  # close() closed what was left
