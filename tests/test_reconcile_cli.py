@@ -28,7 +28,8 @@ from onceonly import Ledger, State
 from onceonly.cli import cli
 from onceonly.settle import load_ledger
 from onceonly.settle_cli import parse_duration
-from onceonly.states import Record
+from onceonly.states import HELD, Record
+from onceonly.stores import open_store
 from tests._settling import dead_holder
 
 APP_DIR = Path(__file__).parent / "demo"
@@ -371,6 +372,22 @@ def test_sigkilled_agents_then_reconcile(sqlite_url: str, tmp_path: Path) -> Non
     _finish_and_check(sqlite_url, effects, ops, env)
 
 
+def _wait_until_none_held(url: str, timeout: float = 30.0) -> None:
+    """Poll the ledger until no record is held (pending or in_flight): with every agent gone, only the
+    reconcilers can move the dead agents' records on once their leases run out."""
+    store = open_store(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = store.count_by_state()
+            if not any(counts.get(s, 0) for s in HELD):
+                return
+            assert time.monotonic() < deadline, f"records still held after {timeout} s: {counts}"
+            time.sleep(0.05)
+    finally:
+        store.close()
+
+
 @pytest.mark.slow
 def test_two_reconcilers_and_four_agents_at_once(store_url: str, tmp_path: Path) -> None:
     """Two `reconcile --every` processes race four agents (faults, SIGKILLs) on each store: exactly once."""
@@ -390,7 +407,7 @@ def test_two_reconcilers_and_four_agents_at_once(store_url: str, tmp_path: Path)
     ]
     try:
         _agents(env, ops, kills)
-        time.sleep(LEASE + 0.3)  # the last killed agent's lease runs out while the reconcilers run
+        _wait_until_none_held(store_url)  # the killed agents' leases ran out and the reconcilers settled them
     finally:
         for proc in reconcilers:
             proc.send_signal(signal.SIGTERM)
