@@ -47,6 +47,7 @@ from _harness import (
 )
 
 import onceonly
+import onceonly.stores.redis as redis_store
 from onceonly.stores.redis import RedisStore
 
 URL = os.environ.get("ONCEONLY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -283,8 +284,6 @@ def _strip(ledger: onceonly.Ledger, variant: str) -> onceonly.Ledger:
 
     The server loads them on their first run (the store's NOSCRIPT path), in guarded_pair's warm-up.
     """
-    import onceonly.stores.redis as redis_store
-
     store = ledger.store
     assert isinstance(store, RedisStore)
     store._claim = store._client.register_script(_stripped(redis_store._CLAIM, variant, "claim"))
@@ -319,10 +318,60 @@ def scripts_floor(store: RedisStore, prefix: str) -> Callable[[int], None]:
     return run
 
 
+def store_scripts(store: RedisStore, prefix: str) -> Callable[[int], None]:
+    """The store's own claim and settle scripts, all indexes kept, with no guard around them: the
+    arguments of one claimed and one settled record are built once (the stored value holds no key, so
+    it fits every key), and each call sends only the two ``EVALSHA``. What the scripts cost on the
+    wire and in the server, before any of the guard's or the store's Python."""
+    from onceonly import states as st
+
+    now = time.time()
+    claimed = st.new_record(
+        key="bench", scope="default", tool="bench.tool", fingerprint="f" * 64, args_json='{"i":0}',
+        state=st.State.IN_FLIGHT, owner="h:1:1", now=now, lease_seconds=30,
+    )  # fmt: skip
+    settled = st.confirm(claimed, result_json='{"ok":true,"i":0}', now=now, ttl=86400, via="run", by="h:1:1")
+    claim_args = (redis_store._head(claimed), redis_store._encode(claimed), claimed.args_json)
+    swap_args = redis_store._swap_args(settled, claimed)
+    claim, swap = store._claim, store._swap
+
+    def run(i: int) -> None:
+        keys = store._keys(f"default:bench.tool:{i:032d}")
+        store._script(claim, keys, claim_args)
+        store._script(swap, keys, swap_args)
+
+    return run
+
+
+def guard_on_floor(store: RedisStore, prefix: str, ledgers: ExitStack) -> Callable[[int], None]:
+    """The guard's own Python on the floor's path: ``@ledger.tool`` on bench_guard's in-memory dict,
+    whose claim and settle each also send the floor's ``SET`` below redis-py. What the guard's Python
+    costs in place, between blocking round trips, where it runs several times slower than in
+    bench_guard's tight loop (caches gone cold while the process waited)."""
+    from bench_guard import DictStore
+
+    history_1, history_2 = floor_histories()
+
+    class OnFloor(DictStore):
+        def claim(self, record: onceonly.Record) -> onceonly.Record | None:
+            t = time.time()
+            store._command("SET", f"{prefix}:g:{record.key}", json.dumps([*_claimed(t, history_1), "{}"]), "NX")
+            return super().claim(record)
+
+        def swap(self, record: onceonly.Record, expected: onceonly.Record) -> bool:
+            t = time.time()
+            store._command("SET", f"{prefix}:g:{record.key}", json.dumps([*_settled(0, t, history_2), "{}"]))
+            return super().swap(record, expected)
+
+    ledger = ledgers.enter_context(onceonly.Ledger(OnFloor()))
+    return guarded_pair(ledger.tool(name="bench.tool")(tool_body))[0].run
+
+
 def decompose(rounds: int, batch: int) -> list[dict[str, object]]:
-    """One run, six contenders, each adding one cost to the one before: the floor, the floor below
-    redis-py, two minimal scripts, the guarded call on scripts that keep no index, on scripts that keep
-    only the indexes the issue asks for, and the guarded call."""
+    """One run, eight contenders: the floor, the floor below redis-py, two minimal scripts; the guard's
+    Python alone on the floor's path and the store's scripts alone (each one half of a guarded call);
+    then the guarded call on scripts that keep no index, on scripts that keep only the indexes the issue
+    asks for, and the guarded call."""
     with _run_prefix() as prefix, ExitStack() as ledgers:  # the ledgers close before the keys go
         ledger = ledgers.enter_context(onceonly.Ledger.open(_url(prefix)))
         stripped = [
@@ -337,6 +386,8 @@ def decompose(rounds: int, batch: int) -> list[dict[str, object]]:
             Contender("floor: 2 raw round trips", floor(store, prefix)),
             Contender("same 2 SET below redis-py's client", floor(store, f"{prefix}:direct", direct=True)),
             Contender("2 minimal scripts (record only)", scripts_floor(store, prefix)),
+            Contender("the guard's Python on a dict + the same 2 SET", guard_on_floor(store, prefix, ledgers)),
+            Contender("the store's 2 scripts, no guard", store_scripts(store, prefix)),
         ]
         for other, name in stripped:
             first, _ = guarded_pair(other.tool(name="bench.tool")(tool_body))
