@@ -8,6 +8,7 @@ real SQLite store: whatever landed, the tool runs exactly once and every caller 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,6 +17,7 @@ import pytest
 
 from onceonly import Ledger, State
 from onceonly.errors import StoreUnavailable
+from onceonly.events import TransitionEvent
 from onceonly.states import Record
 from onceonly.stores.sqlite import SQLiteStore
 
@@ -96,6 +98,8 @@ FAULTS = [
 def test_a_write_that_fails_mid_way_runs_the_tool_once(tmp_path: Path, faults: list[str], driver: str) -> None:
     store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
     ledger = Ledger(store)  # type: ignore[arg-type]
+    events: list[TransitionEvent] = []
+    ledger.subscribe(events.append)
     runs: list[int] = []
     try:
         if driver == "sync":
@@ -122,5 +126,8 @@ def test_a_write_that_fails_mid_way_runs_the_tool_once(tmp_path: Path, faults: l
         assert first == again == {"id": 7}
         rec = store.inner.get(ledger.tools["create"].key_for(7))
         assert rec is not None and rec.state is State.CONFIRMED and rec.attempts == 1
+        # Every transition written is announced once, also a write whose answer was lost but landed.
+        written = [(e["from"], e["to"]) for e in json.loads(rec.history_json)]
+        assert [(e.from_state, e.to_state) for e in events] == written
     finally:
         ledger.close()

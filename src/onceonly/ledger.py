@@ -728,6 +728,7 @@ class Ledger:
     ) -> T:
         send: Any = None
         error: BaseException | None = None
+        lost: Record | None = None  # a write whose answer the store lost
         store = self.store
         while True:
             try:
@@ -744,6 +745,9 @@ class Ledger:
                         emit(action.record, self._listeners)  # type: ignore[union-attr]
                 elif kind is Get:
                     send = store.get(action.key)  # type: ignore[union-attr]
+                    if lost is not None:
+                        self._emit_if_landed(lost, send)
+                        lost = None
                 elif kind is Swap or kind is Insert:
                     rec = action.record  # type: ignore[union-attr]
                     ok = store.swap(rec, action.expected) if kind is Swap else store.insert(rec)  # type: ignore[union-attr]
@@ -763,6 +767,9 @@ class Ledger:
                     send = None
             except StoreError as exc:
                 error = exc
+                if kind is Claim or kind is Insert or kind is Swap:
+                    # The plan re-reads next (it never guesses); if this write landed, it is announced then.
+                    lost = action.record  # type: ignore[union-attr]
 
     async def _adrive(
         self,
@@ -774,6 +781,7 @@ class Ledger:
     ) -> T:
         send: Any = None
         error: BaseException | None = None
+        lost: Record | None = None  # a write whose answer the store lost
         store: Any = self.store
         while True:
             try:
@@ -790,6 +798,9 @@ class Ledger:
                         emit(action.record, self._listeners)  # type: ignore[union-attr]
                 elif kind is Get:
                     send = await store.aget(action.key)  # type: ignore[union-attr]
+                    if lost is not None:
+                        self._emit_if_landed(lost, send)
+                        lost = None
                 elif kind is Swap or kind is Insert:
                     rec = action.record  # type: ignore[union-attr]
                     ok = await (store.aswap(rec, action.expected) if kind is Swap else store.ainsert(rec))  # type: ignore[union-attr]
@@ -809,6 +820,15 @@ class Ledger:
                     send = None
             except StoreError as exc:
                 error = exc
+                if kind is Claim or kind is Insert or kind is Swap:
+                    # The plan re-reads next (it never guesses); if this write landed, it is announced then.
+                    lost = action.record  # type: ignore[union-attr]
+
+    def _emit_if_landed(self, written: Record, now_stored: Record | None) -> None:
+        """At the plan's re-read after a write whose answer was lost: announce the write if it landed,
+        as every transition this process writes is (``subscribe``)."""
+        if landed(written, now_stored) and self._observed():
+            emit(written, self._listeners)
 
     # --- running a tool ------------------------------------------------------------------------------
 
