@@ -1,7 +1,7 @@
 """PostgreSQL: the guard's per-call cost next to two raw round trips on the ledger's own table.
 
 Every run makes its own database (``onceonly_bench_<random>``) on the server of
-ONCEONLY_TEST_POSTGRES_URL (default postgresql://127.0.0.1:5432/postgres) and drops it at the end.
+ONCEONLY_BENCH_POSTGRES_URL (default postgresql://127.0.0.1:5432/postgres) and drops it at the end.
 
     python benchmarks/bench.py --stores postgres            # the default table, with the others
     python benchmarks/bench_postgres.py                     # the same, PostgreSQL only
@@ -37,7 +37,7 @@ from _harness import Contender, floor_histories, guarded_pair, interleave, repor
 import onceonly
 from onceonly.stores.postgres import PostgresStore, parse_postgres_url
 
-SERVER_URL = os.environ.get("ONCEONLY_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
+SERVER_URL = os.environ.get("ONCEONLY_BENCH_POSTGRES_URL", "postgresql://127.0.0.1:5432/postgres")
 # The floors' two statements, on a table named at use: the claim's INSERT and the settle's UPDATE.
 INSERT = (
     "INSERT INTO {table} (key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, "

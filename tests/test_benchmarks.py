@@ -66,7 +66,7 @@ def fixture_server_env(request: pytest.FixtureRequest) -> dict[str, str]:
         env["ONCEONLY_BENCH_PREFIX_BASE"] = f"onceonly-test-{RUN_ID}-bench-{uuid.uuid4().hex[:8]}"
     if request.node.get_closest_marker("postgres"):
         # bench_postgres makes (and drops) a database of its own on the server this URL points to.
-        env["ONCEONLY_TEST_POSTGRES_URL"] = request.getfixturevalue("postgres_database_url")
+        env["ONCEONLY_BENCH_POSTGRES_URL"] = request.getfixturevalue("postgres_database_url")
     return env
 
 
