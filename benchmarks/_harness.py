@@ -220,7 +220,7 @@ def store_main(
     if decompose is not None:
         parser.add_argument("--decompose", action="store_true", help="where a first call's time goes")
     args = parser.parse_args(argv)
-    if getattr(args, "decompose", False):
+    if decompose is not None and args.decompose:
         decompose(args.rounds, args.batch)
     elif args.throughput:
         throughput_table(args.throughput, args.seconds, args.throughput_rounds)

@@ -112,12 +112,12 @@ def powertools(prefix: str) -> tuple[Callable[[int], object], Callable[[int], ob
     client = redis.Redis.from_url(
         URL, retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), socket_timeout=5, single_connection_client=True
     )
-    layer = RedisCachePersistenceLayer(client=client)
+    layer = RedisCachePersistenceLayer(client=client)  # type: ignore[arg-type]  # its protocol is narrower than redis-py's stubs
     config = IdempotencyConfig(expires_after_seconds=86400)
     # Outside Lambda it warns on every call that it cannot tell the remaining time; not our concern.
     warnings.filterwarnings("ignore", message="Couldn't determine the remaining time left")
 
-    @idempotent_function(data_keyword_argument="order", persistence_store=layer, config=config, key_prefix=prefix)
+    @idempotent_function(data_keyword_argument="order", persistence_store=layer, config=config, key_prefix=prefix)  # type: ignore[untyped-decorator]
     def tool(order: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "i": order["i"]}
 
@@ -210,7 +210,8 @@ def _make_call(kind: str, worker: int) -> Callable[[int], object]:
     prefix = os.environ[_PREFIX_ENV]
     store = RedisStore(_url(prefix))
     if kind == "guarded":
-        return onceonly.Ledger(store).tool(name="bench.tool")(tool_body)
+        guarded: Callable[[int], object] = onceonly.Ledger(store).tool(name="bench.tool")(tool_body)
+        return guarded
     return floor(store, f"{prefix}:{worker}")
 
 
@@ -260,7 +261,7 @@ def preload(records: int, rounds: int, batch: int) -> list[dict[str, object]]:
 # reconciler and purge find nothing. They exist only for the rows of --decompose.
 _ALL_KEYS = "redis.call('ZADD', KEYS[2], 0, key)"
 _COUNTERS = ("if old then redis.call('HINCRBY', KEYS[6], old, -1) end", "redis.call('HINCRBY', KEYS[6], new, 1)")
-_STRIPPED = {
+_STRIPPED: dict[str, dict[str, tuple[str, ...]]] = {
     # The record's compare-and-set alone: the least a ledger with one script per transition does.
     "record only": {
         "claim": ("reindex(false, s, lease, expiry)", _ALL_KEYS),
@@ -343,7 +344,7 @@ def store_scripts(store: RedisStore, prefix: str) -> Callable[[int], None]:
     return run
 
 
-def guard_on_floor(store: RedisStore, prefix: str, ledgers: ExitStack) -> Callable[[int], None]:
+def guard_on_floor(store: RedisStore, prefix: str, ledgers: ExitStack) -> Callable[[int], object]:
     """The guard's own Python on the floor's path: ``@ledger.tool`` on bench_guard's in-memory dict,
     whose claim and settle each also send the floor's ``SET`` below redis-py. What the guard's Python
     costs in place, between blocking round trips, where it runs several times slower than in

@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -119,10 +120,10 @@ async def _in_process(workdir: Path, n: int = 2000) -> dict[str, float]:
     from onceonly.server import IdempotencyMiddleware
     from onceonly.stores import open_store
 
-    async def app(scope: dict[str, object], receive: object, send: object) -> None:
-        await receive()  # type: ignore[operator]
-        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]})  # type: ignore[operator]
-        await send({"type": "http.response.body", "body": b'{"id":1}'})  # type: ignore[operator]
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"id":1}'})
 
     store = open_store(f"sqlite:///{workdir / 'inproc-keys.db'}")
     variants = {

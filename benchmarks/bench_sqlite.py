@@ -75,7 +75,8 @@ def _make_call(kind: str, worker: int) -> Callable[[int], object]:
         return floor(workdir / "floor.db")
     ledger = onceonly.Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
     # A tool name of its own per process: every round's calls are first calls, never replays.
-    return ledger.tool(name=f"bench.tool.{worker}.{uuid.uuid4().hex[:8]}")(tool_body)
+    guarded: Callable[[int], object] = ledger.tool(name=f"bench.tool.{worker}.{uuid.uuid4().hex[:8]}")(tool_body)
+    return guarded
 
 
 def throughput_table(processes: int, seconds: float, rounds: int) -> None:
