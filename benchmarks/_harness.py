@@ -7,7 +7,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from onceonly.states import Record
 
 
 @dataclass
@@ -24,16 +27,22 @@ def tool_body(i: int) -> dict[str, object]:
     return {"ok": True, "i": i}
 
 
-def floor_histories() -> tuple[str, str]:
-    """The history JSON of a floor's record once claimed and once settled: the ledger's own shape."""
+def bench_records(args_json: str = "{}", result_json: str = "{}") -> tuple[Record, Record]:
+    """A record of the ledger's own shape, once claimed and once settled (for the floors' writes)."""
     from onceonly import states as st
 
     now = time.time()
     claimed = st.new_record(
-        key="bench", scope="default", tool="bench.tool", fingerprint="f" * 64, args_json="{}",
+        key="bench", scope="default", tool="bench.tool", fingerprint="f" * 64, args_json=args_json,
         state=st.State.IN_FLIGHT, owner="h:1:1", now=now, lease_seconds=30,
     )  # fmt: skip
-    settled = st.confirm(claimed, result_json="{}", now=now, ttl=86400, via="run", by="h:1:1")
+    settled = st.confirm(claimed, result_json=result_json, now=now, ttl=86400, via="run", by="h:1:1")
+    return claimed, settled
+
+
+def floor_histories() -> tuple[str, str]:
+    """The history JSON of a floor's record once claimed and once settled: the ledger's own shape."""
+    claimed, settled = bench_records()
     return claimed.history_json, settled.history_json
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from _harness import (
     Contender,
+    bench_records,
     floor_histories,
     guarded_pair,
     interleave,
@@ -324,14 +325,7 @@ def store_scripts(store: RedisStore, prefix: str) -> Callable[[int], None]:
     arguments of one claimed and one settled record are built once (the stored value holds no key, so
     it fits every key), and each call sends only the two ``EVALSHA``. What the scripts cost on the
     wire and in the server, before any of the guard's or the store's Python."""
-    from onceonly import states as st
-
-    now = time.time()
-    claimed = st.new_record(
-        key="bench", scope="default", tool="bench.tool", fingerprint="f" * 64, args_json='{"i":0}',
-        state=st.State.IN_FLIGHT, owner="h:1:1", now=now, lease_seconds=30,
-    )  # fmt: skip
-    settled = st.confirm(claimed, result_json='{"ok":true,"i":0}', now=now, ttl=86400, via="run", by="h:1:1")
+    claimed, settled = bench_records('{"i":0}', '{"ok":true,"i":0}')
     claim_args = (redis_store._head(claimed), redis_store._encode(claimed), claimed.args_json)
     swap_args = redis_store._swap_args(settled, claimed)
     claim, swap = store._claim, store._swap
