@@ -392,6 +392,28 @@ def test_unserialisable_result_is_kept_described(ledger: Ledger) -> None:
     assert replay.result["$unserializable"] == "set"
 
 
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+@pytest.mark.parametrize("value", [_Unprintable(), 10**5000], ids=["broken-repr", "int-too-long-to-print"])
+def test_a_result_that_cannot_even_be_printed_is_still_kept_described(ledger: Ledger, value: object) -> None:
+    """Neither JSON nor repr(): the side effect happened, so the first caller still gets the value and
+    the record is confirmed with its type. Before, repr's own error reached the caller and the record
+    stayed in_flight."""
+
+    @ledger.tool(name="odd")
+    def odd() -> object:
+        return value
+
+    assert odd() is value
+    replay = odd.outcome()
+    assert replay.state is State.CONFIRMED and replay.replayed
+    assert replay.result["$unserializable"] == type(value).__name__
+    assert replay.result["repr"].startswith("<repr failed: ")
+
+
 def test_decode_on_replay(ledger: Ledger) -> None:
     """decode= turns the stored JSON back into the caller's type on a replay."""
 

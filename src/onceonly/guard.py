@@ -213,7 +213,11 @@ def encode_result(value: Any, key: str) -> str:
         return canonical_json(value, path="result")
     except NotSerializable as exc:
         log.warning("onceonly %s: result is not JSON-serialisable (%s); a description is recorded", key, exc)
-        return canonical_json({"$unserializable": type(value).__name__, "repr": repr(value)[:2000]})
+        try:
+            shown = repr(value)[:2000]
+        except Exception as failed:  # a broken __repr__, an int too long to print: the type must do
+            shown = f"<repr failed: {_err_text(failed)[:200]}>"
+        return canonical_json({"$unserializable": type(value).__name__, "repr": shown})
 
 
 def _err_text(exc: BaseException) -> str:
