@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -129,5 +130,52 @@ def test_a_write_that_fails_mid_way_runs_the_tool_once(tmp_path: Path, faults: l
         # Every transition written is announced once, also a write whose answer was lost but landed.
         written = [(e["from"], e["to"]) for e in json.loads(rec.history_json)]
         assert [(e.from_state, e.to_state) for e in events] == written
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize("refused", ["claim", "settle"])
+def test_a_store_that_keeps_refusing_writes_ends_the_call_with_its_error(
+    tmp_path: Path, refused: str, driver: str
+) -> None:
+    """A store that fails every write while its reads work (a read-only server after a failover, a
+    lock, a constraint) must not be asked again and again: a few pauses, then its error, saying
+    whether the tool ran. Before, the plan took each unchanged re-read for a lost race and wrote again
+    at once, forever."""
+    faults = ["claim:before", *["insert:before"] * 10] if refused == "claim" else ["swap:before"] * 10
+    store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
+    ledger = Ledger(store)  # type: ignore[arg-type]
+    runs: list[int] = []
+    try:
+        if driver == "sync":
+
+            @ledger.tool(name="create")
+            def create(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            call: Callable[[], Any] = lambda: create(7)  # noqa: E731
+        else:
+
+            @ledger.tool(name="create")
+            async def acreate(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            call = lambda: asyncio.run(acreate(7))  # noqa: E731
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="refused 4 writes") as err:
+            call()
+        assert time.monotonic() - start < 5, "a bounded number of short pauses"
+        assert len(store.injected) == 4, "the first write and three more, no spin"
+        rec = store.inner.get(ledger.tools["create"].key_for(7))
+        if refused == "claim":
+            assert runs == [] and rec is None
+            assert "did not run the tool" in str(err.value)
+        else:
+            assert runs == [7], "the tool ran once"
+            assert "this call ran the tool" in str(err.value)
+            assert rec is not None and rec.state is State.IN_FLIGHT, "held until its lease runs out"
     finally:
         ledger.close()

@@ -282,3 +282,41 @@ def test_cut_connections_lose_nothing_and_repeat_nothing(
         )
     finally:
         ledger.close()
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_read_only_postgresql_refuses_the_claim_and_the_call_says_so(postgres_database_url: str, face: str) -> None:
+    """A server that takes reads but refuses writes (a standby after a failover; here this ledger's
+    own connections, through libpq's ``options``): the call ends with a clear StoreUnavailable after a
+    few pauses, the tool never ran, and the store was not hammered. Before, the guard took each
+    unchanged re-read for a lost race and inserted again at once, thousands of times a second."""
+    url = join_url(postgres_database_url, schema=f"readonly_{uuid.uuid4().hex[:8]}")
+    onceonly.Ledger.open(url).close()  # the schema, made while writes are allowed
+    ledger = onceonly.Ledger.open(url + "&options=-c%20default_transaction_read_only%3Don")
+    runs: list[int] = []
+    try:
+        if face == "sync":
+
+            @ledger.tool(name="charge")
+            def charge(n: int) -> int:
+                runs.append(n)
+                return n
+
+            call: Any = lambda: charge(1)  # noqa: E731
+        else:
+
+            @ledger.tool(name="charge")
+            async def acharge(n: int) -> int:
+                runs.append(n)
+                return n
+
+            call = lambda: asyncio.run(acharge(1))  # noqa: E731
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="read-only") as err:
+            call()
+        assert time.monotonic() - start < 10
+        assert "did not run the tool" in str(err.value)
+        assert runs == []
+        assert ledger.get(ledger.tools["charge"].key_for(1)) is None
+    finally:
+        ledger.close()

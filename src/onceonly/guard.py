@@ -204,6 +204,10 @@ class Call:
     policy: Policy
     clock: Callable[[], float]
     rng: random.Random
+    #: Writes the store refused so far (it failed and the record read back unchanged): bounded.
+    refusals: int = 0
+    #: Whether this call ran the tool (for what a refusal's error says).
+    ran: bool = False
 
 
 def encode_result(value: Any, key: str) -> str:
@@ -238,16 +242,47 @@ def landed(written: Record, now_stored: Record | None) -> bool:
     )
 
 
-def _write(old: Record, new: Record) -> Generator[Action, Any, tuple[bool, Record | None]]:
+#: Pauses after the store refused a write (it failed, and the record read back unchanged); one more
+#: refusal raises. About 1.3 s in all: enough for a flicker, not a spin on a store that refuses writes.
+_REFUSAL_DELAYS = (0.05, 0.25, 1.0)
+
+
+def _refused(call: Call, exc: StoreError, key: str) -> Generator[Action, Any, None]:
+    """The store failed a write of ``call`` and the re-read shows the record unchanged: nothing was
+    written. Pause and let the caller decide again, or, past the bound, raise the store's error."""
+    n = call.refusals
+    if n < len(_REFUSAL_DELAYS):
+        call.refusals = n + 1
+        yield Sleep(_REFUSAL_DELAYS[n] * (0.5 + call.rng.random()))
+        return
+    if call.ran:
+        what = (
+            "this call ran the tool, and its outcome is not recorded: the record keeps its lease until it "
+            "runs out, then turns unknown and is settled by a probe, the reconciler or onceonly resolve. "
+            "Do not run the operation again by hand"
+        )
+    else:
+        what = "nothing was recorded and this call did not run the tool: call again once the store takes writes"
+    raise type(exc)(
+        f"the ledger refused {n + 1} writes for {key!r} (each time the record read back unchanged): {exc} — {what}"
+    ) from exc
+
+
+def _write(old: Record, new: Record, call: Call | None) -> Generator[Action, Any, tuple[bool, Record | None]]:
     """Compare-and-set ``old`` → ``new``. Returns (written, the record as it now is).
 
-    If the store fails mid-write the write may or may not have landed: re-read, never guess.
+    If the store fails mid-write the write may or may not have landed: re-read, never guess. A write
+    the store refused (the record is unchanged) counts against ``call``'s bound (``_refused``).
     """
     try:
         ok = yield Swap(new, old)
-    except StoreError:
+    except StoreError as exc:
         now_rec = yield Get(new.key)
-        return landed(new, now_rec), now_rec
+        if landed(new, now_rec):
+            return True, new
+        if call is not None and now_rec is not None and now_rec.version == old.version:
+            yield from _refused(call, exc, new.key)
+        return False, now_rec
     if ok:
         return True, new
     current = yield Get(new.key)
@@ -289,11 +324,13 @@ def plan(call: Call) -> Plan:
     try:
         rec = yield Claim(first)
         claimed = rec is None
-    except StoreError:
+    except StoreError as exc:
         # Did the claim land before the store failed? Only the record can say: ours, someone
         # else's, or none at all (then the loop below inserts it; we must not run without one).
         rec = yield Get(key)
         claimed = landed(first, rec)
+        if rec is None:
+            yield from _refused(call, exc, key)
     rec = first if claimed else rec
     while True:
         now = call.clock()
@@ -308,10 +345,12 @@ def plan(call: Call) -> Plan:
             )  # fmt: skip
             try:
                 inserted = yield Insert(new)
-            except StoreError:
+            except StoreError as exc:
                 # Did the insert land before the store failed? Only the record can say.
                 cur = yield Get(key)
                 inserted = landed(new, cur)
+                if cur is None:
+                    yield from _refused(call, exc, key)
             if not inserted:
                 rec = yield Get(key)
                 continue
@@ -326,7 +365,7 @@ def plan(call: Call) -> Plan:
                 reason="expired record claimed again",
             )
             new = st.replace_args(new, fingerprint=call.fingerprint, args_json=call.args_json)
-            ok, rec = yield from _write(rec, new)
+            ok, rec = yield from _write(rec, new, call)
             if not ok:
                 continue
         else:
@@ -351,7 +390,7 @@ def plan(call: Call) -> Plan:
                         rec, rec.state, now=now, reason=f"replayed for other arguments: {call.args_json[:500]}",
                         by=owner,
                     )  # fmt: skip
-                    ok, cur = yield from _write(rec, noted)
+                    ok, cur = yield from _write(rec, noted, call)
                     if not ok:
                         rec = cur
                         continue
@@ -384,14 +423,14 @@ def plan(call: Call) -> Plan:
                     if rec.attempts >= p.retry.attempts:
                         yield from _give_up(rec, owner, now, "attempts exhausted before dispatch", last_exc)
                     new = _reclaim(rec, call, held_state, now, f"lease of {rec.lease_owner} expired before dispatch")
-                    ok, rec = yield from _write(rec, new)
+                    ok, rec = yield from _write(rec, new, call)
                     if not ok:
                         continue
                 else:
                     # The holder may have sent it and died: the outcome is unknown now, and this
                     # caller settles it rather than waiting on a dead holder.
                     new = st.mark_unknown(rec, now=now, reason=f"lease of {rec.lease_owner} expired", by=owner)
-                    _, rec = yield from _write(rec, new)
+                    _, rec = yield from _write(rec, new, call)
                     continue
 
             elif state is State.UNKNOWN:
@@ -414,7 +453,7 @@ def plan(call: Call) -> Plan:
                     rec = yield Get(key)
                     continue
                 new = _reclaim(rec, call, held_state, now, "retry after failure")
-                ok, rec = yield from _write(rec, new)
+                ok, rec = yield from _write(rec, new, call)
                 if not ok:
                     continue
 
@@ -444,6 +483,7 @@ def plan(call: Call) -> Plan:
 
         # --- we hold the lease on rec: run one attempt ----------------------------------------
         assert rec is not None and rec.state in HELD and rec.lease_owner == owner
+        call.ran = True
         ran = yield Execute(rec)
         rec = ran.record or rec
         if ran.error is None and not ran.timed_out:
@@ -463,26 +503,26 @@ def plan(call: Call) -> Plan:
 
         if verdict.verdict is Verdict.UNKNOWN:
             new = st.mark_unknown(rec, now=now, reason=verdict.reason or _err_text(last_exc), by=owner)
-            _, rec = yield from _write(rec, new)
+            _, rec = yield from _write(rec, new, call)
             continue
 
         error = _err_text(last_exc)
         if verdict.verdict is Verdict.FAILED:
             new = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner)
-            yield from _write(rec, new)
+            yield from _write(rec, new, call)
             raise last_exc
 
         # Not sent, or refused before execution: safe to try again after a backoff, while attempts last.
         if rec.attempts >= p.retry.attempts:
             failed = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner)
-            ok, cur = yield from _write(rec, failed)
+            ok, cur = yield from _write(rec, failed, call)
             if ok:
                 yield from _give_up(failed, owner, now, f"attempts exhausted: {error}", last_exc)
             rec = cur
             continue
         wait = p.retry.backoff(rec.attempts, call.rng, floor=verdict.retry_after)
         new = st.fail(rec, error=error, now=now, retry_at=now + wait, ttl=p.ttl, by=owner)
-        ok, rec = yield from _write(rec, new)
+        ok, rec = yield from _write(rec, new, call)
         if ok:
             yield Sleep(wait)
             rec = yield Get(key)
@@ -501,7 +541,7 @@ def _give_up(
     """Move a failed (or never-dispatched) record to ``abandoned`` and raise ``AttemptsExhausted``."""
     if rec is not None and rec.state in (State.FAILED, State.PENDING):
         new = st.abandon(rec, now=now, reason=reason, by=owner)
-        ok, cur = yield from _write(rec, new)
+        ok, cur = yield from _write(rec, new, None)
         rec = new if ok else cur
     assert rec is not None
     raise AttemptsExhausted(
@@ -522,7 +562,7 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
     result_json = encode_result(value, rec.key)
     now = call.clock()
     new = st.confirm(rec, result_json=result_json, now=now, ttl=call.policy.ttl, via="run", by=call.owner)
-    ok, cur = yield from _write(rec, new)
+    ok, cur = yield from _write(rec, new, call)
     if ok:
         return _outcome(new, replayed=False, value=value, use_value=True)
     while cur is not None:
@@ -533,7 +573,7 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
         )
         if new is cur:
             return _outcome(cur, replayed=True)
-        ok, again = yield from _write(cur, new)
+        ok, again = yield from _write(cur, new, call)
         if ok:
             mine = new.result_json == result_json and new.state is State.CONFIRMED
             return _outcome(new, replayed=not mine, value=value, use_value=mine)
@@ -562,7 +602,7 @@ def _settle(
 
     if strategy == "review":
         parked = st.park(rec, now=now, reason="outcome unknown; on_unknown='review'", by=owner)
-        ok, cur = yield from _write(rec, parked)
+        ok, cur = yield from _write(rec, parked, call)
         if not ok:
             return (False, cur)  # someone else moved it: look again
         raise OutcomeUnknown(
@@ -596,24 +636,24 @@ def _settle(
             done = st.confirm(
                 rec, result_json=encode_result(probed.value, rec.key), now=now, ttl=p.ttl, via="probe", by=owner
             )
-            ok, cur = yield from _write(rec, done)
+            ok, cur = yield from _write(rec, done, call)
             if ok:
                 return _outcome(done, replayed=True)
             return (False, cur)
         # Not found: it did not happen. Run it again while attempts remain.
         if rec.attempts >= p.retry.attempts:
             failed = st.fail(rec, error="probe: not found", now=now, retry_at=None, ttl=p.ttl, by=owner)
-            ok, cur = yield from _write(rec, failed)
+            ok, cur = yield from _write(rec, failed, call)
             if not ok:
                 return (False, cur)
             yield from _give_up(failed, owner, now, "attempts exhausted; the probe found nothing", last_exc)
         new = _reclaim(rec, call, held_state, now, "probe: not found")
-        return (yield from _write(rec, new))
+        return (yield from _write(rec, new, call))
 
     # resend (the other side honours the key) or retry (the tool is idempotent by nature).
     if rec.attempts >= p.retry.attempts:
         parked = st.park(rec, now=now, reason=f"attempts exhausted with the outcome unknown ({strategy})", by=owner)
-        ok, cur = yield from _write(rec, parked)
+        ok, cur = yield from _write(rec, parked, call)
         if not ok:
             return (False, cur)
         raise OutcomeUnknown(
@@ -631,7 +671,7 @@ def _settle(
             yield Sleep(wait)
             return rec.version
     new = _reclaim(rec, call, held_state, now, f"{strategy} after unknown outcome")
-    return (yield from _write(rec, new))
+    return (yield from _write(rec, new, call))
 
 
 #: Pauses before reading again when recording a late outcome meets a store error (about 3 s in all).
