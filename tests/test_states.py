@@ -73,6 +73,33 @@ def test_late_success_rules() -> None:
     assert (truth.state, truth.result, truth.conflicts) == (State.CONFIRMED, 1, 1)
 
 
+def test_a_late_success_under_a_newer_holder_then_the_holders_own_is_a_counted_duplicate() -> None:
+    """Attempt 1's late success confirms the record while attempt 2 holds it (the record keeps fence
+    2); then attempt 2's own success arrives. Its side effect is a second one: counted, not taken for
+    "this attempt, already confirmed" (which dropped it with conflicts=0)."""
+    holder = held(fence=2)
+    by_first = st.late_success(holder, fence=1, result_json="1", now=NOW, ttl=None, by=None)
+    assert (by_first.state, by_first.fence, by_first.via) == (State.CONFIRMED, 2, "late:1")
+    second = st.late_success(by_first, fence=2, result_json="2", now=NOW, ttl=None, by=None)
+    assert (second.state, second.result, second.conflicts) == (State.CONFIRMED, 1, 1)
+    assert "late outcome of attempt 2" in second.history[-1]["reason"]
+    # The same attempt confirmed by itself or by its probe: nothing happened twice.
+    for via in ("run", "probe", "reconcile-probe"):
+        done = st.confirm(holder, result_json="2", now=NOW, ttl=None, via=via, by=None)
+        assert st.late_success(done, fence=2, result_json="2", now=NOW, ttl=None, by=None) is done
+
+
+def test_a_late_success_after_a_manual_resolve_is_kept_in_the_history() -> None:
+    """An operator confirmed an attempt by hand with a guess; the attempt's real result arrives later.
+    It is the same side effect (no conflict), and its result is kept beside the guess, not dropped."""
+    unknown = st.mark_unknown(held(), now=NOW, reason="timeout", by=None)
+    guessed = st.confirm(unknown, result_json='{"id":"guess"}', now=NOW, ttl=None, via="resolve", by="ops")
+    real = st.late_success(guessed, fence=1, result_json='{"id":"real"}', now=NOW + 1, ttl=None, by=None)
+    assert (real.state, real.result, real.conflicts, real.via) == (State.CONFIRMED, {"id": "guess"}, 0, "resolve")
+    assert '{"id":"real"}' in real.history[-1]["reason"]
+    assert st.late_success(guessed, fence=1, result_json='{"id":"guess"}', now=NOW, ttl=None, by=None) is guessed
+
+
 def test_the_design_pages_transition_table_is_allowed() -> None:
     """docs/design.md#states shows the transitions a reader can check; they must be ALLOWED's, exactly."""
     page = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text(encoding="utf-8")

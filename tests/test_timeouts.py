@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import onceonly
 from onceonly import NOT_FOUND, Ledger, Retry, State
 from tests._workers import count_effects, effects_db
 
@@ -129,3 +130,42 @@ def test_timeout_settled_by_resend(sqlite_url: str, server: _KeyHonouringServer)
     assert out.attempts == 2 and len(sent_keys) == 2 and len(set(sent_keys)) == 1
     assert server.effects == [out.key]
     ledger.close()
+
+
+def test_a_late_result_landing_under_a_newer_attempt_is_counted_as_a_duplicate(store_url: str, tmp_path: Path) -> None:
+    """Attempt 1 times out and runs on; the probe finds nothing yet, so attempt 2 claims the record.
+    Attempt 1's late result confirms it while attempt 2 still holds it; then attempt 2 does its own
+    side effect. Two side effects happened (the limit of probing too early): the ledger must count
+    the second as a conflict, not take attempt 2 for "the same attempt, already confirmed"."""
+    effects_path = tmp_path / "effects.db"
+    conn = effects_db(effects_path)
+    ledger = Ledger.open(store_url)
+
+    def probe(args: dict[str, Any], key: str) -> Any:
+        row = conn.execute("SELECT worker FROM effects WHERE op = ?", (args["order"],)).fetchone()
+        return NOT_FOUND if row is None else {"fence": int(row[0])}
+
+    @ledger.tool(name="charge", on_unknown="probe", probe=probe, settle=0.0, timeout=0.5)
+    def charge(order: str) -> dict[str, int]:
+        info = onceonly.current_call()
+        assert info is not None
+        if info.fence == 1:
+            time.sleep(0.8)  # past its timeout: the caller moves on, attempt 1 runs on
+        else:  # attempt 2 acts only once attempt 1's late result has confirmed the record
+            deadline = time.monotonic() + 10
+            while (rec := ledger.get(info.key)) is None or rec.state is not State.CONFIRMED:
+                assert time.monotonic() < deadline, "attempt 1's late result never landed"
+                time.sleep(0.01)
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (order, str(info.fence), time.time()))
+        return {"fence": info.fence}
+
+    try:
+        charge.outcome("o-1")
+        assert count_effects(effects_path) == {"o-1": 2}, "the scenario: two side effects"
+        rec = ledger.get(charge.key_for("o-1"))
+        assert rec is not None and rec.state is State.CONFIRMED
+        assert rec.conflicts == 1, "the second side effect is a counted conflict"
+        assert "late outcome of attempt 2" in rec.history[-1]["reason"]
+    finally:
+        ledger.close()
+        conn.close()

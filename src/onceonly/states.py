@@ -377,6 +377,10 @@ def note_conflict(rec: Record, *, now: float, reason: str, by: str | None) -> Re
     return transition(rec, rec.state, now=now, reason=reason, by=by, conflicts=rec.conflicts + 1)
 
 
+#: A confirmation made by the attempt itself or by probing the other side for this very operation.
+_SAME_ATTEMPT = frozenset({"run", "probe", "reconcile-probe"})
+
+
 def late_success(
     rec: Record, *, fence: int, result_json: str | None, now: float, ttl: float | None, by: str | None
 ) -> Record:
@@ -389,7 +393,17 @@ def late_success(
     if rec.state in HELD and rec.fence == fence:
         return confirm(rec, result_json=result_json, now=now, ttl=ttl, via="run", by=by)
     if rec.state is State.CONFIRMED and rec.fence == fence:
-        return rec  # the same attempt, already confirmed (by its probe): nothing happened twice
+        if rec.via in _SAME_ATTEMPT or rec.via == f"late:{fence}":
+            return rec  # this attempt's own result, or its probe's finding: nothing happened twice
+        if rec.via == "resolve":
+            if rec.result_json == result_json:
+                return rec
+            # Someone confirmed it by hand; this is what the attempt really returned: keep it beside.
+            real = (result_json or "null")[:500]
+            reason = f"late outcome of attempt {fence} after it was resolved by hand: {real}"
+            return transition(rec, State.CONFIRMED, now=now, reason=reason, by=by)
+        # Confirmed by another attempt's late outcome while this one held the record (it keeps the
+        # holder's fence): this attempt's side effect is a second one.
     if rec.state in (State.UNKNOWN, State.NEEDS_REVIEW, State.PENDING, State.IN_FLIGHT, State.ABANDONED):
         return confirm(rec, result_json=result_json, now=now, ttl=ttl, via=f"late:{fence}", by=by)
     if rec.state is State.FAILED:
