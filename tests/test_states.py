@@ -111,3 +111,13 @@ def test_the_design_pages_transition_table_is_allowed() -> None:
             targets = frozenset(State(t.strip(" `")) for t in cells[1].split(","))
             shown[State(cells[0].strip("`"))] = targets
     assert shown == dict(ALLOWED)
+
+
+def test_a_failed_record_waiting_for_its_retry_outlives_its_backoff() -> None:
+    """A failure scheduled for a retry later than its ttl is kept until ttl after that retry: purge
+    must not delete it during the backoff (the caller would then start again at attempt 1, and with
+    a short ttl the attempt limit would never be reached)."""
+    failed = st.fail(held(), error="503", now=NOW, retry_at=NOW + 60, ttl=5, by=None)
+    assert failed.expires_at == NOW + 65
+    final = st.fail(held(), error="400", now=NOW, retry_at=None, ttl=5, by=None)
+    assert final.expires_at == NOW + 5

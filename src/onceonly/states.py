@@ -333,7 +333,11 @@ def confirm(rec: Record, *, result_json: str | None, now: float, ttl: float | No
 
 
 def fail(rec: Record, *, error: str, now: float, retry_at: float | None, ttl: float | None, by: str | None) -> Record:
-    """It definitely did not happen. ``retry_at`` schedules the next attempt (persisted)."""
+    """It definitely did not happen. ``retry_at`` schedules the next attempt (persisted).
+
+    A record waiting for its retry is kept ``ttl`` past that retry: purged during the backoff, it
+    would come back as a new record at attempt 1, and the attempt limit would never be reached.
+    """
     return transition(
         rec,
         State.FAILED,
@@ -344,7 +348,7 @@ def fail(rec: Record, *, error: str, now: float, retry_at: float | None, ttl: fl
         lease_owner=None,
         lease_until=None,
         next_attempt_at=retry_at,
-        expires_at=None if ttl is None else now + ttl,
+        expires_at=None if ttl is None else max(now, retry_at or now) + ttl,
     )
 
 
