@@ -221,6 +221,35 @@ def test_a_dropped_records_table_is_not_silently_recreated(store: PostgresStore,
         store.get("anything")
 
 
+@pytest.mark.parametrize(
+    ("version_row", "records", "said"),
+    [(None, True, "is empty and the table onceonly_records exists"),
+     (None, False, "is empty and the table onceonly_records is missing"),
+     (0, True, "holds version 0, which onceonly never writes")],
+    ids=["empty", "empty-no-records", "version-0"],
+)  # fmt: skip
+def test_a_version_table_without_a_version_is_refused_and_left_alone(
+    store: PostgresStore, admin: Any, tag: str, version_row: int | None, records: bool, said: str
+) -> None:
+    """onceonly_schema there but with no version onceonly wrote (a restore without its rows, a hand edit):
+    a refusal that says so, not a migration from nothing that trips over the existing tables."""
+    store.insert(make("kept"))
+    admin.execute(f'DELETE FROM "{tag}".onceonly_schema')
+    if version_row is not None:
+        admin.execute(f"INSERT INTO \"{tag}\".onceonly_schema (version, installed_by) VALUES ({version_row}, 'me')")
+    if not records:
+        admin.execute(f'DROP TABLE "{tag}".onceonly_records')
+    before = catalog(admin, tag)
+    rows = admin.execute(f'SELECT * FROM "{tag}".onceonly_records').fetchall() if records else None
+    with pytest.raises(StoreCorrupt, match=said) as info:
+        PostgresStore(store.url)
+    assert "changed by hand. Nothing was changed" in str(info.value)
+    assert ("restore its rows" if records else "drop onceonly_schema") in str(info.value)
+    assert catalog(admin, tag) == before
+    if records:
+        assert admin.execute(f'SELECT * FROM "{tag}".onceonly_records').fetchall() == rows
+
+
 # --- indexes ---------------------------------------------------------------------------------------
 
 
@@ -791,11 +820,89 @@ def test_a_statement_forgotten_again_after_its_new_preparation_is_a_clear_error(
     with pytest.raises(StoreUnavailable, match="transaction mode") as info:
         insert()
     assert "max_prepared_statements" in str(info.value) and "ran nowhere" in str(info.value)
+    assert "prepared it again" in str(info.value)
     assert forgot == [b"DEALLOCATE ALL"] * 2, "prepared twice, and made to forget it twice"
     assert admin.execute(f'SELECT count(*) FROM "{tag}".onceonly_records').fetchone() == (0,)
     assert store.reruns == 0
     monkeypatch.undo()
     assert insert() is True  # the same connection works once its backend keeps what it prepares
+
+
+def _deallocate_behind_psycopgs_back(conn: Any) -> None:
+    """What a transaction pooler sends between two clients: the backend forgets every prepared
+    statement, and psycopg, which did not send it, does not know."""
+    assert conn.pgconn.exec_(b"DEALLOCATE ALL").command_status == b"DEALLOCATE ALL"
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_cursor_statements_survive_a_deallocate_behind_psycopgs_back(pg_url: str, face: str) -> None:
+    """The statements sent through psycopg's cursor (scan, count, delete, a waiter's mark) are never
+    prepared: by default psycopg prepares a query after 5 runs and keeps using it, so after a DEALLOCATE
+    ALL it did not see, every later run of that query on the connection failed (26000). Each runs here
+    more than 5 times, the backend forgets, and each still works, as do the hot statements."""
+    from onceonly.stores.postgres import _ALL, _COUNT
+
+    store = PostgresStore(join_url(pg_url, pool_min_size="1", pool_max_size="1"))  # one connection
+    recs = [make(f"cur-{i}") for i in range(3)]
+
+    def sync() -> list[Any]:
+        for rec in recs:
+            assert store.insert(rec)
+        found: list[Any] = []
+        for round_ in range(2):
+            if round_:
+                conn = store._getconn()
+                try:
+                    _deallocate_behind_psycopgs_back(conn)
+                finally:
+                    store._pool.putconn(conn)
+            for _ in range(7):
+                found = [
+                    len(store.scan(Query())),
+                    store.count_by_state()[State.IN_FLIGHT],
+                    store.delete("nobody", 1),
+                    store._watch("nobody", 1),
+                ]
+        found += [store._watch(recs[0].key, recs[0].version), store.delete(recs[1].key, recs[1].version)]
+        return [*found, store.get(recs[0].key) is not None]
+
+    async def async_() -> list[Any]:
+        for rec in recs:
+            assert await store.ainsert(rec)
+        found: list[Any] = []
+        for round_ in range(2):
+            if round_:
+                (conn,) = store._aconnections[asyncio.get_running_loop()].idle
+                _deallocate_behind_psycopgs_back(conn)
+            for _ in range(7):
+                found = [
+                    len(await store.ascan(Query())),
+                    dict((await store._arun(store._sql_count, (), _ALL))[0])["in_flight"],
+                    await store.adelete("nobody", 1),
+                    (await store._arun(store._sql_watch, ("nobody", 1), _COUNT))[0] == 1,
+                ]
+        watched, _ = await store._arun(store._sql_watch, (recs[0].key, recs[0].version), _COUNT)
+        found += [watched == 1, await store.adelete(recs[1].key, recs[1].version)]
+        return [*found, await store.aget(recs[0].key) is not None]
+
+    try:
+        found = sync() if face == "sync" else asyncio.run(async_())
+        # scan, count, delete and mark of nobody, mark and delete of a record at its version, a hot read
+        assert found == [3, 3, False, False, True, True, True]
+        assert store.reruns == 0
+    finally:
+        store.close()
+
+
+def test_a_forgotten_statement_on_the_cursor_path_is_explained_as_such(store: PostgresStore) -> None:
+    """A 26000 met by a statement sent through psycopg's cursor does not claim the store prepared it
+    again (only the hot statements are prepared by the store); it still names the likely cause."""
+    from onceonly.stores.postgres import _COUNT
+
+    with pytest.raises(StoreUnavailable, match="psycopg's cursor") as info:
+        store._run("EXECUTE onceonly_never_prepared", (), _COUNT)
+    assert "never prepares" in str(info.value) and "prepared it again" not in str(info.value)
+    assert "session mode" in str(info.value) and "ran nowhere" in str(info.value)
 
 
 @pytest.mark.parametrize("filled", [True, False], ids=["every-field-set", "nones"])

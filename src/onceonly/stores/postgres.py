@@ -289,10 +289,18 @@ def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bo
         return True
 
 
+# How the store's pooled and async connections are opened. prepare_threshold=None: psycopg's cursor
+# never prepares a statement by itself (by default it does after 5 runs, and then keeps using it:
+# after a DEALLOCATE ALL or DISCARD ALL behind its back, as a transaction pooler sends, every later
+# run of that statement on the connection fails with 26000). The hot statements are prepared by
+# _pgwire, which prepares them again when the backend forgot them.
+_CONNECT_KWARGS: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
+
+
 class _Connection(psycopg.Connection[Any]):
     """A pooled connection and what the store keeps on it: the names of the hot statements prepared
     on it (get, the claim's INSERT, the swaps' UPDATEs: ``_pgwire``, no cursor), and one binary cursor
-    reused by the other statements (scan, count, delete, a waiter's mark).
+    reused by the other statements (scan, count, delete, a waiter's mark), which are never prepared.
     """
 
     ledger_cursor: psycopg.Cursor[Any] | None = None
@@ -553,7 +561,7 @@ class _LoopConnections:
                 if not dead:
                     return conn
                 _close_now(conn)
-            return await _AsyncConnection.connect(store._conninfo, autocommit=True)
+            return await _AsyncConnection.connect(store._conninfo, **_CONNECT_KWARGS)
         except psycopg.Error as exc:
             self.slots.release()
             raise store._translate(exc) from exc
@@ -648,7 +656,7 @@ class PostgresStore:
             min_size=options.pool_min_size,
             max_size=options.pool_max_size,
             timeout=options.pool_timeout,
-            kwargs={"autocommit": True},
+            kwargs=_CONNECT_KWARGS,
             name=f"onceonly[{self.schema}]",
             open=False,
         )
@@ -714,7 +722,24 @@ class PostgresStore:
                 f"{self._where}: the table {self.schema}.onceonly_schema was not made by onceonly. Nothing was "
                 "changed: give the ledger a schema of its own (?schema=onceonly)"
             ) from exc
-        return (int(found[0]) if found and found[0] is not None else 0), has_records
+        version = found[0] if found else None
+        if version is None or version < 1:
+            # Not a state onceonly leaves (it writes the version row in the transaction that makes the
+            # tables): a restore without its rows, or a hand edit. Migrating from 0 would fail half-way.
+            held = "is empty" if version is None else f"holds version {version}, which onceonly never writes"
+            if has_records:
+                fix = (
+                    "restore its rows, or insert the version the tables are at (this onceonly writes "
+                    f"{SCHEMA_VERSION}) if you know it"
+                )
+            else:
+                fix = "drop onceonly_schema to start anew"
+            raise StoreCorrupt(
+                f"{self._where}: the version table {self.schema}.onceonly_schema {held} and the table "
+                f"onceonly_records {'exists' if has_records else 'is missing'}: it was changed by hand. Nothing "
+                f"was changed: {fix}, or give the ledger a schema of its own"
+            )
+        return int(version), has_records
 
     def _migrate(self, conn: psycopg.Connection[Any], version: int | None, has_records: bool) -> None:
         where = f"{self._where}, schema {self.schema}"
@@ -758,8 +783,11 @@ class PostgresStore:
 
     # --- errors and connections -----------------------------------------------------------------------
 
-    def _translate(self, exc: BaseException) -> StoreError:
-        """The store error for a driver error: connection trouble → unavailable, anything else → corrupt."""
+    def _translate(self, exc: BaseException, cursor: bool = False) -> StoreError:
+        """The store error for a driver error: connection trouble → unavailable, anything else → corrupt.
+
+        ``cursor``: it came from a statement sent through psycopg's cursor (``_run``), not a hot one.
+        """
         text = str(exc).strip() or type(exc).__name__
         if isinstance(exc, PoolClosed) or self._closed:
             return StoreUnavailable(f"{self._where} was closed")
@@ -775,14 +803,23 @@ class PostgresStore:
                 f"{self._where} failed: {text}. Whether the last write landed is unknown; the ledger reads "
                 "the record again before it decides"
             )
+        if sqlstate == wire.NOT_PREPARED and cursor:
+            # The store's connections never prepare these (prepare_threshold=None): not ours to prepare again.
+            return StoreUnavailable(
+                f"{self._where}: a statement sent through psycopg's cursor (a scan, count, delete or a waiter's "
+                f"mark) met a prepared statement or portal that the backend did not know ({text}). The store "
+                "never prepares those statements, so something else changed the connection's session, likely a "
+                "pooler in transaction mode that hands it another backend: connect the ledger in session mode "
+                "(or bypass the pooler). The statement ran nowhere"
+            )
         if sqlstate == wire.NOT_PREPARED:
             return StoreUnavailable(
-                f"{self._where}: a statement prepared on this connection was unknown to the backend that was "
-                f"to run it ({text}); a hot statement, even right after the store prepared it again. The likely "
-                "cause is a pooler in transaction mode without prepared-statement support, which sends the "
-                "preparation and the execution to different backends: connect the ledger in session mode (or "
-                "bypass the pooler), or use PgBouncer 1.21 or newer with max_prepared_statements set. The "
-                "statement ran nowhere"
+                f"{self._where}: one of the store's hot statements (a read by key, a claim's insert, a swap) "
+                f"was unknown to the backend that was to run it ({text}), even right after the store prepared "
+                "it again. The likely cause is a pooler in transaction mode without prepared-statement support, "
+                "which sends the preparation and the execution to different backends: connect the ledger in "
+                "session mode (or bypass the pooler), or use PgBouncer 1.21 or newer with max_prepared_statements "
+                "set. The statement ran nowhere"
             )
         if sqlstate in ("42P01", "42703", "3F000"):  # undefined table, column, schema
             return StoreCorrupt(
@@ -856,13 +893,15 @@ class PostgresStore:
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 
-    def _on_connection(self, op: Callable[[_Connection], T], rerun: bool = True) -> tuple[T, bool]:
+    def _on_connection(
+        self, op: Callable[[_Connection], T], rerun: bool = True, cursor: bool = False
+    ) -> tuple[T, bool]:
         """Run ``op`` on a pooled connection: (its answer, whether it ran a second time).
 
         A statement whose connection was lost (the backend terminated, the network cut) runs once more
         on a fresh connection when ``rerun``: reads freely, writes only where the caller can tell its
         own earlier write from the rerun's answer (``claim``, ``insert``, ``swap``). A second failure,
-        or any other error, is translated and raised.
+        or any other error, is translated and raised (``cursor``: ``op`` uses psycopg's cursor).
         """
         again = False
         while True:
@@ -871,7 +910,7 @@ class PostgresStore:
                 return op(conn), again
             except psycopg.Error as exc:
                 if again or not rerun or not conn.closed:  # closed: the connection was lost
-                    raise self._translate(exc) from exc
+                    raise self._translate(exc, cursor) from exc
                 again = True
                 self.reruns += 1
             finally:
@@ -888,7 +927,7 @@ class PostgresStore:
             cur.execute(sql, params)
             return cur.fetchall() if fetch == _ALL else cur.rowcount
 
-        return self._on_connection(op, rerun)
+        return self._on_connection(op, rerun, cursor=True)
 
     def _exec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """One of the hot statements, prepared and binary (stores/_pgwire.py): its result."""
@@ -1005,7 +1044,7 @@ class PostgresStore:
     # --- the primitives, async --------------------------------------------------------------------------
 
     async def _aon_connection(
-        self, op: Callable[[_AsyncConnection], Awaitable[T]], rerun: bool = True
+        self, op: Callable[[_AsyncConnection], Awaitable[T]], rerun: bool = True, cursor: bool = False
     ) -> tuple[T, bool]:
         """``_on_connection``, awaited: the same single rerun after a lost connection."""
         again = False
@@ -1016,7 +1055,7 @@ class PostgresStore:
                 return await op(conn), again
             except psycopg.Error as exc:
                 if again or not rerun or not conn.closed:  # closed: the connection was lost
-                    raise self._translate(exc) from exc
+                    raise self._translate(exc, cursor) from exc
                 again = True
                 self.reruns += 1
             finally:
@@ -1032,7 +1071,7 @@ class PostgresStore:
             await acur.execute(sql, params)
             return await acur.fetchall() if fetch == _ALL else acur.rowcount
 
-        return await self._aon_connection(op, rerun)
+        return await self._aon_connection(op, rerun, cursor=True)
 
     async def _aexec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """``_exec``, awaited: the same generator, driven by the async connection."""
