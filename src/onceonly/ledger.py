@@ -19,6 +19,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, get_args, overload
@@ -77,9 +78,17 @@ _owner_prefix = f"{_HOST}:{os.getpid()}"
 _owners = itertools.count(1)
 
 
+# Every ledger's heartbeats, so that a forked child can start its own (weakly held: a closed, dropped
+# ledger goes away as before).
+_all_heartbeats: weakref.WeakSet[_Heartbeats] = weakref.WeakSet()
+
+
 def _after_fork() -> None:
     global _owner_prefix
     _owner_prefix = f"{_HOST}:{os.getpid()}"
+    # The child has only the forking thread: no other thread can hold a heartbeat's lock while we reset.
+    for beats in list(_all_heartbeats):
+        beats._after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -137,6 +146,17 @@ class _Heartbeats:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_wake = 0.0  # when the thread looks next; a lease due sooner wakes it
+        _all_heartbeats.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's thread is not here, so the next ``hold`` starts one. The
+        parent's leases stay the parent's to extend (two writers of one lease would each see the other's
+        beat as a takeover), and its lock and event may have been held at the fork: take fresh ones."""
+        self._leases = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+        self._next_wake = 0.0
 
     def hold(self, record: Record, seconds: float, ledger: Ledger) -> _Lease:
         now = self._clock()
@@ -165,6 +185,15 @@ class _Heartbeats:
         self._wake.set()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # A thread ended by an error (not by close) is started again by the next hold.
+            with self._lock:
+                if not self._closed and self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
         while not self._closed:
             # While it looks, any new lease wakes it: the last look's wake time is stale by now, and a
             # lease held after the snapshot below would otherwise wait a whole tick of the others.
