@@ -155,3 +155,91 @@ def test_async_mark_sent(store_url: str) -> None:
         ledger.close()
 
     asyncio.run(main())
+
+
+def test_tool_whose_own_task_is_cancelled_is_unknown(store_url: str) -> None:
+    """A tool whose task is cancelled after its side effect (not its caller: the tool itself) may have
+    done it: the outcome is unknown, parked for review, and a second call does not run it again."""
+
+    async def main() -> None:
+        ledger = Ledger.open(store_url)
+        runs: list[int] = []
+
+        @ledger.tool(name="acancelled")
+        async def acancelled(n: int) -> int:
+            runs.append(n)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(1)
+            return n
+
+        for _ in range(2):
+            with pytest.raises(OutcomeUnknown) as info:
+                await acancelled(1)
+            assert info.value.state == "needs_review"
+        assert runs == [1]
+        rec = ledger.get(acancelled.key_for(1))
+        assert rec is not None and [h["to"] for h in rec.history] == ["in_flight", "unknown", "needs_review"]
+        ledger.close()
+
+    asyncio.run(main())
+
+
+def test_tool_task_cancelled_before_dispatch_is_retried(store_url: str) -> None:
+    """Cancelled before it reported its dispatch (mark_sent), a tool has sent nothing: the attempt is
+    retried, not settled as unknown, and the side effect happens once."""
+
+    async def main() -> None:
+        ledger = Ledger.open(store_url)
+        sent: list[int] = []
+        tries: list[int] = []
+
+        @ledger.tool(name="aearly", reports_dispatch=True, retry=onceonly.Retry(base=0.01))
+        async def aearly(n: int) -> int:
+            tries.append(n)
+            if len(tries) == 1:
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
+                await asyncio.sleep(1)
+            await onceonly.amark_sent()
+            sent.append(n)
+            return n
+
+        out = await aearly.outcome(1)
+        assert (out.result, out.attempts, out.replayed) == (1, 2, False)
+        assert (tries, sent) == ([1, 1], [1])
+        ledger.close()
+
+    asyncio.run(main())
+
+
+def test_task_group_timeout_is_unknown(store_url: str) -> None:
+    """An asyncio.TaskGroup whose sub-request timed out after it was sent raises an ExceptionGroup
+    holding a TimeoutError: unknown, like the TimeoutError alone, so the tool is not run again."""
+
+    async def main() -> None:
+        ledger = Ledger.open(store_url)
+        sent: list[int] = []
+
+        async def post(n: int) -> None:
+            sent.append(n)  # it arrived...
+            raise TimeoutError("read timeout")  # ...and its answer was lost
+
+        @ledger.tool(name="anotify")
+        async def anotify(n: int) -> str:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(post(n))
+            return "ok"
+
+        for _ in range(2):
+            with pytest.raises(OutcomeUnknown):
+                await anotify(1)
+        assert sent == [1]
+        rec = ledger.get(anotify.key_for(1))
+        assert rec is not None and rec.state is State.NEEDS_REVIEW
+        assert "TimeoutError" in rec.history[1]["reason"]
+        ledger.close()
+
+    asyncio.run(main())

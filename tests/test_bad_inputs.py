@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import sqlite3
 from pathlib import Path
 
@@ -73,6 +74,68 @@ def test_oversize_and_malformed_keys(sqlite_url: str) -> None:
         pass
     with pytest.raises(InvalidKey, match="shorten"), ledger.task("s" * 250):
         t()
+    ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"ttl": 0}, r"ttl=0: .*above 0, or None \(keep settled records forever\)"), ({"ttl": -1}, "ttl=-1: .*negative"),
+     ({"ttl": math.nan}, "ttl=nan: not a finite number"), ({"lease": math.nan}, "lease=nan: not a finite number"),
+     ({"lease": math.inf}, "lease=inf: not a finite number"), ({"lease": 0}, "lease=0: .*above 0"),
+     ({"timeout": math.nan}, "timeout=nan: .*or None"), ({"timeout": 0}, "timeout=0: .*above 0"),
+     ({"settle": math.nan}, "settle=nan: not a finite"), ({"settle": -1}, "settle=-1: .*negative"),
+     ({"wait": math.inf}, "wait=inf: not a finite")],
+)  # fmt: skip
+def test_options_that_are_not_finite_seconds_are_refused(
+    sqlite_url: str, options: dict[str, object], message: str
+) -> None:
+    """A ttl of 0 or less (every call would run again), and a lease, timeout, settle or wait that is nan,
+    infinite or not a number, are refused when the tool is declared, saying what to give instead."""
+    ledger = Ledger.open(sqlite_url)
+    with pytest.raises(ValueError, match=message):
+
+        @ledger.tool(name="t", **options)  # type: ignore[call-overload]
+        def t(x: int) -> int:
+            return x
+
+    assert "t" not in ledger.tools
+    ledger.close()
+
+
+def test_options_of_the_wrong_type_are_refused(sqlite_url: str) -> None:
+    """Seconds given as text or a bool, and retry=3, are TypeErrors when the tool is declared."""
+    ledger = Ledger.open(sqlite_url)
+    with pytest.raises(TypeError, match="wait='10': a str is not a number of seconds"):
+        ledger.tool(name="t", wait="10")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="lease=True: a bool is not a number of seconds"):
+        ledger.tool(name="t", lease=True)
+    with pytest.raises(TypeError, match=r"retry=3: give an onceonly.Retry"):
+        ledger.tool(name="t", retry=3)  # type: ignore[call-overload]
+    ledger.close()
+
+
+@pytest.mark.parametrize("occurrence", [True, 2.0, "2", 0, -1, None])
+def test_occurrence_must_be_an_int_from_1(sqlite_url: str, occurrence: object) -> None:
+    """True would be occurrence 1's key and 2.0 a key other than 2's (a second occurrence could then run
+    twice): only an int from 1 is taken, for sync and async tools alike, and nothing runs."""
+    ledger = Ledger.open(sqlite_url)
+    ran: list[int] = []
+
+    @ledger.tool(name="t")
+    def t(x: int) -> int:
+        ran.append(x)
+        return x
+
+    @ledger.tool(name="at")
+    async def at(x: int) -> int:
+        return x
+
+    with pytest.raises(InvalidKey, match=rf"occurrence={occurrence!r}: give an int from 1"):
+        t.using(occurrence=occurrence)(1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKey, match="give an int from 1"):
+        at.using(occurrence=occurrence)  # type: ignore[arg-type]
+    assert ran == [] and sum(ledger.stats().values()) == 0
+    assert t.using(occurrence=2).outcome(1).key == t.key_for(1) + "#2"
     ledger.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 
 import httpx
@@ -39,6 +41,26 @@ def test_retry_rejects_nonsense() -> None:
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [({"attempts": 2.5}, TypeError, r"attempts=2\.5\): give a whole number"),
+     ({"attempts": math.nan}, TypeError, "whole number"),
+     ({"attempts": True}, TypeError, r"attempts=True\): give a whole number"),
+     ({"attempts": "3"}, TypeError, "whole number"),
+     ({"base": math.nan}, ValueError, r"base=nan\): not a finite number"),
+     ({"cap": math.inf}, ValueError, r"cap=inf\): not a finite"),
+     ({"cap": -math.inf}, ValueError, "not a finite number"),
+     ({"base": "1"}, TypeError, "a str is not a number of seconds")],
+)  # fmt: skip
+def test_retry_rejects_what_is_not_a_count_or_finite_seconds(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """A fractional, nan or bool attempt limit, and backoff seconds that are nan, infinite or not numbers,
+    are refused when the Retry is made, saying what to give instead."""
+    with pytest.raises(error, match=message):
+        Retry(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("status", "verdict"),
     [(500, Verdict.UNKNOWN), (502, Verdict.UNKNOWN), (504, Verdict.UNKNOWN), (408, Verdict.NOT_EXECUTED),
      (429, Verdict.NOT_EXECUTED), (503, Verdict.NOT_EXECUTED), (400, Verdict.FAILED), (404, Verdict.FAILED),
@@ -63,6 +85,52 @@ def test_builtins() -> None:
     assert classify(ConnectionResetError()).verdict is Verdict.UNKNOWN
     assert classify(BrokenPipeError()).verdict is Verdict.UNKNOWN
     assert classify(ValueError("bad")).verdict is Verdict.FAILED
+
+
+def test_cancelled_task_is_unknown() -> None:
+    """A cancelled async task may have been stopped after its request left: unknown, never failed."""
+    got = classify(asyncio.CancelledError())
+    assert got.verdict is Verdict.UNKNOWN and got.reason == "CancelledError"
+
+
+@pytest.mark.parametrize(
+    ("members", "verdict"),
+    [([TimeoutError()], Verdict.UNKNOWN), ([ConnectionResetError()], Verdict.UNKNOWN),
+     ([ValueError(), TimeoutError()], Verdict.UNKNOWN), ([ConnectionRefusedError(), ValueError()], Verdict.FAILED),
+     ([ConnectionRefusedError(), ConnectionRefusedError()], Verdict.NOT_SENT), ([ValueError()], Verdict.FAILED),
+     ([ExceptionGroup("inner", [ConnectionRefusedError(), OSError()]), ConnectionResetError()], Verdict.UNKNOWN),
+     ([ConnectionRefusedError(), ExceptionGroup("inner", [ConnectionRefusedError(), KeyError()])], Verdict.FAILED)],
+)  # fmt: skip
+def test_exception_group_takes_its_most_cautious_member(members: list[Exception], verdict: Verdict) -> None:
+    """asyncio.TaskGroup raises groups: a group is unknown if any member (at any depth) may have happened,
+    else failed if any failed, else retryable."""
+    assert classify(ExceptionGroup("io", members)).verdict is verdict
+
+
+def test_exception_group_keeps_the_longest_retry_after_and_asks_the_override() -> None:
+    """A group of refusals waits the longest Retry-After among them; a tool's classify= is asked of the
+    group first, then of each member."""
+
+    class Busy(Exception):
+        onceonly_verdict = Verdict.NOT_EXECUTED
+
+        def __init__(self, retry_after: float | None) -> None:
+            self.retry_after = retry_after
+
+    got = classify(ExceptionGroup("io", [Busy(2.0), ConnectionRefusedError(), Busy(7.0), Busy(None)]))
+    assert got.verdict is Verdict.NOT_EXECUTED and got.retry_after == 7.0
+    assert got.reason == "Busy in ExceptionGroup"
+
+    asked: list[type[BaseException]] = []
+
+    def override(exc: BaseException) -> Classification | None:
+        asked.append(type(exc))
+        return Classification(Verdict.NOT_SENT) if isinstance(exc, KeyError) else None
+
+    assert classify(ExceptionGroup("io", [KeyError("x")]), override).verdict is Verdict.NOT_SENT
+    assert asked == [ExceptionGroup, KeyError]
+    whole = lambda exc: Classification(Verdict.FAILED) if isinstance(exc, ExceptionGroup) else None  # noqa: E731
+    assert classify(ExceptionGroup("io", [TimeoutError()]), whole).verdict is Verdict.FAILED
 
 
 def test_httpx_exceptions() -> None:

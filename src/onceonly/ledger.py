@@ -53,7 +53,7 @@ from onceonly.guard import (
     plan,
 )
 from onceonly.keys import MAX_KEY_LENGTH, Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
-from onceonly.policy import Classifier, Retry, Verdict, classify
+from onceonly.policy import Classifier, Retry, Verdict, check_seconds, classify
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
 from onceonly.stores.base import Query, Store
@@ -398,9 +398,7 @@ class _BaseTool(Generic[P, R]):
             digest = validate_name(str(self.key_fields(hashed)), "key returned by key=")
         else:
             digest = fingerprint(canonical_json(select(hashed, self.key_fields), path="key"))[:32]
-        if occurrence != 1:
-            if occurrence < 1:
-                raise InvalidKey(f"occurrence={occurrence}: occurrences count from 1")
+        if occurrence != 1:  # an int from 1: using() checked it
             digest = f"{digest}#{occurrence}"
         ledger = self.ledger
         scope = _SCOPE.get() or ledger.scope
@@ -431,6 +429,14 @@ class _BaseTool(Generic[P, R]):
         return f"<onceonly tool {self.name!r} on {self.ledger.url}>"
 
 
+def _check_occurrence(occurrence: int) -> int:
+    # The number is part of the key: True would be occurrence 1 and 2.0 a key other than 2's, so that a
+    # second occurrence could run twice. Only an int is the same number in every call.
+    if type(occurrence) is not int or occurrence < 1:
+        raise InvalidKey(f"occurrence={occurrence!r}: give an int from 1 (the n-th time the same call is meant)")
+    return occurrence
+
+
 def _replace_result(out: Outcome, result: Any) -> Outcome:
     from dataclasses import replace
 
@@ -456,7 +462,7 @@ class Tool(_BaseTool[P, R]):
         ``send_email.using(occurrence=2)(to, body)`` sends a second, distinct email; run again after
         a crash it replays that second one.
         """
-        return _Using(self, key, occurrence)
+        return _Using(self, key, _check_occurrence(occurrence))
 
     def _outcome(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
         if self.readonly:
@@ -491,7 +497,7 @@ class AsyncTool(_BaseTool[P, R]):
 
     def using(self, *, key: str | None = None, occurrence: int = 1) -> _AsyncUsing[P, R]:
         """See ``Tool.using``."""
-        return _AsyncUsing(self, key, occurrence)
+        return _AsyncUsing(self, key, _check_occurrence(occurrence))
 
     async def _aoutcome(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int
@@ -697,13 +703,16 @@ class Ledger:
             raise ValueError(f"on_conflict={on_conflict!r}: use one of {', '.join(map(repr, get_args(OnConflict)))}")
         if on_unknown == "probe" and probe is None:
             raise ValueError("on_unknown='probe' needs probe=(args, key) -> result | onceonly.NOT_FOUND")
-        for label, seconds in (("lease", lease), ("wait", wait), ("settle", settle)):
-            if seconds < 0:
-                raise ValueError(f"{label}={seconds}: seconds cannot be negative")
-        if lease <= 0:
-            raise ValueError(f"lease={lease}: a lease must be longer than 0 seconds")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout={timeout}: give a positive number of seconds, or None")
+        if retry is not None and not isinstance(retry, Retry):
+            raise TypeError(f"retry={retry!r}: give an onceonly.Retry, such as Retry(attempts=3)")
+        check_seconds(lease, f"lease={lease!r}", above_zero=True)
+        check_seconds(wait, f"wait={wait!r}")
+        check_seconds(settle, f"settle={settle!r}")
+        if timeout is not None:
+            check_seconds(timeout, f"timeout={timeout!r}", above_zero=True, none="no time limit")
+        if ttl is not None:
+            # ttl=0 would forget each result as it is recorded: every call would run again.
+            check_seconds(ttl, f"ttl={ttl!r}", above_zero=True, none="keep settled records forever")
 
         def wrap(f: Callable[..., Any]) -> Any:
             policy = Policy(

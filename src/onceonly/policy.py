@@ -3,12 +3,16 @@
 Classification answers one question about a failed attempt: could the side effect have happened?
 Connect errors → not sent (safe to retry); read/write timeouts, resets, 500/502/504 → unknown (must
 be settled); 408/429/503 → not executed (retry after ``Retry-After``); other 4xx and the tool's own
-errors → a definite failure (docs/design.md#classifying-a-failed-attempt).
+errors → a definite failure (docs/design.md#classifying-a-failed-attempt). A cancelled async tool is
+unknown; an exception group takes the most cautious verdict of its members.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import math
+import numbers
 import random
 import sys
 from collections.abc import Callable
@@ -64,10 +68,13 @@ class Retry:
     cap: float = 30.0
 
     def __post_init__(self) -> None:
+        # The limit is compared with a persisted count: 2.5 or nan would compare oddly, True is 1 by accident.
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
+            raise TypeError(f"Retry(attempts={self.attempts!r}): give a whole number (an int), such as attempts=3")
         if self.attempts < 1:
             raise ValueError(f"Retry(attempts={self.attempts}): at least 1 attempt is needed")
-        if self.base < 0 or self.cap < 0:
-            raise ValueError(f"Retry(base={self.base}, cap={self.cap}): backoff seconds cannot be negative")
+        check_seconds(self.base, f"Retry(base={self.base!r})")
+        check_seconds(self.cap, f"Retry(cap={self.cap!r})")
 
     def ceiling(self, attempt: int) -> float:
         """The upper bound of the wait after ``attempt`` (1-based) failed."""
@@ -78,6 +85,27 @@ class Retry:
         """Seconds to wait after ``attempt`` failed; never less than ``floor`` (a ``Retry-After``)."""
         wait = (rng or random).uniform(0.0, self.ceiling(attempt))
         return max(wait, floor) if floor is not None else wait
+
+
+def check_seconds(value: object, shown: str, *, above_zero: bool = False, none: str = "") -> None:
+    """Refuse a seconds option that is not a number (``TypeError``), or is not finite or below 0
+    (``ValueError``; ``above_zero``: 0 too).
+
+    ``shown`` is the option as written (``lease=nan``); ``none`` what ``None`` means, where it is allowed.
+    """
+    least = "above 0" if above_zero else "0 or more"
+    wanted = f"give a finite number of seconds, {least}" + (f", or None ({none})" if none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{shown}: a {type(value).__name__} is not a number of seconds; {wanted}")
+    seconds = float(value)
+    # nan passes every "< 0" check and inf never runs out: both are refused as well as the negative.
+    if math.isfinite(seconds) and (seconds > 0 if above_zero else seconds >= 0):
+        return
+    if not math.isfinite(seconds):
+        problem = "not a finite number"
+    else:
+        problem = "seconds cannot be negative" if seconds < 0 else "0 seconds is no time at all"
+    raise ValueError(f"{shown}: {problem}; {wanted}")
 
 
 Classifier = Callable[[BaseException], "Classification | None"]
@@ -190,8 +218,9 @@ def _classify_aiohttp(exc: BaseException) -> Classification | None:
 def _classify_builtin(exc: BaseException) -> Classification:
     if isinstance(exc, ConnectionRefusedError):
         return Classification(Verdict.NOT_SENT, None, "ConnectionRefusedError")
-    if isinstance(exc, TimeoutError | ConnectionError):
-        # TimeoutError (socket and asyncio), resets, aborts, broken pipes: it may have arrived.
+    if isinstance(exc, TimeoutError | ConnectionError | asyncio.CancelledError):
+        # TimeoutError (socket and asyncio), resets, aborts, broken pipes: it may have arrived. A cancelled
+        # task may have been stopped before its request or after it: cancellation says neither.
         return Classification(Verdict.UNKNOWN, None, type(exc).__name__)
     got = _response_status(exc)
     if got:
@@ -199,8 +228,27 @@ def _classify_builtin(exc: BaseException) -> Classification:
     return Classification(Verdict.FAILED, None, type(exc).__name__)
 
 
+# Which verdict a group takes when its members disagree: the one that assumes the most happened.
+_CAUTION = {Verdict.NOT_SENT: 0, Verdict.NOT_EXECUTED: 1, Verdict.FAILED: 2, Verdict.UNKNOWN: 3}
+
+
+def _classify_group(group: BaseExceptionGroup[BaseException], override: Classifier | None) -> Classification:
+    """An exception group (``asyncio.TaskGroup``, trio, anyio) is as unsafe as its least safe member: one
+    sub-request that may have arrived makes the attempt unknown, one definite failure makes it failed;
+    only a group of retryable members is retried, after the longest ``Retry-After`` among them."""
+    parts = [classify(sub, override) for sub in group.exceptions]
+    worst = max(parts, key=lambda part: _CAUTION[part.verdict])
+    retry_after = None
+    if worst.is_retryable:
+        retry_after = max((p.retry_after for p in parts if p.retry_after is not None), default=None)
+    return Classification(worst.verdict, retry_after, f"{worst.reason} in {type(group).__name__}")
+
+
 def classify(exc: BaseException, override: Classifier | None = None) -> Classification:
     """Classify a failed attempt. ``override`` (the tool's ``classify=``) is asked first; ``None`` defers.
+
+    An exception group the override leaves is classified member by member (each asked of the override
+    too), and takes the most cautious verdict: unknown, then failed, then the retryable ones.
 
     .. versionadded:: 0.1
     """
@@ -211,6 +259,8 @@ def classify(exc: BaseException, override: Classifier | None = None) -> Classifi
     explicit = getattr(exc, "onceonly_verdict", None)
     if isinstance(explicit, Verdict):
         return Classification(explicit, getattr(exc, "retry_after", None), type(exc).__name__)
+    if isinstance(exc, BaseExceptionGroup):
+        return _classify_group(exc, override)
     for library in (_classify_httpx, _classify_requests, _classify_aiohttp):
         got = library(exc)
         if got is not None:
