@@ -6,12 +6,15 @@ import gc
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+import onceonly
 from onceonly.stores import Query
 from onceonly.stores.sqlite import SQLiteStore
+from tests._workers import count_effects, effects_db
 from tests.stores._records import make
 
 
@@ -47,3 +50,46 @@ def test_a_thread_that_ends_takes_its_connection_with_it(tmp_path: Path) -> None
     finally:
         store.close()
     assert _open_files(store.path) == 0  # close() closed what was left
+
+
+def test_a_forked_child_writes_through_its_own_connection(tmp_path: Path) -> None:
+    """A ledger opened before a fork (a module-level ledger, a multiprocessing 'fork' worker): the
+    child's calls must reach the file. Through the inherited connection they went into a WAL that the
+    parent's close checkpointed and deleted: a fresh look saw none of them, and running the same
+    operations again ran every side effect a second time."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    effects = tmp_path / "effects.db"
+    effects_db(effects).close()
+    ledger = onceonly.Ledger.open(url)
+
+    @ledger.tool(name="op", wait=30)
+    def op(n: int) -> dict[str, int]:
+        conn = effects_db(effects)
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (str(n), str(os.getpid()), time.time()))
+        conn.close()
+        return {"n": n}
+
+    op(-1)  # the parent has used its connection before the fork
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            time.sleep(0.3)  # the parent closes its ledger meanwhile
+            for n in range(50):
+                op(n)
+            code = 0
+        finally:
+            os._exit(code)  # as a multiprocessing worker ends: no close
+    ledger.close()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    again = onceonly.Ledger.open(url)
+    try:
+        assert again.stats()["confirmed"] == 51, "every call of the child is in the file"
+        rerun = again.tool(name="op", wait=30)(op.fn)
+        for n in range(50):
+            assert rerun(n) == {"n": n}
+        assert set(count_effects(effects).values()) == {1}, "no side effect ran twice"
+    finally:
+        again.close()
+

@@ -112,6 +112,23 @@ class _Connection(sqlite3.Connection):
     """A connection the store can hold weakly (``sqlite3.Connection`` itself takes no weak reference)."""
 
 
+# The stores of this process, and the connections a forked child inherited. SQLite forbids using a
+# connection across fork(), and POSIX locks are not inherited: a child writing through its parent's
+# connection committed into a WAL that the parent's close then checkpointed and deleted, so the
+# child's records vanished and their operations ran again. The child opens its own connections, and
+# keeps the inherited ones unused and unclosed: closing one could checkpoint under the parent.
+_stores: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
+_inherited: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_stores):
+        store._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SQLiteStore:
     """An onceonly ledger in one SQLite file.
 
@@ -138,6 +155,15 @@ class SQLiteStore:
         self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn()  # open (and create or check the schema) now, so a bad file fails at open
+        _stores.add(self)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child (only the forking thread runs): park the parent's connections, use new ones."""
+        _inherited.extend(self._all)
+        _inherited.append(self._local)  # this thread's connection and cursor, held by the old local
+        self._local = threading.local()
+        self._all = weakref.WeakSet()
+        self._lock = threading.Lock()
 
     # --- connections --------------------------------------------------------------------------
 
