@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import threading
 import time
@@ -93,3 +94,43 @@ def test_a_forked_child_writes_through_its_own_connection(tmp_path: Path) -> Non
     finally:
         again.close()
 
+
+def test_a_file_that_cannot_be_written_is_unavailable_not_corrupt(tmp_path: Path) -> None:
+    """No room to write (here a file size limit of 0 bytes, in a child process): the store cannot make
+    its schema. That says nothing about the file being foreign or damaged, so it is StoreUnavailable
+    with what to check, not StoreCorrupt telling the user to move a good ledger away."""
+    import resource
+    import signal
+
+    path = tmp_path / "ledger.db"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        answer = b"no error"
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            SQLiteStore(f"sqlite:///{path}")
+        except Exception as exc:
+            answer = f"{type(exc).__name__}: {exc}".encode()
+        finally:
+            os.write(write, answer)
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read().decode()
+    assert answer.startswith("StoreUnavailable: cannot open the ledger file"), answer
+    assert "disk has room" in answer
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [("timeout=nan", "timeout='nan'"), ("timeout=-1", "timeout='-1'"), ("timeout=abc", "timeout='abc'"),
+     ("timout=5", "unknown option(s) timout")],
+)  # fmt: skip
+def test_bad_url_options_are_refused_by_name(tmp_path: Path, query: str, says: str) -> None:
+    """A busy timeout of nan made opening wait forever on a locked file; a misspelt option was ignored."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}?{query}")
+    assert not (tmp_path / "ledger.db").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import operator
 import os
 import sqlite3
@@ -142,7 +143,17 @@ class SQLiteStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self.path, opts = parse_sqlite_url(url)
-        self.busy_timeout = float(opts.get("timeout", "30"))
+        unknown = sorted(set(opts) - {"timeout", "synchronous"})
+        if unknown:
+            raise ValueError(
+                f"{url!r}: unknown option(s) {', '.join(unknown)}; a sqlite URL takes timeout= and synchronous="
+            )
+        try:
+            self.busy_timeout = float(opts.get("timeout", "30"))
+        except ValueError:
+            self.busy_timeout = math.nan
+        if not (math.isfinite(self.busy_timeout) and self.busy_timeout >= 0):
+            raise ValueError(f"timeout={opts['timeout']!r} in {url!r}: give the busy timeout in seconds, 0 or more")
         sync = opts.get("synchronous", "normal").upper()
         if sync not in ("NORMAL", "FULL", "EXTRA", "OFF"):
             raise ValueError(f"synchronous={sync.lower()!r} in {url!r}: use normal or full")
@@ -233,8 +244,15 @@ class SQLiteStore:
             self._pragmas(conn)
             self._create_or_migrate(conn)
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
-                raise
+            if isinstance(exc, sqlite3.OperationalError):
+                if _is_locked(exc):
+                    raise
+                # Read-only, cannot open, I/O error, disk full: the file may be a good ledger.
+                raise StoreUnavailable(
+                    f"cannot open the ledger file {self.path} for writing ({exc}): check that this process may "
+                    "write the file and its directory (SQLite keeps -wal and -shm files beside it) and that the "
+                    "disk has room"
+                ) from exc
             raise StoreCorrupt(
                 f"{self.path} is not a readable SQLite database ({exc}). Nothing was changed in it: "
                 "move it away or open a ledger at another path"
