@@ -5,7 +5,9 @@ scripted ASGI app that answers a planned sequence and records what it received."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,14 +82,18 @@ def _count(server: RunningServer) -> int:
 
 
 class Sleeps(list[float]):
-    """Records the waits instead of sleeping; ``then`` runs at the first one (the network heals…)."""
+    """Records the waits instead of sleeping; ``then`` runs at the first one (the network heals…).
+    More than ``limit`` waits fail the test (a client that would loop forever)."""
 
-    def __init__(self, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, then: Callable[[], None] | None = None, limit: int = 1000) -> None:
         super().__init__()
         self.then = then
+        self.limit = limit
 
     def __call__(self, seconds: float) -> None:
         self.append(seconds)
+        if len(self) > self.limit:
+            raise AssertionError(f"{len(self)} waits: the client does not stop ({self[-5:]})")
         if self.then is not None and len(self) == 1:
             self.then()
 
@@ -131,6 +137,38 @@ def test_explicit_and_quoted_keys(tickets: RunningServer) -> None:
     assert second.request.headers["Idempotency-Key"] == '"order-42"'
     assert is_replayed(second) and second.json() == first.json()
     assert _count(tickets) == 1
+
+
+def test_key_in_the_header_is_the_call_s_key(tickets: RunningServer) -> None:
+    """A key the caller puts in the Idempotency-Key header (Stripe's habit) is the call's key: a
+    retry of the operation by the caller, with the same header, is replayed, not a second ticket.
+    (It used to be replaced by a random key on every call.)"""
+    _faults(tickets, lost=1.0)
+    with Client(tickets.url, retry=Retry(attempts=2, base=0.01, cap=0.01), sleep=Sleeps()) as c:
+        with pytest.raises(httpx.HTTPError):  # the answers of both attempts are lost
+            c.post("/tickets", json=TICKET, headers={"Idempotency-Key": "order-42"})
+        _faults(tickets)
+        again = c.post("/tickets", json=TICKET, headers={"idempotency-key": "order-42"})
+    assert again.request.headers["Idempotency-Key"] == "order-42" and is_replayed(again)
+    assert _count(tickets) == 1
+
+
+def test_key_header_rules(scripted: tuple[Scripted, str]) -> None:
+    """The client's default key header names every call's key; a per-call key (argument or header)
+    wins over it; the argument and the header must agree; the sf-string form is read when quoted."""
+    app, url = scripted
+    with Client(url, headers={"Idempotency-Key": "k-all"}) as c:
+        c.post("/x", json={})
+        c.post("/x", json={}, idempotency_key="k-1")
+        c.post("/x", json={}, headers={"IDEMPOTENCY-KEY": "k-2"})
+        c.post("/x", json={}, idempotency_key="k-3", headers={"Idempotency-Key": "k-3"})
+        with pytest.raises(TypeError, match="two idempotency keys"):
+            c.post("/x", json={}, idempotency_key="k-4", headers={"Idempotency-Key": "k-5"})
+        with pytest.raises(TypeError, match="non-empty string"):
+            c.post("/x", json={}, headers={"Idempotency-Key": ""})
+    with Client(url, quoted=True) as c:
+        c.post("/x", json={}, headers={"Idempotency-Key": '"k-6"'}, idempotency_key="k-6")
+    assert app.keys() == ["k-all", "k-1", "k-2", "k-3", '"k-6"']
 
 
 def test_each_logical_call_gets_its_own_key(scripted: tuple[Scripted, str]) -> None:
@@ -177,6 +215,53 @@ def test_409_for_too_long_is_in_progress(scripted: tuple[Scripted, str]) -> None
         c.post("/tickets", json=TICKET)
     assert sleeps == [1.0, 1.0]
     assert caught.value.key == app.keys()[0]
+
+
+@pytest.mark.parametrize("retry_after", ["0", "-5", "nan", "Wed, 21 Oct 2015 07:28:00 GMT"])
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_409_that_asks_for_no_wait_still_ends_in_progress(
+    scripted: tuple[Scripted, str], retry_after: str, face: str
+) -> None:
+    """A 409 whose Retry-After asks for no wait (0, negative, nan, a date in the past) is not a busy
+    loop: each pause is at least a floor that grows, and after ``wait`` seconds the call ends in
+    InProgress (it used to ask again forever, thousands of times a second)."""
+    app, url = scripted
+    app.on_request = lambda _seen: app.then(409, retry_after=retry_after)  # every answer is a 409
+    app.then(409, retry_after=retry_after)
+    sleeps = Sleeps(limit=50)
+
+    async def asend() -> None:
+        async with AsyncClient(url, sleep=sleeps.asleep, wait=1.0) as c:
+            await c.post("/x", json={})
+
+    def send() -> None:
+        with Client(url, sleep=sleeps, wait=1.0) as c:
+            c.post("/x", json={})
+
+    with pytest.raises(onceonly.InProgress):
+        send() if face == "sync" else asyncio.run(asend())
+    assert 2 <= len(sleeps) <= 5 and sum(sleeps) <= 1.0
+    assert sleeps[0] >= 0.05 and all(b > a for a, b in itertools.pairwise(sleeps))
+    assert len(set(app.keys())) == 1
+
+
+def test_409_wait_is_measured_on_the_clock(scripted: tuple[Scripted, str]) -> None:
+    """The time the 409 answers take counts toward ``wait``, not only the pauses: with answers that
+    take 0.3 s and ``wait=0.5`` the call ends by the third ask, though its pauses add up to less."""
+    app, url = scripted
+
+    def slow_409(_seen: dict[str, str]) -> None:
+        time.sleep(0.3)
+        app.then(409, retry_after="0")
+
+    app.on_request = slow_409
+    sleeps = Sleeps(limit=50)
+    started = time.monotonic()
+    with Client(url, sleep=sleeps, wait=0.5) as c, pytest.raises(onceonly.InProgress):
+        c.post("/x", json={})
+    assert len(app.seen) <= 3, f"{len(app.seen)} asks in {time.monotonic() - started:.1f} s"
+    with pytest.raises(ValueError, match="wait=nan"):
+        Client(url, wait=float("nan"))
 
 
 def test_422_problem_is_a_key_conflict(tickets: RunningServer) -> None:
@@ -364,6 +449,81 @@ def test_ledger_resend_after_a_lost_answer_sends_the_same_key(tickets: RunningSe
     assert sent == [header_key(create_ticket.key_for(**TICKET))] * 2
     assert _count(tickets) == 1
     assert httpx.get(f"{tickets.url}/tickets/by-idempotency-key/{sent[0]}").json() == result
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_each_keyed_request_of_a_tool_has_its_own_key(tickets: RunningServer, sqlite_url: str, face: str) -> None:
+    """A tool that makes two tickets sends the ledger's key with the first and ``key#2`` with the
+    second: two operations, two keys (with one, the service refused the second as a key reused with
+    another body). The second answer is lost, the ledger re-sends the tool: the count starts again,
+    the same keys go in the same order, and the service replays both. Two tickets."""
+    heal = Sleeps(then=lambda: _faults(tickets))  # the network heals while the ledger backs off
+    ledger = onceonly.Ledger.open(sqlite_url, sleep=heal, asleep=heal.asleep)
+    sent: list[str] = []
+
+    def ticket(title: str) -> dict[str, Any]:
+        return {"session_id": "s-1", "title": title, "body": ""}
+
+    @ledger.tool(name="two_sync", on_unknown="resend")
+    def two_sync() -> list[int]:
+        with Client(tickets.url, retry=Retry(attempts=1)) as c:
+            first = c.post("/tickets", json=ticket("A"))
+            sent.append(first.request.headers["Idempotency-Key"])
+            if onceonly.current_call().attempt == 1:  # type: ignore[union-attr]
+                _faults(tickets, lost=1.0)
+            second = c.post("/tickets", json=ticket("B"))
+            sent.append(second.request.headers["Idempotency-Key"])
+            return [first.json()["id"], second.json()["id"]]
+
+    @ledger.tool(name="two_async", on_unknown="resend")
+    async def two_async() -> list[int]:
+        async with AsyncClient(tickets.url, retry=Retry(attempts=1)) as c:
+            first = await c.post("/tickets", json=ticket("A"))
+            sent.append(first.request.headers["Idempotency-Key"])
+            if onceonly.current_call().attempt == 1:  # type: ignore[union-attr]
+                _faults(tickets, lost=1.0)
+            second = await c.post("/tickets", json=ticket("B"))
+            sent.append(second.request.headers["Idempotency-Key"])
+            return [first.json()["id"], second.json()["id"]]
+
+    try:
+        ids = two_sync() if face == "sync" else asyncio.run(two_async())
+        key = (two_sync if face == "sync" else two_async).key_for()
+    finally:
+        ledger.close()
+    assert sent == [key, key, f"{key}#2"]  # the first attempt's second answer was lost
+    assert ids == [1, 2] and _count(tickets) == 2
+
+
+def test_key_numbers_are_per_attempt(scripted: tuple[Scripted, str], sqlite_url: str) -> None:
+    """The numbering belongs to one attempt of one guarded call: a guarded tool called from another
+    has its own count, requests with an explicit key do not count, and a second call of the tool
+    starts again from the ledger's key."""
+    app, url = scripted
+    ledger = onceonly.Ledger.open(sqlite_url)
+    c = Client(url)
+
+    @ledger.tool(name="inner")
+    def inner() -> None:
+        c.post("/i", json={})
+        c.post("/i", json={})
+
+    @ledger.tool(name="outer", retry=Retry(attempts=1))
+    def outer(n: int) -> None:
+        c.post("/o", json={})
+        c.get("/o")
+        inner()
+        c.post("/o", json={}, idempotency_key=f"mine-{n}")
+        c.post("/o", json={})
+
+    try:
+        outer(1)
+        outer(2)
+        o1, o2, i = outer.key_for(1), outer.key_for(2), inner.key_for()
+    finally:
+        c.close()
+        ledger.close()
+    assert app.keys() == [o1, None, i, f"{i}#2", "mine-1", f"{o1}#2", o2, None, "mine-2", f"{o2}#2"]
 
 
 def test_reports_dispatch_tool_is_marked_sent_before_the_request(

@@ -1,9 +1,11 @@
 """HTTP clients that carry one idempotency key per logical call: ``Client`` and ``AsyncClient`` (httpx).
 
-One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`` on every attempt:
+One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`` on every attempt
+(``idempotency_key=``, or that header passed by the caller, names it; else it is made):
 
     attempt ──2xx/3xx──────────────▶ the response
-       │  ├─409 (in progress)──────▶ wait Retry-After, same key, again (up to ``wait`` seconds)
+       │  ├─409 (in progress)──────▶ wait Retry-After (at least a growing floor), same key, again,
+       │  │                           for up to ``wait`` seconds of the clock
        │  ├─422 problem+json───────▶ KeyConflict (the key was used with another request)
        │  ├─408/429/503────────────▶ not executed: backoff (at least Retry-After), same key, again
        │  ├─500/502/504, other 5xx─▶ unknown: re-send with the same key (the server replays or runs once)
@@ -16,8 +18,9 @@ outcome: only the safe methods (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) are
 
 Errors are classified by ``onceonly.classify`` (docs/design.md#classifying-a-failed-attempt).
 Backoff is exponential with full jitter (``onceonly.Retry``); ``sleep`` is injectable. Inside a
-guarded tool the key is the ledger's (``onceonly.current_call().key``), so a retry by the ledger,
-after a crash or by another process, sends the same key; and a tool declared
+guarded tool the key is the ledger's (``onceonly.current_call().key``; the n-th keyed request of one
+attempt, n >= 2, gets ``key#n``), so a retry by the ledger, after a crash or by another process,
+sends the same keys; and a tool declared
 ``reports_dispatch=True`` is marked sent (``pending`` → ``in_flight``) just before a request that
 may change something (any method but ``SAFE_METHODS``, keyed or not) is handed to httpx (so before
 its DNS lookup and connect: a crash there is treated as possibly sent, the safe side).
@@ -28,6 +31,7 @@ Needs the ``http`` extra (httpx). See docs/http.md.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import random
 import time
@@ -40,7 +44,7 @@ import httpx
 from onceonly import ledger as _ledger
 from onceonly.errors import InProgress, KeyConflict
 from onceonly.keys import is_wire_key
-from onceonly.policy import Retry, Verdict, classify, classify_status, retry_after_seconds
+from onceonly.policy import Retry, Verdict, check_seconds, classify, classify_status, retry_after_seconds
 from onceonly.states import State
 
 __all__ = ["DEFAULT_RETRY", "SAFE_METHODS", "AsyncClient", "Client", "header_key", "is_replayed"]
@@ -50,6 +54,10 @@ DEFAULT_RETRY = Retry(attempts=4, base=0.5, cap=8.0)
 #: Methods that change nothing on the server (RFC 9110 section 9.2.1): re-sending one whose outcome is
 #: unknown is safe without a key.
 SAFE_METHODS: frozenset[str] = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# The least pause between two asks after a 409, doubled at each 409 of a call up to the cap: a server
+# that answers ``Retry-After: 0`` (or a date in the past) must not turn the wait into a busy loop.
+_BUSY_FLOOR = 0.05
+_BUSY_FLOOR_CAP = 1.0
 
 
 def header_key(key: str) -> str:
@@ -84,7 +92,7 @@ _R = TypeVar("_R")  # what ``sleep`` returns: None, or an awaitable for AsyncCli
 class _Attempts:
     """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
-    __slots__ = ("attempt", "key", "resendable", "safe", "waited")
+    __slots__ = ("attempt", "busy", "busy_since", "key", "resendable", "safe", "waited")
 
     def __init__(self, key: str | None, *, safe: bool, resendable: bool) -> None:
         self.key = key
@@ -93,7 +101,49 @@ class _Attempts:
         #: Whether an unknown outcome may be sent again: the key makes it safe, or the method is.
         self.resendable = resendable
         self.attempt = 0
+        #: The pauses asked for after 409s, and how many 409s, since when (``time.monotonic``).
         self.waited = 0.0
+        self.busy = 0
+        self.busy_since = 0.0
+
+
+class _Sequence:
+    """The keyed requests one attempt of a guarded call has sent so far, to number them (``_ledger_key``)."""
+
+    __slots__ = ("lease", "sent")
+
+    def __init__(self, lease: _ledger._Lease) -> None:
+        self.lease = lease
+        self.sent = 0
+
+
+# The attempts of guarded calls seen in this context, each with its count. An attempt is its lease
+# object (a new one per attempt, so the count restarts with each; a fence alone could come back after
+# a purge). Sync tools run in their caller's context, so finished attempts linger here until the next
+# attempt's first request drops them.
+_SEQUENCES: contextvars.ContextVar[tuple[_Sequence, ...]] = contextvars.ContextVar(
+    "onceonly_http_sequences", default=()
+)
+
+
+def _ledger_key(lease: _ledger._Lease) -> str:
+    """The key of the next keyed request of the running attempt: the ledger's for the first, then
+    ``key#2``, ``key#3``…
+
+    Two requests of one tool are two operations: under one key the server would refuse the second
+    (422) or answer it with the first's response. Numbered in the order they are sent, so a re-run of
+    the tool (the ledger's retry, a resend after a crash) sends the same keys in the same order.
+    """
+    seqs = _SEQUENCES.get()
+    for seq in seqs:
+        if seq.lease is lease:
+            break
+    else:
+        seq = _Sequence(lease)
+        _SEQUENCES.set((*(s for s in seqs if not s.lease.released), seq))
+    seq.sent += 1
+    key = lease.record.key
+    return key if seq.sent == 1 else f"{key}#{seq.sent}"
 
 
 class _BaseClient(Generic[_H, _R]):
@@ -147,6 +197,8 @@ class _BaseClient(Generic[_H, _R]):
             key_factory: makes the key of a call outside a guarded tool (default: a UUID4 hex).
             **httpx_kwargs: passed to the httpx client (``timeout``, ``auth``, ``headers``, ``transport``…).
         """
+        check_seconds(wait, f"wait={wait!r}")
+        check_seconds(max_retry_after, f"max_retry_after={max_retry_after!r}")
         self.retry = retry
         self.wait = wait
         self.max_retry_after = max_retry_after
@@ -161,24 +213,42 @@ class _BaseClient(Generic[_H, _R]):
         self._owns = client is None
         self.httpx: _H = client if client is not None else self._httpx_class(base_url=base_url, **httpx_kwargs)
 
-    def _start(self, method: str, explicit: str | None) -> _Attempts:
-        """The key of a new logical call: explicit, else the guarded call's, else a fresh one."""
+    def _start(self, method: str, explicit: str | None, headers: httpx.Headers) -> _Attempts:
+        """The key of a new logical call: explicit (the argument or the caller's header), else the
+        guarded call's, else a fresh one. Puts it in ``headers``."""
         method = method.upper()
         safe = method in SAFE_METHODS
         if method not in self.key_methods:
-            return _Attempts(None, safe=safe, resendable=safe)
+            return _Attempts(None, safe=safe, resendable=safe)  # a header the caller gave goes as it is
+        explicit = self._explicit(explicit, headers)
         if explicit is not None:
             key = explicit
         else:
-            info = _ledger.current_call()
-            key = info.key if info is not None else self.key_factory()
-        return _Attempts(header_key(key), safe=safe, resendable=self.resend_unknown or safe)
+            lease = _ledger._CURRENT.get()
+            key = _ledger_key(lease) if lease is not None else self.key_factory()
+        wire = header_key(key)
+        headers[self.header] = f'"{wire}"' if self.quoted else wire
+        return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe)
 
-    def _headers(self, call: _Attempts, headers: Any) -> httpx.Headers:
-        merged = httpx.Headers(headers)
-        if call.key is not None:
-            merged[self.header] = f'"{call.key}"' if self.quoted else call.key
-        return merged
+    def _explicit(self, argument: str | None, headers: httpx.Headers) -> str | None:
+        """The key the caller named: ``idempotency_key=``, else the key header of this request, else
+        the one among the client's default headers (Stripe's habit). Replacing it with a key of our
+        own would make the caller's retry of the same operation a second one."""
+        given = headers.get(self.header)
+        if given is None and argument is None:
+            given = self.httpx.headers.get(self.header)
+        if given is not None and self.quoted and len(given) >= 2 and given[0] == given[-1] == '"':
+            given = given[1:-1]  # the draft's sf-string form: the key is inside the quotes
+        if argument is None:
+            argument = given
+        elif given is not None and given != argument:
+            raise TypeError(
+                f"two idempotency keys for one request: idempotency_key={argument!r} and the {self.header} "
+                f"header {given!r}; give one of them"
+            )
+        if argument is not None and (not isinstance(argument, str) or not argument):
+            raise TypeError(f"idempotency key {argument!r}: a key is a non-empty string, e.g. 'order-42'")
+        return argument
 
     def _on_response(self, call: _Attempts, response: httpx.Response) -> float | None:
         """``None``: return ``response``. Seconds: try again after them. Raises for the rest."""
@@ -187,11 +257,22 @@ class _BaseClient(Generic[_H, _R]):
             return None
         retry_after = retry_after_seconds(response.headers.get("retry-after"))
         if call.key is not None and status == 409:
-            # Another request with this key is running: waiting costs no attempt, only time.
-            seconds = retry_after if retry_after is not None else self.retry.backoff(1, self.rng, floor=0.05)
-            if call.waited + seconds > self.wait:
+            # Another request with this key is running: waiting costs no attempt, only time. Time on the
+            # clock since the first 409 (the answers take time too), or the pauses asked for if more (an
+            # injected sleep may not sleep); each pause at least a floor that grows, so a Retry-After of
+            # 0 or in the past still ends in InProgress after ``wait`` seconds.
+            now = time.monotonic()
+            if not call.busy:
+                call.busy_since = now
+            floor = min(_BUSY_FLOOR * 2**call.busy, _BUSY_FLOOR_CAP)
+            call.busy += 1
+            seconds = (
+                max(retry_after, floor) if retry_after is not None else self.retry.backoff(1, self.rng, floor=floor)
+            )
+            waited = max(call.waited, now - call.busy_since)
+            if waited + seconds > self.wait:
                 raise InProgress(
-                    f"the server still processes a request with key {call.key!r} after {call.waited:.1f} s "
+                    f"the server still processes a request with key {call.key!r} after {waited:.1f} s "
                     f"of waiting: call again later with the same key (idempotency_key={call.key!r})",
                     key=call.key,
                 )
@@ -276,16 +357,19 @@ class Client(_BaseClient[httpx.Client, None]):
         """Send one logical call, with retries; ``kwargs`` as for ``httpx.Client.request``.
 
         The body must be re-sendable (``json=``, ``content=`` bytes, ``data=``, ``files=``), since a
-        retry sends it again. ``response.request.headers["Idempotency-Key"]`` is the key used.
+        retry sends it again. ``response.request.headers["Idempotency-Key"]`` is the key used: the one
+        named by ``idempotency_key=`` or by that header in ``headers=`` (or the client's), else the
+        guarded call's, else a new one.
 
         Raises:
+            TypeError: ``idempotency_key=`` and the key header name two different keys, or an empty one.
             KeyConflict: the server saw this key with another request (422 problem).
             InProgress: the server still ran a request with this key after ``wait`` seconds (409).
             httpx.HTTPStatusError: a final 4xx/5xx (with ``raise_for_status=True``).
             httpx.HTTPError: the last transport error, once no retry is left or it is definite.
         """
-        call = self._start(method, idempotency_key)
-        headers = self._headers(call, kwargs.pop("headers", None))
+        headers = httpx.Headers(kwargs.pop("headers", None))
+        call = self._start(method, idempotency_key, headers)
         if _needs_mark_sent(call):
             _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
         while True:
@@ -342,8 +426,8 @@ class AsyncClient(_BaseClient[httpx.AsyncClient, Awaitable[None]]):
         self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
     ) -> httpx.Response:
         """See ``Client.request``."""
-        call = self._start(method, idempotency_key)
-        headers = self._headers(call, kwargs.pop("headers", None))
+        headers = httpx.Headers(kwargs.pop("headers", None))
+        call = self._start(method, idempotency_key, headers)
         if _needs_mark_sent(call):
             await _ledger.amark_sent()
         while True:
