@@ -193,6 +193,21 @@ def test_bad_app_and_options_say_what_to_do(sqlite_url: str, make_app: Any, tmp_
     assert result.exit_code == 2 and "not a duration" in result.output
 
 
+def test_app_that_fails_to_import_is_a_message(make_app: Any, tmp_path: Path) -> None:
+    """An --app module that raises while it is imported (its own code, or an import of its own that is
+    missing) ends in a message naming the app, the error and its text: no traceback."""
+    cases = {
+        make_app("raise RuntimeError('boom at import')\n"): "RuntimeError: boom at import",
+        make_app("import no_such_dependency_zz\n"): "ModuleNotFoundError: No module named 'no_such_dependency_zz'",
+        make_app("def factory():\n    raise OSError('no config file')\n"): "OSError: no config file",
+    }
+    for name, message in cases.items():
+        attr = "factory" if "factory" in (tmp_path / f"{name}.py").read_text() else "ledger"
+        result = CliRunner().invoke(cli, ["reconcile", "--app", f"{name}:{attr}", "--app-dir", str(tmp_path)])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (name, result.output)
+        assert f"--app '{name}:{attr}': importing the app failed: {message}" in result.output, result.output
+
+
 def test_load_ledger_uses_the_app_dir(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
     """load_ledger imports module:attribute from --app-dir, and its tools come with it."""
     name = make_app(APP_SOURCE.format(url=sqlite_url))

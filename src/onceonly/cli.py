@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 try:
     import click
@@ -38,11 +42,45 @@ if _MISSING_CLI is None:
         help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
     )
 
-    def _open(url: str) -> Ledger:
+    # A sane bound: the stores take 64-bit integers, and a larger --limit failed inside the database.
+    _LIMIT = click.IntRange(min=1, max=1_000_000_000)
+
+    def _fail(exc: Exception) -> click.ClickException:
+        # str() of a KeyError is the repr of its message, quoted: show the message itself.
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        return click.ClickException(str(text))
+
+    def _sqlite_file(url: str) -> Path | None:
+        """The file of a ``sqlite:`` URL, ``None`` for another store."""
+        if urlsplit(url).scheme.lower() != "sqlite":
+            return None
+        from onceonly.stores.sqlite import parse_sqlite_url
+
+        return parse_sqlite_url(url)[0]
+
+    @contextmanager
+    def _ledger(url: str) -> Iterator[Ledger]:
+        """The ledger at ``url``, closed afterwards; its errors (and those of the command's calls on
+        it) become a message, not a traceback.
+
+        A SQLite file that is not there is refused: opening it would make an empty ledger (and its
+        directory) and report no records, hiding a wrong --url.
+        """
         try:
-            return Ledger.open(url)
+            path = _sqlite_file(url)
+            if path is not None and not path.is_file():
+                raise click.ClickException(
+                    f"no ledger at {path.absolute()}: give the ledger's URL with --url or $ONCEONLY_URL"
+                )
+            ledger = Ledger.open(url)
         except (OnceOnlyError, ValueError, ImportError) as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise _fail(exc) from exc
+        try:
+            yield ledger
+        except (OnceOnlyError, ValueError) as exc:
+            raise _fail(exc) from exc
+        finally:
+            ledger.close()
 
     def _when(ts: float | None) -> str:
         return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
@@ -57,15 +95,12 @@ if _MISSING_CLI is None:
     @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]))
     @click.option("--tool", default=None)
     @click.option("--scope", default=None)
-    @click.option("--limit", default=50, show_default=True)
+    @click.option("--limit", type=_LIMIT, default=50, show_default=True)
     @click.option("--json", "as_json", is_flag=True)
     def ls(url: str, states: tuple[str, ...], tool: str | None, scope: str | None, limit: int, as_json: bool) -> None:
         """List records."""
-        ledger = _open(url)
-        try:
+        with _ledger(url) as ledger:
             records = ledger.list(state=list(states) or None, tool=tool, scope=scope, limit=limit)
-        finally:
-            ledger.close()
         if as_json:
             click.echo(json.dumps([r.to_dict() for r in records], indent=2))
             return
@@ -81,11 +116,8 @@ if _MISSING_CLI is None:
     @click.argument("key")
     def show(url: str, key: str) -> None:
         """Show one record with its history, as JSON."""
-        ledger = _open(url)
-        try:
+        with _ledger(url) as ledger:
             rec = ledger.get(key)
-        finally:
-            ledger.close()
         if rec is None:
             raise click.ClickException(f"no record with key {key!r}")
         click.echo(json.dumps(rec.to_dict(), indent=2, ensure_ascii=False))
@@ -104,6 +136,8 @@ if _MISSING_CLI is None:
         """Settle a record by hand: --confirmed JSON or --failed REASON."""
         if (confirmed is None) == (failed is None):
             raise click.UsageError("give exactly one of --confirmed JSON or --failed REASON")
+        if reset and failed is None:
+            raise click.UsageError("--reset goes with --failed: a confirmed record never runs again")
         kwargs: dict[str, Any] = {"by": by, "why": why}
         if confirmed is not None:
             try:
@@ -113,13 +147,11 @@ if _MISSING_CLI is None:
         else:
             kwargs["failed"] = failed
             kwargs["reset"] = reset
-        ledger = _open(url)
-        try:
-            rec = ledger.resolve(key, **kwargs)
-        except (OnceOnlyError, KeyError) as exc:
-            raise click.ClickException(str(exc)) from exc
-        finally:
-            ledger.close()
+        with _ledger(url) as ledger:
+            try:
+                rec = ledger.resolve(key, **kwargs)
+            except KeyError as exc:  # no such record
+                raise _fail(exc) from exc
         click.echo(f"{key}: {rec.state.value}")
 
     @cli.command()
@@ -127,11 +159,8 @@ if _MISSING_CLI is None:
     @click.option("--json", "as_json", is_flag=True)
     def stats(url: str, as_json: bool) -> None:
         """How many records are in each state."""
-        ledger = _open(url)
-        try:
+        with _ledger(url) as ledger:
             counts = ledger.stats()
-        finally:
-            ledger.close()
         if as_json:
             click.echo(json.dumps(counts))
             return
@@ -146,11 +175,8 @@ if _MISSING_CLI is None:
     @_url_option
     def purge(url: str) -> None:
         """Delete settled records whose ttl passed (unknown and needs_review are kept)."""
-        ledger = _open(url)
-        try:
+        with _ledger(url) as ledger:
             removed = ledger.purge()
-        finally:
-            ledger.close()
         click.echo(f"removed {removed} expired record(s)")
 
     # Commands that live beside the things they run. Their modules import only click and rich at the

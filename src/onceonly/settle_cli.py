@@ -122,7 +122,13 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
 )
 @click.option("--by", default=None, help="Who reconciles, for the records' histories (default: reconcile@host:pid).")
 @click.option("--scope", default=None, help="Only the records of this scope (default: all).")
-@click.option("--batch", default=200, show_default=True, help="Records read per page.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1, max=1_000_000_000),
+    default=200,
+    show_default=True,
+    help="Records read per page.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
 def reconcile_command(
@@ -154,11 +160,13 @@ def reconcile_command(
         raise click.UsageError("give --once or --every DURATION, not both")
     if every is not None and every <= 0:
         raise click.UsageError("--every needs a positive duration, e.g. 30s")
+    source = _load_app(app, app_dir) if app else None
     try:
-        source = load_ledger(app, app_dir) if app else None
         # Ledger.open() without a URL reads $ONCEONLY_URL itself.
         ledger = Ledger.open(url) if url else (source if source is not None else Ledger.open())
     except (OnceOnlyError, ValueError, TypeError, ImportError) as exc:
+        if source is not None:
+            source.close()
         raise click.ClickException(str(exc)) from exc
     # The app's tools settle its records on whichever store holds them (--url: the same app elsewhere).
     tools = source.tools if source is not None else ledger.tools
@@ -199,6 +207,23 @@ def reconcile_command(
         ledger.close()
         if source is not None and source is not ledger:
             source.close()
+
+
+def _load_app(spec: str, app_dir: str) -> Ledger:
+    """``load_ledger`` for the command line: every error is a message that says what to do."""
+    try:
+        return load_ledger(spec, app_dir)
+    except (ValueError, TypeError, ImportError) as exc:
+        if str(exc).startswith(f"--app {spec!r}"):
+            raise click.ClickException(str(exc)) from exc  # load_ledger's own: it says what to fix
+        raise click.ClickException(_app_failed(spec, exc)) from exc
+    except Exception as exc:
+        # Importing the app runs its code (and a factory runs too): whatever it raises is its own.
+        raise click.ClickException(_app_failed(spec, exc)) from exc
+
+
+def _app_failed(spec: str, exc: Exception) -> str:
+    return f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
 
 
 COMMANDS = [reconcile_command]
