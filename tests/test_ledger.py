@@ -983,3 +983,10 @@ def test_a_lease_held_while_the_heartbeat_looks_is_beaten_in_time(sqlite_url: st
         ledger.close()
         other.close()
     assert runs == ["short"]
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2**63, True, 2.5])
+def test_list_takes_a_page_size_it_can_send(ledger: Ledger, limit: object) -> None:
+    """A page size the store cannot take ended as OverflowError (SQLite) or StoreCorrupt (PostgreSQL)."""
+    with pytest.raises(ValueError, match="give an int from 1"):
+        ledger.list(limit=limit)  # type: ignore[arg-type]

@@ -83,6 +83,10 @@ _owners = itertools.count(1)
 _all_heartbeats: weakref.WeakSet[_Heartbeats] = weakref.WeakSet()
 
 
+#: The most records one ``Ledger.list`` returns (a page; ``after=`` gives the next).
+_MAX_LIST = 1_000_000_000
+
+
 def _after_fork() -> None:
     global _owner_prefix
     _owner_prefix = f"{_HOST}:{os.getpid()}"
@@ -1068,6 +1072,8 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
+        if type(limit) is not int or not 1 <= limit <= _MAX_LIST:
+            raise ValueError(f"limit={limit!r}: give an int from 1 to {_MAX_LIST:,}, and page with after=")
         states: list[State] | None = None
         if state is not None:
             raw = [state] if isinstance(state, State | str) else list(state)

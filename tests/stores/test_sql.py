@@ -6,6 +6,7 @@ in flight) and its lease ran out before ``t`` (or it has none)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from onceonly import states as st
+from onceonly.errors import StoreCorrupt
 from onceonly.states import Record, State
 from onceonly.stores import Query, Store, open_store
+from onceonly.stores.postgres import PostgresStore
+from onceonly.stores.sqlite import SQLiteStore
 from tests.conftest import join_url
 from tests.stores._records import NOW, make
 
@@ -79,3 +83,33 @@ def test_a_scan_by_expired_lease_alone_finds_the_held_records_whose_lease_ran_ou
     except ImportError:  # redis-py missing: the expectation above states the same rule
         return
     assert sorted(k for k, r in recs.items() if _matches(r, query, None)) == expected
+
+
+def _write_raw(store: Store, sql: str) -> None:
+    """Run ``sql`` on the store's table behind its back ({table} is its qualified name)."""
+    if isinstance(store, SQLiteStore):
+        with sqlite3.connect(store.path) as conn:
+            conn.execute(sql.format(table="onceonly_records"))
+        return
+    import psycopg
+
+    assert isinstance(store, PostgresStore)
+    with psycopg.connect(store._conninfo, autocommit=True) as conn:
+        conn.execute(sql.format(table=f"{store.schema}.onceonly_records"))  # type: ignore[arg-type]
+
+
+def test_a_state_that_is_not_ours_is_store_corrupt_on_every_read(sql_store: Store) -> None:
+    """A row whose state something else wrote: get, scan and the counts say which record and what to
+    do (StoreCorrupt), where they raised a bare KeyError that the CLI printed as a traceback."""
+    assert sql_store.insert(make("odd"))
+    bogus = "UPDATE {table} SET state = 'bogus' WHERE key = 'odd'"
+    if isinstance(sql_store, PostgresStore):  # its table refuses such a row in the first place
+        import psycopg
+
+        with pytest.raises(psycopg.errors.CheckViolation):
+            _write_raw(sql_store, bogus)
+        return
+    _write_raw(sql_store, bogus)
+    for read in (lambda: sql_store.get("odd"), lambda: sql_store.scan(Query()), sql_store.count_by_state):
+        with pytest.raises(StoreCorrupt, match="state 'bogus', which is not an onceonly state"):
+            read()

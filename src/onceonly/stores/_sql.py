@@ -7,6 +7,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from onceonly.errors import StoreCorrupt
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
 
@@ -28,8 +29,28 @@ swap_fields = operator.attrgetter(*SWAP_FIELDS)
 def row_to_record(row: Sequence[Any]) -> Record:
     """A row of ``COLUMNS`` as a Record."""
     rec = Record(*row)  # the columns are the fields, in order
-    rec.state = STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
+    try:
+        rec.state = STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
+    except KeyError:
+        raise bad_state(row[0], row[4]) from None
     return rec
+
+
+def bad_state(key: str | None, value: object) -> StoreCorrupt:
+    """The error for a stored state that is not one of ours (a row written by something else)."""
+    where = "a record" if key is None else f"the record of {key!r}"
+    return StoreCorrupt(
+        f"{where} has state {value!r}, which is not an onceonly state: something else wrote it. Nothing was "
+        "changed: fix or delete that row"
+    )
+
+
+def counts_by_state(rows: Sequence[Sequence[Any]]) -> dict[State, int]:
+    """``SELECT state, COUNT(*) … GROUP BY state`` as counts per State."""
+    try:
+        return {STATES[s]: int(n) for s, n in rows}
+    except KeyError as exc:
+        raise bad_state(None, exc.args[0]) from None
 
 
 def state_literals(states: Sequence[State]) -> str:

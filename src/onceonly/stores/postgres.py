@@ -54,8 +54,8 @@ from onceonly.stores import _pgwire as wire
 from onceonly.stores._sql import (
     COLUMN_OF,
     COLUMNS,
-    STATES,
     SWAP_FIELDS,
+    counts_by_state,
     row_to_record,
     scan_sql,
     state_literals,
@@ -985,7 +985,7 @@ class PostgresStore:
 
     def count_by_state(self) -> dict[State, int]:
         rows, _ = self._run(self._sql_count, (), _ALL)
-        return {STATES[s]: int(n) for s, n in rows}
+        return counts_by_state(rows)
 
     def _watch(self, key: str, version: int) -> bool:
         """Mark the row watched if it is still at ``version``; ``False``: it changed or is gone."""

@@ -29,7 +29,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.states import Record, State
-from onceonly.stores._sql import COLUMN_OF, COLUMNS, STATES, SWAP_FIELDS, row_to_record, scan_sql, swap_fields
+from onceonly.stores._sql import (
+    COLUMN_OF,
+    COLUMNS,
+    SWAP_FIELDS,
+    counts_by_state,
+    row_to_record,
+    scan_sql,
+    swap_fields,
+)
 from onceonly.stores.base import Query
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -398,7 +406,7 @@ class SQLiteStore:
     def count_by_state(self) -> dict[State, int]:
         with self._errors():
             rows = self._conn().execute("SELECT state, COUNT(*) FROM onceonly_records GROUP BY state").fetchall()
-        return {STATES[s]: n for s, n in rows}
+        return counts_by_state(rows)
 
     def wait_for_change(self, key: str, version: int, timeout: float) -> None:
         # SQLite has no notifications across processes: the caller polls with a growing interval.
