@@ -77,6 +77,16 @@ def make_app(runs: Counter[str], gate: threading.Event, entered: threading.Event
 
         return StreamingResponse(chunks(), media_type="text/plain")
 
+    async def slowstream(request: Request) -> Response:
+        runs["slowstream"] += 1
+
+        async def chunks() -> Any:
+            for i in range(6):
+                yield f"c{i};".encode()
+                await asyncio.sleep(0.05)
+
+        return StreamingResponse(chunks(), status_code=201, media_type="text/plain")
+
     async def binary(request: Request) -> Response:
         runs["binary"] += 1
         return Response(bytes(range(256)) + bytes([runs["binary"]]), media_type="application/octet-stream")
@@ -94,6 +104,7 @@ def make_app(runs: Counter[str], gate: threading.Event, entered: threading.Event
             Route("/status/{code:int}", status, methods=["POST"]),
             Route("/big", big, methods=["POST"]),
             Route("/stream", stream, methods=["POST"]),
+            Route("/slowstream", slowstream, methods=["POST"]),
             Route("/binary", binary, methods=["POST"]),
         ]
     )

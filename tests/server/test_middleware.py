@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -387,3 +388,73 @@ def test_store_opened_from_a_url_is_closed_at_shutdown(sqlite_url: str) -> None:
     assert middleware.store is None
     with pytest.raises(onceonly.StoreUnavailable):
         store.get("x")
+
+
+def _asgi_round_trips(store_url: str, app: Any, requests: list[tuple[str, dict[str, str]]]) -> list[httpx.Response]:
+    """POST each (path, headers) in turn to ``app`` behind the middleware on this run's store, in-process."""
+    from onceonly.server import IdempotencyMiddleware
+
+    middleware = IdempotencyMiddleware(app, store=store_url)
+
+    async def scenario() -> list[httpx.Response]:
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://t") as c:
+                return [await c.post(path, headers=headers, content=b"{}") for path, headers in requests]
+        finally:
+            await middleware.aclose()
+
+    return asyncio.run(scenario())
+
+
+def test_compressed_response_replays_with_its_encoding(store_url: str) -> None:
+    """A body compressed inside the middleware (GZipMiddleware in the app) is stored compressed; the
+    replay carries Content-Encoding and Vary with it, so the client can read it."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.gzip import GZipMiddleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    runs = []
+
+    async def order(request: Any) -> JSONResponse:
+        runs.append(1)
+        return JSONResponse({"run": len(runs), "pad": "x" * 2000}, status_code=201)
+
+    app = Starlette(routes=[Route("/o", order, methods=["POST"])], middleware=[Middleware(GZipMiddleware)])
+    gz = {**K, "accept-encoding": "gzip"}
+    first, replay = _asgi_round_trips(store_url, app, [("/o", gz), ("/o", gz)])
+    assert first.headers["content-encoding"] == "gzip"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.headers["content-encoding"] == "gzip"
+    assert replay.headers["vary"] == "Accept-Encoding"
+    assert replay.json() == first.json() == {"run": 1, "pad": "x" * 2000}
+    assert len(runs) == 1
+
+
+@pytest.mark.parametrize("code", [204, 304])
+def test_bodiless_replay_has_no_content_length(store_url: str, code: int) -> None:
+    """A replayed 204 or 304 carries no Content-Length, as the first answer did (RFC 9110 8.6)."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def empty(request: Any) -> Response:
+        return Response(status_code=code)
+
+    app = Starlette(routes=[Route("/e", empty, methods=["POST"])])
+    first, replay = _asgi_round_trips(store_url, app, [("/e", K), ("/e", K)])
+    assert first.status_code == replay.status_code == code
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "content-length" not in first.headers and "content-length" not in replay.headers
+
+
+@pytest.mark.parametrize("value", [0, 0.5, -1, 1.5])
+def test_retry_after_must_be_whole_seconds(sqlite_url: str, value: float) -> None:
+    """Retry-After is whole seconds: 0.5 would be sent as 0 (retry at once), so it is refused."""
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    with pytest.raises(ValueError, match="whole number of seconds"):
+        IdempotencyMiddleware(Starlette(), store=sqlite_url, retry_after=value)  # type: ignore[arg-type]

@@ -313,3 +313,138 @@ def test_complete_with_the_store_modes_allow_list_drops_set_cookie(tmp_path: Pat
         assert caught.value.response.headers == stored.headers
     finally:
         conn.close()
+
+
+def test_row_committed_without_complete_expires_with_its_ttl(db: Db) -> None:
+    """A transaction that commits its row without complete() (an early return inside the block) holds
+    the key as in progress only until ttl: then begin() takes it again and purge() removes it."""
+    now = [1000.0]
+    table = _table(db, ttl=60, clock=lambda: now[0])
+    with db.transaction() as tx:
+        table.begin(tx, "k1", FP)  # and the handler returns a 400 without complete(): committed
+        table.begin(tx, "k2", FP)
+    with pytest.raises(InProgress, match="until its ttl passes"), db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+    now[0] += 61
+    _write(db, table, "k1", "after ttl")  # begin() takes the expired row over
+    with db.transaction() as tx:
+        assert table.purge(tx) == 1  # k2; k1 is completed now, with its own expiry
+    assert db.business_rows() == 1
+    with pytest.raises(Replay), db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+    now[0] += 30  # past the processing row's expiry: complete() set the completed row's own
+    with pytest.raises(Replay), db.transaction() as tx:
+        table.begin(tx, "k1", FP)
+
+
+def test_begin_request_without_context_says_where_the_middleware_goes() -> None:
+    """Without the middleware's context, begin_request names app.add_middleware: wrapped around a
+    Starlette app, the app's error middleware would answer Replay with a 500 first."""
+    with pytest.raises(LookupError, match=r"app\.add_middleware\(IdempotencyMiddleware, transactional=True\)"):
+        IdempotencyTable().begin_request(None, {"type": "http"})
+
+
+def test_transactional_middleware_wrapped_outside_logs_where_it_belongs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Added with app.add_middleware, a replay is answered by the middleware; wrapped around the app,
+    the app's error middleware answers 500 first, and the log says how to add it instead."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from onceonly.server import IdempotencyMiddleware
+
+    path = tmp_path / "tx.db"
+    table = IdempotencyTable()
+    setup = sqlite3.connect(path, isolation_level=None)
+    table.create(setup)
+    setup.close()
+
+    async def order(request: Request) -> Response:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            slot = table.begin_request(conn, request)
+            slot.complete(201, "made", {"content-type": "text/plain"})
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        finally:
+            conn.close()
+        return Response("made", status_code=201, media_type="text/plain")
+
+    inside = Starlette(routes=[Route("/o", order, methods=["POST"])])
+    inside.add_middleware(IdempotencyMiddleware, transactional=True)
+    outside = IdempotencyMiddleware(Starlette(routes=[Route("/o", order, methods=["POST"])]), transactional=True)
+
+    def twice(app: Any, key: str) -> list[Any]:
+        import asyncio
+
+        import httpx
+
+        async def scenario() -> list[Any]:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                return [await c.post("/o", headers={"Idempotency-Key": key}) for _ in range(2)]
+
+        return asyncio.run(scenario())
+
+    first, replay = twice(inside, "in")
+    assert first.status_code == replay.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    _, broken = twice(outside, "out")
+    assert broken.status_code == 500
+    assert "app.add_middleware(IdempotencyMiddleware, transactional=True)" in caplog.text
+
+
+def test_async_connection_is_refused_by_name(postgres_database_url: str) -> None:
+    """An async connection (psycopg.AsyncConnection) is refused with a TypeError naming the supported
+    ones, instead of running coroutines nobody awaits and answering 409 forever."""
+    import asyncio
+
+    import psycopg
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(postgres_database_url) as conn:
+            with pytest.raises(TypeError, match=r"async connection.*psycopg\.Connection"):
+                IdempotencyTable().begin(conn, "k1", FP)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_postgres_snapshot_isolation_waiter_gets_in_progress(postgres_database_url: str, isolation: str) -> None:
+    """Above READ COMMITTED, a transaction that waited on the key while another committed it cannot
+    see that row (serialization failure, SQLSTATE 40001): it gets InProgress (409), and its retry
+    in a new transaction replays."""
+    import psycopg
+
+    table = IdempotencyTable(f"idem_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(postgres_database_url, autocommit=True) as conn:
+        table.create(conn)
+    holding, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with psycopg.connect(postgres_database_url) as conn:
+            slot = table.begin(conn, "k1", FP)
+            holding.set()
+            release.wait(10)
+            slot.complete(201, "done")
+            conn.commit()
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert holding.wait(10)
+    with psycopg.connect(postgres_database_url) as waiter:
+        waiter.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        waiter.execute("SELECT 1")  # the snapshot is taken before the holder commits
+        threading.Timer(0.3, release.set).start()
+        with pytest.raises(InProgress):
+            table.begin(waiter, "k1", FP)
+        waiter.rollback()
+        t1.join(10)
+        with pytest.raises(Replay):
+            table.begin(waiter, "k1", FP)

@@ -43,9 +43,24 @@ CONTEXT_KEY = "onceonly.idempotency"
 
 #: Response headers a replay repeats; every other header of the first response is dropped, since
 #: some (Set-Cookie, Date, a request id) must never be sent twice or to another request.
+#: ``content-encoding`` and ``vary`` travel with the body they describe: a body compressed inside
+#: the middleware is stored compressed, and a replay without them would be unreadable.
 DEFAULT_REPLAY_HEADERS: frozenset[str] = frozenset(
-    {"content-type", "content-language", "content-location", "location", "etag", "last-modified", "link"}
+    {
+        "content-encoding",
+        "content-language",
+        "content-location",
+        "content-type",
+        "etag",
+        "last-modified",
+        "link",
+        "location",
+        "vary",
+    }
 )
+
+#: Statuses whose responses have no body and, for 204, must not carry Content-Length (RFC 9110 8.6).
+_NO_BODY_STATUSES = frozenset({*range(100, 200), 204, 304})
 
 #: The request headers that carry a key (lower case, as in an ASGI scope): the draft's and the older form.
 KEY_HEADERS: tuple[bytes, ...] = (b"idempotency-key", b"x-idempotency-key")
@@ -247,7 +262,8 @@ class StoredResponse:
     def messages(self, *, replayed: bool = True) -> tuple[Message, Message]:
         """The two ASGI messages that send this response, marked ``Idempotent-Replayed: true``."""
         headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in self.headers]
-        headers.append((b"content-length", str(len(self.body)).encode("ascii")))
+        if self.status not in _NO_BODY_STATUSES:
+            headers.append((b"content-length", str(len(self.body)).encode("ascii")))
         if replayed:
             headers.append((b"idempotent-replayed", b"true"))
         start = {"type": "http.response.start", "status": self.status, "headers": headers}

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, StoreError
+from onceonly.guard import landed
 from onceonly.keys import canonical_json
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
@@ -67,6 +68,9 @@ log = logging.getLogger("onceonly.server")
 DEFAULT_RELEASE_STATUSES: frozenset[int] = frozenset({408, 429, *range(500, 600)})
 
 _TOOL = "http"
+#: Pauses between tries to store a response after the store failed the write (and the re-read shows
+#: the claim still ours): about 0.8 s in all, enough for a blip, short enough to hold the last chunk.
+_COMPLETE_DELAYS = (0.05, 0.2, 0.5)
 _owner_counter = itertools.count(1)
 _HOST = socket.gethostname()[:40]
 
@@ -117,7 +121,8 @@ class IdempotencyMiddleware:
         max_request_body: the largest request body read for the fingerprint; larger → 413.
         replay_headers: response header names (lower case) a replay repeats.
         release_statuses: statuses after which the key is released instead of stored.
-        retry_after: seconds sent in ``Retry-After`` with a 409 (and a 503 when the store is down).
+        retry_after: seconds sent in ``Retry-After`` with a 409 (and a 503 when the store is down): a
+            whole number, 1 or more.
         key_prefix: the first part of every key in the store.
         store_calls: how the event loop calls the store. ``"async"``: its async face (Redis,
             PostgreSQL). ``"thread"``: its sync face in a worker thread. ``"inline"``: its sync face on
@@ -158,6 +163,8 @@ class IdempotencyMiddleware:
             )
         if processing_timeout <= 0:
             raise ValueError(f"processing_timeout={processing_timeout}: give a positive number of seconds")
+        if not (retry_after >= 1 and int(retry_after) == retry_after):
+            raise ValueError(f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more")
         self.app = app
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
@@ -230,11 +237,10 @@ class IdempotencyMiddleware:
         client = client_hash(self.client_identity(scope))
         ctx = IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
         scope[CONTEXT_KEY] = ctx
-        replaying = _replaying(body, receive)
         if self.transactional:
-            await self._run_transactional(scope, replaying, send, ctx)
+            await self._run_transactional(scope, _replaying(body, receive), send, ctx)
         else:
-            await self._run_stored(scope, replaying, send, ctx)
+            await self._run_stored(scope, body, receive, send, ctx)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
         digest = fingerprint_start(scope["method"], scope.get("root_path", "") + scope["path"], scope["query_string"])
@@ -270,7 +276,15 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, watch)
         except BaseException as raised:
             exc = _unwrap(raised)
-            if started or not isinstance(exc, Replay | KeyConflict | InProgress):
+            if not isinstance(exc, Replay | KeyConflict | InProgress):
+                raise
+            if started:
+                log.exception(
+                    "onceonly.server: %s reached IdempotencyMiddleware after a response had started (an error "
+                    "middleware answered it first?): add the middleware inside the application, with "
+                    "app.add_middleware(IdempotencyMiddleware, transactional=True), not wrapped around it",
+                    type(exc).__name__,
+                )
                 raise
             if isinstance(exc, Replay):
                 await _send(send, exc.response.messages(replayed=True))
@@ -281,7 +295,9 @@ class IdempotencyMiddleware:
 
     # --- store mode: claim, run, store or release -------------------------------------------------
 
-    async def _run_stored(self, scope: Scope, receive: Receive, send: Send, ctx: IdempotencyContext) -> None:
+    async def _run_stored(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, ctx: IdempotencyContext
+    ) -> None:
         try:
             got = await self._claim(scope, ctx)
         except StoreError:
@@ -308,18 +324,35 @@ class IdempotencyMiddleware:
         chunks: list[bytes] | None = []
         size = 0
         finished = False
+        gone = False  # the client left: the app runs on to the end, unheard, so its response is stored
+        # A client that leaves must not stop a response this middleware will store: the app would
+        # return without one, the key would be released and the retry would run the handler again. So
+        # ``http.disconnect`` reaches the app only once the response is complete or will not be kept.
+        unheard = asyncio.Event()
+        body_given = False
+
+        async def held_receive() -> Message:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await unheard.wait()
+            return await receive()
 
         async def capture(message: Message) -> None:
-            nonlocal status, headers, chunks, size, finished
+            nonlocal status, headers, chunks, size, finished, gone
             kind = message["type"]
             if kind == "http.response.start":
                 status, headers = message["status"], message.get("headers", ())
+                if status in self.release_statuses:
+                    unheard.set()
             elif kind == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunks is not None:
                     size += len(chunk)
                     if size > self.max_stored_body:
                         chunks = None
+                        unheard.set()
                         log.warning(
                             "onceonly.server: the response to %s passes max_stored_body (%d bytes): "
                             "not stored, the key is released and a retry runs again",
@@ -338,16 +371,31 @@ class IdempotencyMiddleware:
                         await self._complete(held, stored)
             else:
                 chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
-            await send(message)
+                unheard.set()
+            if gone:
+                return
+            try:
+                await send(message)
+            except OSError:
+                # ASGI 2.4: the client is gone. A response that is kept goes on to the store (a retry
+                # replays it); one that is not has no reader left, so the app may stop.
+                if chunks is None or status in self.release_statuses:
+                    raise
+                gone = True
+                log.debug("onceonly.server: the client of %s left; the response is still stored", ctx.store_key)
+            if finished:
+                unheard.set()
 
         # Every way out stores or releases the key, and both stop the renewal timer and beats first.
         try:
-            await self.app(scope, receive, capture)
+            await self.app(scope, held_receive, capture)
         except BaseException:
             if not finished:
                 finished = True
                 await self._release(held, "the application raised")
             raise
+        finally:
+            unheard.set()
         if not finished:
             await self._release(held, "the application returned without a complete response")
 
@@ -421,42 +469,67 @@ class IdempotencyMiddleware:
     async def _complete(self, held: _Held, stored: StoredResponse) -> None:
         await self._stop_beats(held)
         rec = held.record
-        new = st.confirm(
-            rec, result_json=stored.to_json(), now=self.clock(), ttl=self.ttl, via="run", by=rec.lease_owner
-        )
-        try:
-            ok = await self._call("swap", new, rec)
-        except StoreError:
-            log.exception(
-                "onceonly.server: could not store the response of %s: its claim will go stale after "
-                "%.0f s and a retry will run the request again",
-                rec.key,
-                self.processing_timeout,
-            )
-            return
-        if not ok:
-            log.warning(
-                "onceonly.server: the claim on %s was taken over while the request ran (it ran longer than "
-                "processing_timeout without renewal): the request may have run twice",
-                rec.key,
-            )
-        else:
-            held.record = new
+        result_json = stored.to_json()
+        for pause in (*_COMPLETE_DELAYS, None):
+            now = self.clock()
+            new = st.confirm(rec, result_json=result_json, now=now, ttl=self.ttl, via="run", by=rec.lease_owner)
+            try:
+                ok, current = await self._swap_now(new, rec)
+            except StoreError:  # the write failed and so did the read after it
+                current = rec
+                if pause is None:
+                    log.exception(
+                        "onceonly.server: could not store the response of %s: its claim will go stale after "
+                        "%.0f s and a retry will run the request again",
+                        rec.key,
+                        self.processing_timeout,
+                    )
+                    return
+            else:
+                if ok:
+                    held.record = new
+                    return
+                if not _is_ours(current, rec):
+                    log.warning(
+                        "onceonly.server: the claim on %s was taken over while the request ran (it ran longer "
+                        "than processing_timeout without renewal): the request may have run twice",
+                        rec.key,
+                    )
+                    return
+                if pause is None:
+                    log.error(
+                        "onceonly.server: the store kept refusing the response of %s: its claim will go stale "
+                        "after %.0f s and a retry will run the request again",
+                        rec.key,
+                        self.processing_timeout,
+                    )
+                    return
+            assert current is not None
+            if current.version != rec.version:
+                rec = held.record = current  # a renewal of ours landed unseen: write over it at once
+                continue
+            await asyncio.sleep(pause)  # the write did not land: give the store a moment
 
     async def _release(self, held: _Held, why: str) -> None:
         await self._stop_beats(held)
+        rec = held.record
         try:
-            released = await self._call("delete", held.record.key, held.record.version)
+            released = await self._call("delete", rec.key, rec.version)
+            if not released:
+                # A renewal of ours may have landed unseen: release the version that is there.
+                current = await self._call("get", rec.key)
+                if _is_ours(current, rec):
+                    released = await self._call("delete", rec.key, current.version)
         except StoreError:
             log.exception(
                 "onceonly.server: could not release %s after %s: retries get 409 until the claim goes stale (%.0f s)",
-                held.record.key,
+                rec.key,
                 why,
                 self.processing_timeout,
             )
             return
         if released:
-            log.debug("onceonly.server: released %s: %s", held.record.key, why)
+            log.debug("onceonly.server: released %s: %s", rec.key, why)
 
     # --- renewing a claim while the application runs ----------------------------------------------
 
@@ -465,23 +538,31 @@ class IdempotencyMiddleware:
             held.beat = asyncio.ensure_future(self._beat(held))
 
     async def _beat(self, held: _Held) -> None:
+        pause = self.processing_timeout / 3
         while True:
+            wait = pause
             async with held.lock:
                 if held.done:
                     return
-                new = st.extend_lease(held.record, now=self.clock(), lease_seconds=self.processing_timeout)
+                rec = held.record
+                new = st.extend_lease(rec, now=self.clock(), lease_seconds=self.processing_timeout)
                 try:
-                    ok = await self._call("swap", new, held.record)
+                    ok, current = await self._swap_now(new, rec)
                 except StoreError as exc:
-                    log.warning("onceonly.server: could not renew the claim on %s: %s", held.record.key, exc)
-                    ok = True  # nothing changed; try again at the next beat
+                    log.warning("onceonly.server: could not renew the claim on %s: %s", rec.key, exc)
                 else:
                     if ok:
                         held.record = new
-                if not ok:
-                    log.warning("onceonly.server: the claim on %s was taken over by another request", held.record.key)
-                    return
-            await asyncio.sleep(self.processing_timeout / 3)
+                    elif _is_ours(current, rec):
+                        # An earlier renewal landed unseen, or this one was refused: go on from the
+                        # version that is there, and renew it now rather than at the next beat.
+                        assert current is not None
+                        wait = 0.0 if current.version != rec.version else min(pause, 0.5)
+                        held.record = current
+                    else:
+                        log.warning("onceonly.server: the claim on %s was taken over by another request", rec.key)
+                        return
+            await asyncio.sleep(wait)
 
     async def _stop_beats(self, held: _Held) -> None:
         if held.timer is not None:
@@ -527,6 +608,16 @@ class IdempotencyMiddleware:
             return await getattr(store, "a" + op)(*args)
         return await asyncio.to_thread(getattr(store, op), *args)
 
+    async def _swap_now(self, new: Record, old: Record) -> tuple[bool, Record | None]:
+        """``onceonly.ledger.swap_now`` through ``_call``: on a failed write, re-read; it landed exactly
+        when the stored record is the one written. Returns (written, the record as it now is)."""
+        try:
+            ok = await self._call("swap", new, old)
+        except StoreError:
+            current = await self._call("get", new.key)
+            return landed(new, current), current
+        return (True, new) if ok else (False, await self._call("get", new.key))
+
     def _conflict(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
         return problem_messages(
             422,
@@ -546,6 +637,16 @@ class IdempotencyMiddleware:
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
         )
+
+
+def _is_ours(current: Record | None, held: Record) -> bool:
+    """Whether the stored record is still the claim ``held`` made (its owner token is unique to it)."""
+    return (
+        current is not None
+        and current.state is State.IN_FLIGHT
+        and current.lease_owner == held.lease_owner
+        and current.fence == held.fence
+    )
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -20,6 +20,7 @@ completed row and replays it. A lock that times out is reported as ``InProgress`
 
 from __future__ import annotations
 
+import inspect
 import re
 import sqlite3
 import sys
@@ -66,9 +67,11 @@ class IdempotencyTable:
                 "status VARCHAR(16) NOT NULL, response TEXT, created_at DOUBLE PRECISION NOT NULL, "
                 "expires_at DOUBLE PRECISION)"
             ),
+            # A processing row expires too: a transaction that commits it without complete() (an early
+            # return inside the block) must not hold the key forever. complete() sets the real expiry.
             "insert": (
-                f"INSERT INTO {t} (key, fingerprint, status, created_at) "
-                "VALUES (:key, :fingerprint, 'processing', :now) "
+                f"INSERT INTO {t} (key, fingerprint, status, created_at, expires_at) "
+                "VALUES (:key, :fingerprint, 'processing', :now, :expires) "
                 "ON CONFLICT (key) DO NOTHING"
             ),
             "select": f"SELECT fingerprint, status, response, expires_at FROM {t} WHERE key = :key",
@@ -92,14 +95,16 @@ class IdempotencyTable:
         Raises:
             Replay: the key was completed (committed) before: answer with ``exc.response``.
             KeyConflict: the key was used with another fingerprint: answer 422.
-            InProgress: the key is held and the lock wait timed out, or a committed row of the key
-                was never completed: answer 409.
+            InProgress: the key is held and the lock wait timed out (or, on PostgreSQL above READ
+                COMMITTED, the holder committed after this transaction's snapshot), or a committed row
+                of the key was never completed (until its ``ttl`` passes): answer 409.
 
         .. versionadded:: 0.1
         """
         run = _executor(tx)
         now = self.clock()
-        params = {"key": key, "fingerprint": fingerprint, "now": now}
+        expires = None if self.ttl is None else now + self.ttl
+        params = {"key": key, "fingerprint": fingerprint, "now": now, "expires": expires}
         try:
             inserted, _ = run(self._sql["insert"], params)
             if inserted == 1:
@@ -115,7 +120,8 @@ class IdempotencyTable:
         except Exception as exc:
             if _is_lock_timeout(exc):
                 raise InProgress(
-                    f"{key!r} is held by another transaction (the lock wait timed out): retry with the same key",
+                    f"{key!r} is held by another transaction (the lock wait timed out, or it committed after "
+                    "this transaction's snapshot): retry with the same key",
                     key=key,
                 ) from exc
             raise
@@ -132,8 +138,9 @@ class IdempotencyTable:
         if status == "completed" and response is not None:
             raise Replay(key, StoredResponse.from_json(response))
         raise InProgress(
-            f"{key!r} has a committed row that was never completed (begin and complete ran in two "
-            "transactions?): it is treated as in progress",
+            f"{key!r} has a committed row that was never completed (the transaction committed without "
+            "slot.complete(), or begin and complete ran in two transactions): it is treated as in progress "
+            "until its ttl passes",
             key=key,
         )
 
@@ -147,8 +154,10 @@ class IdempotencyTable:
         ctx = request if isinstance(request, IdempotencyContext) else idempotency_context(request)
         if ctx is None:
             raise LookupError(
-                "this request has no idempotency context: add IdempotencyMiddleware(app, transactional=True) "
-                "and make sure its methods include this request's"
+                "this request has no idempotency context: add the middleware inside the application with "
+                "app.add_middleware(IdempotencyMiddleware, transactional=True) (not wrapped around a "
+                "Starlette/FastAPI app, whose error middleware would answer Replay with a 500) and make sure "
+                "its methods include this request's"
             )
         return self.begin(tx, ctx.store_key, ctx.fingerprint)
 
@@ -163,7 +172,7 @@ class IdempotencyTable:
         return StoredResponse.from_json(response)
 
     def purge(self, tx: Any, *, before: float | None = None) -> int:
-        """Delete rows whose ``ttl`` passed; returns how many."""
+        """Delete rows whose ``ttl`` passed (a row committed without ``complete()`` too); returns how many."""
         count, _ = _executor(tx)(self._sql["purge"], {"now": self.clock() if before is None else before})
         return max(count, 0)
 
@@ -230,6 +239,14 @@ def _executor(tx: Any) -> Executor:
                 return int(result.rowcount), rows
 
             return run_sa
+    if inspect.iscoroutinefunction(getattr(tx, "execute", None)) or inspect.iscoroutinefunction(
+        getattr(tx, "cursor", None)
+    ):
+        raise TypeError(
+            f"{type(tx).__name__} is an async connection: IdempotencyTable runs its SQL synchronously inside "
+            "your transaction. Pass a sync one (sqlite3.Connection, psycopg.Connection, a SQLAlchemy "
+            "Session or Connection), from a def handler or through asyncio.to_thread"
+        )
     if not hasattr(tx, "cursor"):
         raise TypeError(f"{type(tx).__name__} is neither a SQLAlchemy Session/Connection nor a DB-API connection")
     module = sys.modules.get(type(tx).__module__.split(".")[0])
@@ -265,12 +282,14 @@ def _convert(sql: str, params: Mapping[str, Any], style: str) -> tuple[str, Any]
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
-    """A lock wait that gave up: SQLite's "database is locked", PostgreSQL's lock_timeout."""
+    """A wait on the key's holder that gave up: SQLite's "database is locked", PostgreSQL's
+    lock_timeout, and PostgreSQL's serialization failure (REPEATABLE READ, SERIALIZABLE: the holder
+    committed after this transaction's snapshot was taken; a retry in a new transaction replays)."""
     orig = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
     if isinstance(orig, sqlite3.OperationalError):
         msg = str(orig).lower()
         return "locked" in msg or "busy" in msg
     psycopg_errors = sys.modules.get("psycopg.errors")
     if psycopg_errors is not None:
-        return isinstance(orig, psycopg_errors.LockNotAvailable)
+        return isinstance(orig, psycopg_errors.LockNotAvailable | psycopg_errors.SerializationFailure)
     return False

@@ -1,0 +1,201 @@
+"""IdempotencyMiddleware in store mode when things go wrong around a request that ran: the client
+leaves mid-response, the server's send raises (ASGI 2.4), the store loses an answer or fails once.
+In each case the handler ran once, so its response must be stored and the retry must replay it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from onceonly import State
+from onceonly.server import IdempotencyMiddleware, client_hash, store_key
+from onceonly.server._http import Message
+from onceonly.stores import open_store
+from tests._settling import Fault, FlakyStore
+
+from .conftest import Served
+
+K = {"Idempotency-Key": "key-1"}
+KEY = store_key("http", client_hash(""), "key-1")
+
+
+def _retry_until_settled(s: Served, path: str) -> httpx.Response:
+    """Retry ``path`` with key-1 while the first request still holds it (409)."""
+    with s.client() as c:
+        for _ in range(100):
+            response = c.post(path, headers=K)
+            if response.status_code != 409:
+                return response
+            time.sleep(0.05)
+    raise AssertionError(f"{path} still answers 409")
+
+
+def test_client_leaving_mid_stream_still_stores_the_response(serve: Any) -> None:
+    """A client that reads one chunk of a streamed response and hangs up does not stop the handler:
+    the stream runs to its end, is stored, and the retry replays it instead of running again."""
+    s = serve()
+    with s.client() as c, c.stream("POST", "/slowstream", headers=K) as first:
+        for _ in first.iter_bytes():
+            break  # leaving the block closes the connection mid-stream
+    again = _retry_until_settled(s, "/slowstream")
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == b"c0;c1;c2;c3;c4;c5;"
+    assert s.runs["slowstream"] == 1
+
+
+def _spec24_app(runs: Counter[str]) -> Starlette:
+    async def pay(request: Request) -> Response:
+        runs["pay"] += 1
+        await asyncio.sleep(0.1)  # the client leaves meanwhile
+        return JSONResponse({"paid": runs["pay"]}, status_code=201)
+
+    async def feed(request: Request) -> Response:
+        runs["feed"] += 1
+
+        async def rows() -> Any:
+            for i in range(4):
+                yield f"r{i};".encode()
+                await asyncio.sleep(0.05)
+
+        return StreamingResponse(rows(), status_code=201, media_type="text/plain")
+
+    return Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/feed", feed, methods=["POST"])])
+
+
+class _ClientGone(OSError):
+    pass
+
+
+async def _spec24_request(app: Any, path: str, leave_after: float | None) -> list[Message]:
+    """One request as an ASGI 2.4 server makes it: once the client has left, ``send`` raises an
+    OSError and ``receive`` answers ``http.disconnect``."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "headers": [(b"host", b"t"), (b"idempotency-key", b"key-1")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    gone = asyncio.Event()
+    if leave_after is not None:
+        asyncio.get_running_loop().call_later(leave_after, gone.set)
+    body_sent = False
+    got: list[Message] = []
+
+    async def receive() -> Message:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if gone.is_set():
+            raise _ClientGone("the client closed the connection")
+        got.append(message)
+
+    await app(scope, receive, send)
+    return got
+
+
+@pytest.mark.parametrize(("path", "leave_after"), [("/pay", 0.02), ("/feed", 0.08)])
+def test_send_raising_oserror_still_stores_the_response(store_url: str, path: str, leave_after: float) -> None:
+    """Under ASGI 2.4 a send to a client that left raises OSError: the middleware stops forwarding
+    without raising into the app, which finishes; its response is stored and the retry replays it."""
+    runs: Counter[str] = Counter()
+    app = IdempotencyMiddleware(_spec24_app(runs), store=store_url)
+
+    async def scenario() -> list[Message]:
+        try:
+            await _spec24_request(app, path, leave_after)  # the app is not told: no exception reaches here
+            return await _spec24_request(app, path, None)
+        finally:
+            await app.aclose()
+
+    start, body = asyncio.run(scenario())
+    assert start["status"] == 201
+    assert (b"idempotent-replayed", b"true") in start["headers"]
+    assert runs[path.strip("/")] == 1
+    assert body["body"] in (b'{"paid":1}', b"r0;r1;r2;r3;")
+
+
+def _flaky_app(runs: Counter[str], *, seconds: float) -> Starlette:
+    async def pay(request: Request) -> Response:
+        runs["pay"] += 1
+        await asyncio.sleep(seconds)
+        return JSONResponse({"paid": runs["pay"]}, status_code=int(request.query_params.get("status", "201")))
+
+    return Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+
+
+def _run_twice(
+    store: FlakyStore, runs: Counter[str], *, seconds: float, status: int = 201, pause: float = 0.8
+) -> list[httpx.Response]:
+    """Two requests with key-1 through the middleware on ``store``, the second ``pause`` s after the first
+    (by default past its lease: an unstored claim would run again then)."""
+    app = IdempotencyMiddleware(
+        _flaky_app(runs, seconds=seconds), store=store, processing_timeout=0.6, store_calls="thread"
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            first = await c.post(f"/pay?status={status}", headers=K)
+            await asyncio.sleep(pause)
+            return [first, await c.post(f"/pay?status={status}", headers=K)]
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(Fault("swap", frm=State.IN_FLIGHT, to=State.IN_FLIGHT, lands=True), id="renewal-answer-lost"),
+        pytest.param(Fault("swap", frm=State.IN_FLIGHT, to=State.IN_FLIGHT), id="renewal-refused"),
+        pytest.param(Fault("swap", frm=State.IN_FLIGHT, to=State.CONFIRMED), id="completion-refused-once"),
+        pytest.param(Fault("swap", frm=State.IN_FLIGHT, to=State.CONFIRMED, lands=True), id="completion-answer-lost"),
+        pytest.param(
+            Fault("swap", frm=State.IN_FLIGHT, to=State.CONFIRMED, then=Fault("get")), id="completion-and-read-fail"
+        ),
+    ],
+)
+def test_one_store_failure_does_not_lose_the_response(store_url: str, fault: Fault) -> None:
+    """One failed store write while the request runs (a renewal whose answer was lost, a completion
+    refused once) is re-read and retried: the response is stored and the retry replays it."""
+    store = FlakyStore(open_store(store_url), fault)
+    runs: Counter[str] = Counter()
+    try:
+        first, again = _run_twice(store, runs, seconds=0.45)  # longer than a third of the lease: renewals
+        assert store.raised[:1] == ["swap"]
+        rec = store.get(KEY)
+        assert rec is not None and rec.state is State.CONFIRMED
+    finally:
+        store.close()
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json() == {"paid": 1}
+    assert runs["pay"] == 1
+
+
+def test_release_after_a_lost_renewal_answer_frees_the_key(store_url: str) -> None:
+    """A 5xx after a renewal whose answer was lost still releases the key at once (the version that
+    is there), so the retry runs without waiting for the claim to go stale."""
+    store = FlakyStore(open_store(store_url), Fault("swap", frm=State.IN_FLIGHT, to=State.IN_FLIGHT, lands=True))
+    runs: Counter[str] = Counter()
+    try:
+        first, again = _run_twice(store, runs, seconds=0.45, status=503, pause=0.0)
+        assert store.raised == ["swap"]
+        assert store.get(KEY) is None
+    finally:
+        store.close()
+    assert first.status_code == again.status_code == 503
+    assert runs["pay"] == 2
