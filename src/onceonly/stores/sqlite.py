@@ -121,13 +121,14 @@ class _Connection(sqlite3.Connection):
     """A connection the store can hold weakly (``sqlite3.Connection`` itself takes no weak reference)."""
 
 
-# The stores of this process, and the connections a forked child inherited. SQLite forbids using a
-# connection across fork(), and POSIX locks are not inherited: a child writing through its parent's
-# connection committed into a WAL that the parent's close then checkpointed and deleted, so the
-# child's records vanished and their operations ran again. The child opens its own connections, and
-# keeps the inherited ones unused and unclosed: closing one could checkpoint under the parent.
+# The stores of this process, so that a forked child can drop its parent's connections. SQLite forbids
+# using a connection across fork(), and POSIX locks are not inherited: a child writing through its
+# parent's connection committed into a WAL that the parent's close then checkpointed and deleted, so
+# the child's records vanished and their operations ran again. Merely setting them aside is not
+# enough: SQLite's per-file lock count, copied into the child, would let the child's new connection
+# count a lock it does not hold. So the child closes them (the parent's real locks keep that close
+# from checkpointing under it) and opens its own.
 _stores: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
-_inherited: list[object] = []
 
 
 def _after_fork_in_child() -> None:
@@ -177,12 +178,14 @@ class SQLiteStore:
         _stores.add(self)
 
     def _forget_inherited(self) -> None:
-        """In a forked child (only the forking thread runs): park the parent's connections, use new ones."""
-        _inherited.extend(self._all)
-        _inherited.append(self._local)  # this thread's connection and cursor, held by the old local
+        """In a forked child (only the forking thread runs): close the parent's connections, use new ones."""
+        inherited = list(self._all)
         self._local = threading.local()
         self._all = weakref.WeakSet()
         self._lock = threading.Lock()
+        for conn in inherited:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     # --- connections --------------------------------------------------------------------------
 
