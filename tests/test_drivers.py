@@ -137,7 +137,7 @@ def test_a_write_that_fails_mid_way_runs_the_tool_once(tmp_path: Path, faults: l
 @pytest.mark.parametrize("driver", ["sync", "async"])
 @pytest.mark.parametrize("refused", ["claim", "settle"])
 def test_a_store_that_keeps_refusing_writes_ends_the_call_with_its_error(
-    tmp_path: Path, refused: str, driver: str
+    tmp_path: Path, refused: str, driver: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A store that fails every write while its reads work (a read-only server after a failover, a
     lock, a constraint) must not be asked again and again: a few pauses, then its error, saying
@@ -177,5 +177,40 @@ def test_a_store_that_keeps_refusing_writes_ends_the_call_with_its_error(
             assert runs == [7], "the tool ran once"
             assert "this call ran the tool" in str(err.value)
             assert rec is not None and rec.state is State.IN_FLIGHT, "held until its lease runs out"
+            assert 'returned {"id":7}' in caplog.text, "the result is logged for whoever settles it"
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_the_refusal_bound_counts_refusals_in_a_row(tmp_path: Path, driver: str) -> None:
+    """Three refused claims (a flicker of about a second), then the store takes writes again: the
+    settle refused once more is retried and lands. Counted over the whole call, that fourth refusal
+    raised after the tool had run, and its result was lost with the error."""
+    faults = ["claim:before", "insert:before", "insert:before", "swap:before"]
+    store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
+    ledger = Ledger(store)  # type: ignore[arg-type]
+    runs: list[int] = []
+    try:
+        if driver == "sync":
+
+            @ledger.tool(name="create")
+            def create(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            got = create(7)
+        else:
+
+            @ledger.tool(name="create")
+            async def acreate(n: int) -> dict[str, int]:
+                runs.append(n)
+                return {"id": n}
+
+            got = asyncio.run(acreate(7))
+        assert store.injected == faults
+        assert runs == [7] and got == {"id": 7}
+        rec = store.inner.get(ledger.tools["create"].key_for(7))
+        assert rec is not None and rec.state is State.CONFIRMED
     finally:
         ledger.close()

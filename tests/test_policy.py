@@ -200,3 +200,15 @@ def test_aiohttp_exceptions() -> None:
     assert classify(response_error(502)).verdict is Verdict.UNKNOWN
     assert classify(response_error(404)).verdict is Verdict.FAILED
     assert classify(aiohttp.ServerDisconnectedError()).verdict is Verdict.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [KeyboardInterrupt(), SystemExit(1), BaseExceptionGroup("g", [SystemExit(1), ValueError("x")])],
+    ids=["KeyboardInterrupt", "SystemExit", "group-with-SystemExit"],
+)
+def test_an_interrupted_attempt_is_unknown(exc: BaseException) -> None:
+    """A BaseException that is not an Exception interrupted the attempt, before or after its request:
+    unknown, as a cancelled task is (a late outcome of a timed-out sync tool whose thread called
+    sys.exit() was classified failed, and so retried)."""
+    assert classify(exc).verdict is Verdict.UNKNOWN

@@ -157,7 +157,8 @@ class Outcome:
         state: the record's state (``confirmed``).
         replayed: ``True`` when this call did not run the tool itself.
         attempts: attempts recorded for the operation.
-        via: how the outcome was settled: ``run``, ``probe``, ``resolve``, ``late:N``.
+        via: how the outcome was settled: ``run``, ``probe``, ``reconcile-probe``, ``resolve``, ``late:N``
+            (attempt N's result arrived late), ``readonly``.
         fence: the fencing token of the attempt that produced it.
         conflict: ``True`` when other arguments were replayed (``on_conflict="replay"``).
 
@@ -284,6 +285,8 @@ def _write(old: Record, new: Record, call: Call | None) -> Generator[Action, Any
             yield from _refused(call, exc, new.key)
         return False, now_rec
     if ok:
+        if call is not None and call.refusals:
+            call.refusals = 0  # the bound is on refusals in a row: the store takes writes again
         return True, new
     current = yield Get(new.key)
     return False, current
@@ -354,6 +357,7 @@ def plan(call: Call) -> Plan:
             if not inserted:
                 rec = yield Get(key)
                 continue
+            call.refusals = 0
             rec = new
         elif rec.state is State.CONFIRMED and rec.is_expired(now):
             new = st.renew(
@@ -562,22 +566,28 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
     result_json = encode_result(value, rec.key)
     now = call.clock()
     new = st.confirm(rec, result_json=result_json, now=now, ttl=call.policy.ttl, via="run", by=call.owner)
-    ok, cur = yield from _write(rec, new, call)
-    if ok:
-        return _outcome(new, replayed=False, value=value, use_value=True)
-    while cur is not None:
-        # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
-        # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
-        new = st.late_success(
-            cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner
-        )
-        if new is cur:
-            return _outcome(cur, replayed=True)
-        ok, again = yield from _write(cur, new, call)
+    try:
+        ok, cur = yield from _write(rec, new, call)
         if ok:
-            mine = new.result_json == result_json and new.state is State.CONFIRMED
-            return _outcome(new, replayed=not mine, value=value, use_value=mine)
-        cur = again
+            return _outcome(new, replayed=False, value=value, use_value=True)
+        while cur is not None:
+            # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
+            # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
+            new = st.late_success(
+                cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner
+            )
+            if new is cur:
+                return _outcome(cur, replayed=True)
+            ok, again = yield from _write(cur, new, call)
+            if ok:
+                mine = new.result_json == result_json and new.state is State.CONFIRMED
+                return _outcome(new, replayed=not mine, value=value, use_value=mine)
+            cur = again
+    except StoreError:
+        # The side effect happened and the store will not take its result: keep it where a person
+        # settling the record by hand can find it.
+        log.exception("onceonly %s: the tool ran and returned %s; the ledger could not record it", rec.key, result_json)
+        raise
     raise OutcomeUnknown(
         f"the tool ran (key {rec.key!r}) but its record was deleted before the result was written; "
         "the side effect happened: check it before calling again",

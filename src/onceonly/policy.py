@@ -9,7 +9,6 @@ unknown; an exception group takes the most cautious verdict of its members.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import math
 import numbers
@@ -218,9 +217,10 @@ def _classify_aiohttp(exc: BaseException) -> Classification | None:
 def _classify_builtin(exc: BaseException) -> Classification:
     if isinstance(exc, ConnectionRefusedError):
         return Classification(Verdict.NOT_SENT, None, "ConnectionRefusedError")
-    if isinstance(exc, TimeoutError | ConnectionError | asyncio.CancelledError):
-        # TimeoutError (socket and asyncio), resets, aborts, broken pipes: it may have arrived. A cancelled
-        # task may have been stopped before its request or after it: cancellation says neither.
+    if isinstance(exc, TimeoutError | ConnectionError) or not isinstance(exc, Exception):
+        # TimeoutError (socket and asyncio), resets, aborts, broken pipes: it may have arrived. An attempt
+        # interrupted (a cancelled task, KeyboardInterrupt, SystemExit: a BaseException that is not an
+        # Exception) may have been stopped before its request or after it: the interruption says neither.
         return Classification(Verdict.UNKNOWN, None, type(exc).__name__)
     got = _response_status(exc)
     if got:
