@@ -505,8 +505,8 @@ def test_key_numbers_are_per_attempt(scripted: tuple[Scripted, str], sqlite_url:
 
     @ledger.tool(name="inner")
     def inner() -> None:
-        c.post("/i", json={})
-        c.post("/i", json={})
+        c.post("/i", json={"n": 1})
+        c.post("/i", json={"n": 2})
 
     @ledger.tool(name="outer", retry=Retry(attempts=1))
     def outer(n: int) -> None:
@@ -514,7 +514,7 @@ def test_key_numbers_are_per_attempt(scripted: tuple[Scripted, str], sqlite_url:
         c.get("/o")
         inner()
         c.post("/o", json={}, idempotency_key=f"mine-{n}")
-        c.post("/o", json={})
+        c.post("/o", json={"last": True})
 
     try:
         outer(1)
@@ -524,6 +524,57 @@ def test_key_numbers_are_per_attempt(scripted: tuple[Scripted, str], sqlite_url:
         c.close()
         ledger.close()
     assert app.keys() == [o1, None, i, f"{i}#2", "mine-1", f"{o1}#2", o2, None, "mine-2", f"{o2}#2"]
+
+
+def test_a_tool_that_sends_the_same_request_again_keeps_its_key(
+    scripted: tuple[Scripted, str], sqlite_url: str
+) -> None:
+    """A tool with a retry loop of its own (the client's retries off, its own except-and-retry): the
+    same request sent again is the same operation and keeps its key, so the server replays it; only
+    a different request is numbered. Numbering every request sent made the repeat key#2: the server
+    ran it a second time."""
+    app, url = scripted
+    app.then(504).then(201)  # the first answer is lost on the way back
+    ledger = onceonly.Ledger.open(sqlite_url)
+    c = Client(url, retry=Retry(attempts=1))
+
+    @ledger.tool(name="refund")
+    def refund(order: str) -> None:
+        for _ in range(2):
+            try:
+                c.post("/refunds", json={"order": order})
+                break
+            except httpx.HTTPStatusError:  # its own retry: the same request again
+                continue
+        c.post("/notifications", json={"order": order})
+
+    try:
+        refund("o-1")
+        key = refund.key_for("o-1")
+    finally:
+        c.close()
+        ledger.close()
+    assert app.keys() == [key, key, f"{key}#2"]
+
+
+def test_concurrent_requests_of_one_tool_get_keys_of_their_own(scripted: tuple[Scripted, str], sqlite_url: str) -> None:
+    """Two different requests sent at once by one async tool (``asyncio.gather``): two keys, numbered
+    in the order the tasks start (the same on a re-run). Counted per task context, both got the
+    ledger's key and the second was refused as a key reused with another body."""
+    app, url = scripted
+    ledger = onceonly.Ledger.open(sqlite_url)
+
+    @ledger.tool(name="both")
+    async def both(order: str) -> None:
+        async with AsyncClient(url) as c:
+            await asyncio.gather(c.post("/refunds", json={"order": order}), c.post("/notes", json={"order": order}))
+
+    try:
+        asyncio.run(both("o-1"))
+        key = both.key_for("o-1")
+    finally:
+        ledger.close()
+    assert sorted(app.keys()) == sorted([key, f"{key}#2"])
 
 
 def test_reports_dispatch_tool_is_marked_sent_before_the_request(

@@ -31,7 +31,6 @@ Needs the ``http`` extra (httpx). See docs/http.md.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
 import random
 import time
@@ -42,8 +41,8 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from onceonly import ledger as _ledger
-from onceonly.errors import InProgress, KeyConflict
-from onceonly.keys import is_wire_key
+from onceonly.errors import InProgress, KeyConflict, NotSerializable
+from onceonly.keys import canonical_json, is_wire_key
 from onceonly.policy import Retry, Verdict, check_seconds, classify, classify_status, retry_after_seconds
 from onceonly.states import State
 
@@ -107,43 +106,44 @@ class _Attempts:
         self.busy_since = 0.0
 
 
-class _Sequence:
-    """The keyed requests one attempt of a guarded call has sent so far, to number them (``_ledger_key``)."""
+def _request_identity(method: str, url: Any, kwargs: dict[str, Any]) -> str:
+    """What a request is, for telling a repeat of it from another operation in one attempt: the method,
+    the URL, the query and the body as given (``content``, ``json``, ``data``, the files' names)."""
+    parts = [method, str(url)]
+    for name in ("params", "content", "json", "data", "files"):
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        if name == "files":
+            value = [(field, getattr(f, "name", f) if not isinstance(f, tuple) else f[0]) for field, f in (
+                value.items() if isinstance(value, dict) else value)]  # fmt: skip
+        try:
+            text = canonical_json(value) if not isinstance(value, bytes | str) else None
+        except NotSerializable:
+            text = repr(value)
+        parts.append(f"{name}={value!r}" if text is None else f"{name}={text}")
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
-    __slots__ = ("lease", "sent")
 
-    def __init__(self, lease: _ledger._Lease) -> None:
-        self.lease = lease
-        self.sent = 0
+def _ledger_key(lease: _ledger._Lease, identity: str) -> str:
+    """The key of a keyed request of the running attempt: the ledger's for the first request, then
+    ``key#2``, ``key#3``… for each other one, in the order they are first sent; the same request sent
+    again (the tool's own retry) keeps its key.
 
-
-# The attempts of guarded calls seen in this context, each with its count. An attempt is its lease
-# object (a new one per attempt, so the count restarts with each; a fence alone could come back after
-# a purge). Sync tools run in their caller's context, so finished attempts linger here until the next
-# attempt's first request drops them.
-_SEQUENCES: contextvars.ContextVar[tuple[_Sequence, ...]] = contextvars.ContextVar(
-    "onceonly_http_sequences", default=()
-)
-
-
-def _ledger_key(lease: _ledger._Lease) -> str:
-    """The key of the next keyed request of the running attempt: the ledger's for the first, then
-    ``key#2``, ``key#3``…
-
-    Two requests of one tool are two operations: under one key the server would refuse the second
-    (422) or answer it with the first's response. Numbered in the order they are sent, so a re-run of
-    the tool (the ledger's retry, a resend after a crash) sends the same keys in the same order.
+    Two different requests of one tool are two operations: under one key the server would refuse the
+    second (422) or answer it with the first's response. The map lives on the attempt's lease, which
+    the tool's tasks and threads share, so a re-run of the tool (the ledger's retry, a resend after a
+    crash) sends the same keys for the same requests in the same order.
     """
-    seqs = _SEQUENCES.get()
-    for seq in seqs:
-        if seq.lease is lease:
-            break
-    else:
-        seq = _Sequence(lease)
-        _SEQUENCES.set((*(s for s in seqs if not s.lease.released), seq))
-    seq.sent += 1
-    key = lease.record.key
-    return key if seq.sent == 1 else f"{key}#{seq.sent}"
+    with lease.lock:
+        keyed = lease.keyed
+        if keyed is None:
+            keyed = lease.keyed = {}
+        key = keyed.get(identity)
+        if key is None:
+            n = len(keyed) + 1
+            key = keyed[identity] = lease.record.key if n == 1 else f"{lease.record.key}#{n}"
+    return key
 
 
 class _BaseClient(Generic[_H, _R]):
@@ -213,9 +213,11 @@ class _BaseClient(Generic[_H, _R]):
         self._owns = client is None
         self.httpx: _H = client if client is not None else self._httpx_class(base_url=base_url, **httpx_kwargs)
 
-    def _start(self, method: str, explicit: str | None, headers: httpx.Headers) -> _Attempts:
+    def _start(
+        self, method: str, url: Any, explicit: str | None, headers: httpx.Headers, kwargs: dict[str, Any]
+    ) -> _Attempts:
         """The key of a new logical call: explicit (the argument or the caller's header), else the
-        guarded call's, else a fresh one. Puts it in ``headers``."""
+        guarded call's (``_ledger_key``), else a fresh one. Puts it in ``headers``."""
         method = method.upper()
         safe = method in SAFE_METHODS
         if method not in self.key_methods:
@@ -225,7 +227,8 @@ class _BaseClient(Generic[_H, _R]):
             key = explicit
         else:
             lease = _ledger._CURRENT.get()
-            key = _ledger_key(lease) if lease is not None else self.key_factory()
+            identity = None if lease is None else _request_identity(method, url, kwargs)
+            key = self.key_factory() if lease is None or identity is None else _ledger_key(lease, identity)
         wire = header_key(key)
         headers[self.header] = f'"{wire}"' if self.quoted else wire
         return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe)
@@ -369,7 +372,7 @@ class Client(_BaseClient[httpx.Client, None]):
             httpx.HTTPError: the last transport error, once no retry is left or it is definite.
         """
         headers = httpx.Headers(kwargs.pop("headers", None))
-        call = self._start(method, idempotency_key, headers)
+        call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
             _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
         while True:
@@ -427,7 +430,7 @@ class AsyncClient(_BaseClient[httpx.AsyncClient, Awaitable[None]]):
     ) -> httpx.Response:
         """See ``Client.request``."""
         headers = httpx.Headers(kwargs.pop("headers", None))
-        call = self._start(method, idempotency_key, headers)
+        call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
             await _ledger.amark_sent()
         while True:

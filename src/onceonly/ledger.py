@@ -109,7 +109,7 @@ class _Lease:
     It is also the running tool's current call (``current_call()``, ``mark_sent()``), through ``ledger``.
     """
 
-    __slots__ = ("beat_at", "ledger", "lock", "lost", "record", "released", "seconds")
+    __slots__ = ("beat_at", "keyed", "ledger", "lock", "lost", "record", "released", "seconds")
 
     def __init__(self, record: Record, seconds: float, now: float, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -119,6 +119,8 @@ class _Lease:
         self.lock = threading.Lock()
         self.released = False
         self.lost = False
+        #: The keyed HTTP requests this attempt sent (``onceonly.http``): what each is → its key.
+        self.keyed: dict[str, str] | None = None
 
 
 def swap_now(store: Store, new: Record, old: Record) -> tuple[bool, Record | None]:
