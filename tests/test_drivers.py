@@ -83,6 +83,25 @@ class FailingStore:
         return await self._awrite("swap", lambda: self.inner.aswap(record, expected))
 
 
+def create_tool(ledger: Ledger, driver: str, runs: list[int]) -> Callable[[], Any]:
+    """A guarded ``create(7)`` that records each run, through the sync or the async driver."""
+    if driver == "sync":
+
+        @ledger.tool(name="create")
+        def create(n: int) -> dict[str, int]:
+            runs.append(n)
+            return {"id": n}
+
+        return lambda: create(7)
+
+    @ledger.tool(name="create")
+    async def acreate(n: int) -> dict[str, int]:
+        runs.append(n)
+        return {"id": n}
+
+    return lambda: asyncio.run(acreate(7))
+
+
 FAULTS = [
     ["claim:before"],
     ["claim:after"],
@@ -147,23 +166,8 @@ def test_a_store_that_keeps_refusing_writes_ends_the_call_with_its_error(
     store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
     ledger = Ledger(store)  # type: ignore[arg-type]
     runs: list[int] = []
+    call = create_tool(ledger, driver, runs)
     try:
-        if driver == "sync":
-
-            @ledger.tool(name="create")
-            def create(n: int) -> dict[str, int]:
-                runs.append(n)
-                return {"id": n}
-
-            call: Callable[[], Any] = lambda: create(7)  # noqa: E731
-        else:
-
-            @ledger.tool(name="create")
-            async def acreate(n: int) -> dict[str, int]:
-                runs.append(n)
-                return {"id": n}
-
-            call = lambda: asyncio.run(acreate(7))  # noqa: E731
         start = time.monotonic()
         with pytest.raises(StoreUnavailable, match="refused 4 writes") as err:
             call()
@@ -191,23 +195,9 @@ def test_the_refusal_bound_counts_refusals_in_a_row(tmp_path: Path, driver: str)
     store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), faults)
     ledger = Ledger(store)  # type: ignore[arg-type]
     runs: list[int] = []
+    call = create_tool(ledger, driver, runs)
     try:
-        if driver == "sync":
-
-            @ledger.tool(name="create")
-            def create(n: int) -> dict[str, int]:
-                runs.append(n)
-                return {"id": n}
-
-            got = create(7)
-        else:
-
-            @ledger.tool(name="create")
-            async def acreate(n: int) -> dict[str, int]:
-                runs.append(n)
-                return {"id": n}
-
-            got = asyncio.run(acreate(7))
+        got = call()
         assert store.injected == faults
         assert runs == [7] and got == {"id": 7}
         rec = store.inner.get(ledger.tools["create"].key_for(7))
