@@ -458,3 +458,26 @@ def test_retry_after_must_be_whole_seconds(sqlite_url: str, value: float) -> Non
 
     with pytest.raises(ValueError, match="whole number of seconds"):
         IdempotencyMiddleware(Starlette(), store=sqlite_url, retry_after=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(float("inf"), ValueError), (float("nan"), ValueError), ("5", TypeError), (None, TypeError)]
+)
+def test_retry_after_that_is_no_number_of_seconds_is_refused_clearly(
+    sqlite_url: str, value: Any, error: type[Exception]
+) -> None:
+    """Infinity, NaN or a string is refused with the same clear message, not an OverflowError."""
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    with pytest.raises(error, match="whole number of seconds, 1 or more"):
+        IdempotencyMiddleware(Starlette(), store=sqlite_url, retry_after=value)
+
+
+def test_retry_after_may_be_an_integral_float(sqlite_url: str) -> None:
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    assert IdempotencyMiddleware(Starlette(), store=sqlite_url, retry_after=2.0).retry_after == 2  # type: ignore[arg-type]

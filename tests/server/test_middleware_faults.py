@@ -5,6 +5,7 @@ In each case the handler ran once, so its response must be stored and the retry 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -129,6 +130,39 @@ def test_send_raising_oserror_still_stores_the_response(store_url: str, path: st
     assert body["body"] in (b'{"paid":1}', b"r0;r1;r2;r3;")
 
 
+def test_send_raising_oserror_stops_a_stream_that_will_not_be_stored(store_url: str) -> None:
+    """Under ASGI 2.4 an endless stream whose client left stops once it passes max_stored_body (it will
+    not be stored, so no one reads it): the app hears the OSError, the key is released and a retry runs
+    again instead of answering 409 while the stream runs on."""
+    runs: Counter[str] = Counter()
+
+    async def endless(request: Request) -> Response:
+        runs["endless"] += 1
+
+        async def rows() -> Any:
+            while True:
+                yield b"x" * 100
+                await asyncio.sleep(0.005)
+
+        return StreamingResponse(rows(), media_type="text/plain")
+
+    store = open_store(store_url)
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/endless", endless, methods=["POST"])]), store=store, max_stored_body=2000
+    )
+
+    async def scenario() -> None:
+        with pytest.raises(ClientDisconnect):  # Starlette's answer to the OSError; the key is released first
+            await asyncio.wait_for(_spec24_request(app, "/endless", 0.02), 5.0)
+
+    try:
+        asyncio.run(scenario())
+        assert store.get(KEY) is None
+    finally:
+        store.close()
+    assert runs["endless"] == 1
+
+
 def _flaky_app(runs: Counter[str], *, seconds: float) -> Starlette:
     async def pay(request: Request) -> Response:
         runs["pay"] += 1
@@ -199,3 +233,25 @@ def test_release_after_a_lost_renewal_answer_frees_the_key(store_url: str) -> No
         store.close()
     assert first.status_code == again.status_code == 503
     assert runs["pay"] == 2
+
+
+def test_completion_that_landed_unseen_is_not_reported_as_taken_over(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A completion that landed but whose answer and re-read were both lost is refused on the retry by
+    that very record: the response is stored, and no "may have run twice" warning is logged."""
+    fault = Fault("swap", frm=State.IN_FLIGHT, to=State.CONFIRMED, lands=True, then=Fault("get"))
+    store = FlakyStore(open_store(store_url), fault)
+    runs: Counter[str] = Counter()
+    try:
+        with caplog.at_level(logging.WARNING, logger="onceonly.server"):
+            first, again = _run_twice(store, runs, seconds=0.05)
+        assert store.raised == ["swap", "get"]
+        rec = store.get(KEY)
+        assert rec is not None and rec.state is State.CONFIRMED
+    finally:
+        store.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "onceonly.server"] == []
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert runs["pay"] == 1

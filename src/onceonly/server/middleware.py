@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -163,7 +164,11 @@ class IdempotencyMiddleware:
             )
         if processing_timeout <= 0:
             raise ValueError(f"processing_timeout={processing_timeout}: give a positive number of seconds")
-        if not (retry_after >= 1 and int(retry_after) == retry_after):
+        if not isinstance(retry_after, int | float):
+            raise TypeError(
+                f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more: give an int"
+            )
+        if not (math.isfinite(retry_after) and retry_after >= 1 and int(retry_after) == retry_after):
             raise ValueError(f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more")
         self.app = app
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
@@ -373,6 +378,10 @@ class IdempotencyMiddleware:
                 chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
                 unheard.set()
             if gone:
+                if chunks is None or status in self.release_statuses:
+                    # Not kept after all (grew past max_stored_body, trailers…): no one will read it,
+                    # so the app hears the disconnect the server reported, or an endless stream runs on.
+                    raise OSError("the client disconnected")
                 return
             try:
                 await send(message)
@@ -470,6 +479,7 @@ class IdempotencyMiddleware:
         await self._stop_beats(held)
         rec = held.record
         result_json = stored.to_json()
+        unseen: list[Record] = []  # writes whose answer and re-read both failed: any may have landed
         for pause in (*_COMPLETE_DELAYS, None):
             now = self.clock()
             new = st.confirm(rec, result_json=result_json, now=now, ttl=self.ttl, via="run", by=rec.lease_owner)
@@ -477,6 +487,7 @@ class IdempotencyMiddleware:
                 ok, current = await self._swap_now(new, rec)
             except StoreError:  # the write failed and so did the read after it
                 current = rec
+                unseen.append(new)
                 if pause is None:
                     log.exception(
                         "onceonly.server: could not store the response of %s: its claim will go stale after "
@@ -488,6 +499,9 @@ class IdempotencyMiddleware:
             else:
                 if ok:
                     held.record = new
+                    return
+                if current is not None and any(landed(w, current) for w in unseen):
+                    held.record = current  # an earlier try landed unseen: this one was refused by it
                     return
                 if not _is_ours(current, rec):
                     log.warning(
