@@ -334,15 +334,7 @@ class IdempotencyMiddleware:
         # return without one, the key would be released and the retry would run the handler again. So
         # ``http.disconnect`` reaches the app only once the response is complete or will not be kept.
         unheard = asyncio.Event()
-        body_given = False
-
-        async def held_receive() -> Message:
-            nonlocal body_given
-            if not body_given:
-                body_given = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await unheard.wait()
-            return await receive()
+        held_receive = _replaying(body, receive, until=unheard)
 
         async def capture(message: Message) -> None:
             nonlocal status, headers, chunks, size, finished, gone
@@ -663,8 +655,9 @@ def _is_ours(current: Record | None, held: Record) -> bool:
     )
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the application the body already read, then the real channel."""
+def _replaying(body: bytes, receive: Receive, until: asyncio.Event | None = None) -> Receive:
+    """A ``receive`` that gives the application the body already read, then the real channel (once
+    ``until`` is set, when given)."""
     sent = False
 
     async def replay() -> Message:
@@ -672,6 +665,8 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
+        if until is not None:
+            await until.wait()
         return await receive()
 
     return replay
