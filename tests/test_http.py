@@ -153,6 +153,18 @@ def test_key_in_the_header_is_the_call_s_key(tickets: RunningServer) -> None:
     assert _count(tickets) == 1
 
 
+def test_a_key_given_for_a_method_outside_key_methods_is_sent(scripted: tuple[Scripted, str]) -> None:
+    """``idempotency_key=`` on a PUT of a client whose key_methods leave PUT out: the key goes with
+    the request (and every retry of it), instead of being dropped without a word; a PUT without one
+    still carries none."""
+    app, url = scripted
+    app.then(503, retry_after="0").then(200)
+    with Client(url, key_methods=("POST",), sleep=Sleeps()) as c:
+        c.put("/x", json={}, idempotency_key="put-1")
+        c.put("/x", json={})
+    assert app.keys() == [header_key("put-1"), header_key("put-1"), None]
+
+
 def test_key_header_rules(scripted: tuple[Scripted, str]) -> None:
     """The client's default key header names every call's key; a per-call key (argument or header)
     wins over it; the argument and the header must agree; the sf-string form is read when quoted."""

@@ -220,8 +220,10 @@ class _BaseClient(Generic[_H, _R]):
         guarded call's (``_ledger_key``), else a fresh one. Puts it in ``headers``."""
         method = method.upper()
         safe = method in SAFE_METHODS
-        if method not in self.key_methods:
-            return _Attempts(None, safe=safe, resendable=safe)  # a header the caller gave goes as it is
+        if method not in self.key_methods and explicit is None:
+            # A header the caller gave goes as it is; a key given as idempotency_key= is sent (and
+            # makes the request keyed) whatever the method: dropping it silently would surprise.
+            return _Attempts(None, safe=safe, resendable=safe)
         explicit = self._explicit(explicit, headers)
         if explicit is not None:
             key = explicit
