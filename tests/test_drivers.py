@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from onceonly import Ledger, State
-from onceonly.errors import StoreUnavailable
+from onceonly.errors import OutcomeUnknown, StoreUnavailable
 from onceonly.events import TransitionEvent
 from onceonly.states import Record
 from onceonly.stores.sqlite import SQLiteStore
@@ -202,5 +202,37 @@ def test_the_refusal_bound_counts_refusals_in_a_row(tmp_path: Path, driver: str)
         assert runs == [7] and got == {"id": 7}
         rec = store.inner.get(ledger.tools["create"].key_for(7))
         assert rec is not None and rec.state is State.CONFIRMED
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_refused_write_of_an_unknown_outcome_is_written_again_not_waited_on(tmp_path: Path, driver: str) -> None:
+    """The attempt timed out (unknown) and the store refused the write that marks it so: the record is
+    still this call's own in_flight claim. The call must write it again (then settle it: review), not
+    wait on its own lease as if another caller held it, and end with InProgress after wait=."""
+    store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), ["swap:before"])
+    ledger = Ledger(store)  # type: ignore[arg-type]
+    if driver == "sync":
+
+        @ledger.tool(name="send", wait=5)
+        def send(n: int) -> None:
+            raise TimeoutError("read timed out")
+
+        call: Callable[[], Any] = lambda: send(7)  # noqa: E731
+    else:
+
+        @ledger.tool(name="send", wait=5)
+        async def asend(n: int) -> None:
+            raise TimeoutError("read timed out")
+
+        call = lambda: asyncio.run(asend(7))  # noqa: E731
+    try:
+        start = time.monotonic()
+        with pytest.raises(OutcomeUnknown, match="settles unknowns by review"):
+            call()
+        assert time.monotonic() - start < 3, "no wait on its own lease"
+        rec = store.inner.get(ledger.tools["send"].key_for(7))
+        assert rec is not None and rec.state is State.NEEDS_REVIEW
     finally:
         ledger.close()

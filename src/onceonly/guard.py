@@ -405,7 +405,9 @@ def plan(call: Call) -> Plan:
                 return _outcome(rec, replayed=True, conflict=conflict)
 
             if state in HELD:
-                if not rec.lease_expired(now):
+                # Held by this very call (owners are unique per call) while it decides, not runs: its
+                # attempt ended and the write that said so did not land. Not another caller to wait for.
+                if not rec.lease_expired(now) and rec.lease_owner != owner:
                     if now >= deadline:
                         raise InProgress(
                             _message(
