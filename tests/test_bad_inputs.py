@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,8 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_unserialisable_argument_names_the_field(sqlite_url: str) -> None:
-    """An argument with no JSON form is refused before anything is written or run."""
+def _order_tool(sqlite_url: str) -> tuple[Ledger, Callable[[dict[str, object]], int], list[int]]:
+    """A ledger and a guarded ``t(order)`` that records each run."""
     ledger = Ledger.open(sqlite_url)
     ran: list[int] = []
 
@@ -27,6 +28,12 @@ def test_unserialisable_argument_names_the_field(sqlite_url: str) -> None:
         ran.append(1)
         return 1
 
+    return ledger, t, ran
+
+
+def test_unserialisable_argument_names_the_field(sqlite_url: str) -> None:
+    """An argument with no JSON form is refused before anything is written or run."""
+    ledger, t, ran = _order_tool(sqlite_url)
     with pytest.raises(NotSerializable) as info:
         t({"items": [1, object()]})
     assert info.value.path == "args.order.items[1]" and "ignore=" in str(info.value)
@@ -43,14 +50,7 @@ def test_text_with_no_utf8_form_is_refused_before_anything_runs(
 ) -> None:
     """A lone surrogate (what bytes decoded with surrogateescape leave) has no UTF-8 form, so no store
     could hold the call: it is refused with the field named, before anything is written or run."""
-    ledger = Ledger.open(sqlite_url)
-    ran: list[int] = []
-
-    @ledger.tool(name="t")
-    def t(order: dict[str, object]) -> int:
-        ran.append(1)
-        return 1
-
+    ledger, t, ran = _order_tool(sqlite_url)
     with pytest.raises(NotSerializable, match="lone surrogate") as info:
         t(args)
     assert info.value.path == path and "errors='replace'" in str(info.value)

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -183,18 +184,25 @@ def fixture_effects(postgres_database_url: str) -> Iterator[tuple[Any, str]]:
     conn.close()
 
 
+@contextmanager
+def _ending(outcomes: dict[int, str], n: int) -> Iterator[None]:
+    """Record how call ``n`` ended: confirmed, or which of the allowed errors it raised."""
+    try:
+        yield
+        outcomes[n] = "confirmed"
+    except StoreUnavailable:
+        outcomes[n] = "unavailable"
+    except OutcomeUnknown:
+        outcomes[n] = "unknown"
+    except InProgress:
+        outcomes[n] = "in_progress"
+
+
 def _run_all(tool: Any) -> dict[int, str]:
     outcomes: dict[int, str] = {}
     for n in range(CALLS):
-        try:
+        with _ending(outcomes, n):
             assert tool(n) == {"n": n}
-            outcomes[n] = "confirmed"
-        except StoreUnavailable:
-            outcomes[n] = "unavailable"
-        except OutcomeUnknown:
-            outcomes[n] = "unknown"
-        except InProgress:
-            outcomes[n] = "in_progress"
     return outcomes
 
 
@@ -202,15 +210,8 @@ async def _arun_all(tool: Any) -> dict[int, str]:
     """``_run_all`` for an ``async def`` tool: its guard drives the store's async face."""
     outcomes: dict[int, str] = {}
     for n in range(CALLS):
-        try:
+        with _ending(outcomes, n):
             assert await tool(n) == {"n": n}
-            outcomes[n] = "confirmed"
-        except StoreUnavailable:
-            outcomes[n] = "unavailable"
-        except OutcomeUnknown:
-            outcomes[n] = "unknown"
-        except InProgress:
-            outcomes[n] = "in_progress"
     return outcomes
 
 
