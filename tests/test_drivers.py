@@ -16,11 +16,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from onceonly import Ledger, State
+from onceonly import AttemptsExhausted, Ledger, Retry, State
 from onceonly.errors import OutcomeUnknown, StoreUnavailable
 from onceonly.events import TransitionEvent
 from onceonly.states import Record
 from onceonly.stores.sqlite import SQLiteStore
+from tests._clock import FakeClock
 
 T = TypeVar("T")
 
@@ -234,5 +235,50 @@ def test_a_refused_write_of_an_unknown_outcome_is_written_again_not_waited_on(tm
         assert time.monotonic() - start < 3, "no wait on its own lease"
         rec = store.inner.get(ledger.tools["send"].key_for(7))
         assert rec is not None and rec.state is State.NEEDS_REVIEW
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize(
+    ("error", "state", "runs_expected", "raised"),
+    [(ConnectionRefusedError, State.ABANDONED, 3, AttemptsExhausted), (ValueError, State.FAILED, 1, ValueError)],
+    ids=["not-sent", "failed"],
+)
+def test_a_refused_write_is_the_same_write_made_again(
+    tmp_path: Path, driver: str, error: type[Exception], state: State, runs_expected: int, raised: type[Exception]
+) -> None:
+    """The store refuses the write that records an attempt's failure once: the same write is made again
+    after the pause, and the call goes on as if nothing had happened (retried to its attempt limit; or
+    failed for good). Deciding afresh from the call's own unchanged claim took it for an expired lease:
+    a not-sent failure went to review after one attempt, a definite one stayed in_flight."""
+    clock = FakeClock()
+
+    async def asleep(seconds: float) -> None:
+        clock.sleep(seconds)
+
+    store = FailingStore(SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}"), ["swap:before"])
+    ledger = Ledger(store, clock=clock, sleep=clock.sleep, asleep=asleep)  # type: ignore[arg-type]
+    runs: list[int] = []
+
+    def fail(n: int) -> None:
+        runs.append(n)
+        raise error("refused" if error is ConnectionRefusedError else "bad order")
+
+    if driver == "sync":
+        call: Callable[[], Any] = lambda: ledger.tool(name="send", retry=Retry(attempts=3))(fail)(7)  # noqa: E731
+    else:
+
+        async def afail(n: int) -> None:
+            fail(n)
+
+        call = lambda: asyncio.run(ledger.tool(name="send", retry=Retry(attempts=3))(afail)(7))  # noqa: E731
+    try:
+        with pytest.raises(raised):
+            call()
+        assert store.injected == ["swap:before"] and len(runs) == runs_expected
+        rec = store.inner.get(ledger.tools["send"].key_for(7))
+        assert rec is not None and rec.state is state and rec.attempts == runs_expected
+        assert "expired" not in rec.history_json
     finally:
         ledger.close()

@@ -250,7 +250,7 @@ _REFUSAL_DELAYS = (0.05, 0.25, 1.0)
 
 def _refused(call: Call, exc: StoreError, key: str) -> Generator[Action, Any, None]:
     """The store failed a write of ``call`` and the re-read shows the record unchanged: nothing was
-    written. Pause and let the caller decide again, or, past the bound, raise the store's error."""
+    written. Pause before it is made again, or, past the bound, raise the store's error."""
     n = call.refusals
     if n < len(_REFUSAL_DELAYS):
         call.refusals = n + 1
@@ -273,17 +273,20 @@ def _write(old: Record, new: Record, call: Call | None) -> Generator[Action, Any
     """Compare-and-set ``old`` → ``new``. Returns (written, the record as it now is).
 
     If the store fails mid-write the write may or may not have landed: re-read, never guess. A write
-    the store refused (the record is unchanged) counts against ``call``'s bound (``_refused``).
+    the store refused (the record read back unchanged) is the same write still to make: after
+    ``_refused``'s pause it is sent again, until ``call``'s bound raises.
     """
-    try:
-        ok = yield Swap(new, old)
-    except StoreError as exc:
-        now_rec = yield Get(new.key)
-        if landed(new, now_rec):
-            return True, new
-        if call is not None and now_rec is not None and now_rec.version == old.version:
+    while True:
+        try:
+            ok = yield Swap(new, old)
+            break
+        except StoreError as exc:
+            now_rec = yield Get(new.key)
+            if landed(new, now_rec):
+                return True, new
+            if call is None or now_rec is None or now_rec.version != old.version:
+                return False, now_rec  # moved on (or gone): the caller decides from what is there
             yield from _refused(call, exc, new.key)
-        return False, now_rec
     if ok:
         if call is not None and call.refusals:
             call.refusals = 0  # the bound is on refusals in a row: the store takes writes again
@@ -405,9 +408,7 @@ def plan(call: Call) -> Plan:
                 return _outcome(rec, replayed=True, conflict=conflict)
 
             if state in HELD:
-                # Held by this very call (owners are unique per call) while it decides, not runs: its
-                # attempt ended and the write that said so did not land. Not another caller to wait for.
-                if not rec.lease_expired(now) and rec.lease_owner != owner:
+                if not rec.lease_expired(now):
                     if now >= deadline:
                         raise InProgress(
                             _message(
