@@ -16,6 +16,8 @@ import pytest
 
 import onceonly
 from onceonly import NOT_FOUND, Ledger, Retry, State
+from onceonly.stores import open_store
+from tests._settling import Fault, FlakyStore
 from tests._workers import count_effects, effects_db
 
 
@@ -132,14 +134,20 @@ def test_timeout_settled_by_resend(sqlite_url: str, server: _KeyHonouringServer)
     ledger.close()
 
 
-def test_a_late_result_landing_under_a_newer_attempt_is_counted_as_a_duplicate(store_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("answer_lost", [False, True], ids=["answered", "answer-lost"])
+def test_a_late_result_landing_under_a_newer_attempt_is_counted_as_a_duplicate(
+    store_url: str, tmp_path: Path, answer_lost: bool
+) -> None:
     """Attempt 1 times out and runs on; the probe finds nothing yet, so attempt 2 claims the record.
     Attempt 1's late result confirms it while attempt 2 still holds it; then attempt 2 does its own
     side effect. Two side effects happened (the limit of probing too early): the ledger must count
     the second as a conflict, not take attempt 2 for "the same attempt, already confirmed"."""
     effects_path = tmp_path / "effects.db"
     conn = effects_db(effects_path)
-    ledger = Ledger.open(store_url)
+    # answer-lost: attempt 1's late write lands but its answer is lost; re-read, it is ours, not a duplicate.
+    flaky = FlakyStore(open_store(store_url), *([Fault("swap", frm=State.IN_FLIGHT, to=State.CONFIRMED, lands=True)]
+                                                if answer_lost else []))  # fmt: skip
+    ledger = Ledger(flaky)
 
     def probe(args: dict[str, Any], key: str) -> Any:
         row = conn.execute("SELECT worker FROM effects WHERE op = ?", (args["order"],)).fetchone()
@@ -165,6 +173,12 @@ def test_a_late_result_landing_under_a_newer_attempt_is_counted_as_a_duplicate(s
         rec = ledger.get(charge.key_for("o-1"))
         assert rec is not None and rec.state is State.CONFIRMED
         assert rec.conflicts == 1, "the second side effect is a counted conflict"
+        if answer_lost:  # the late write re-reads 0.1 s after its lost answer: it must not count itself
+            for _ in range(10):
+                time.sleep(0.05)
+                again = ledger.get(charge.key_for("o-1"))
+                assert again is not None and again.conflicts == 1, "the late write took itself for a duplicate"
+        assert flaky.raised == (["swap"] if answer_lost else []), "the lost answer hit the late write"
         assert "late outcome of attempt 2" in rec.history[-1]["reason"]
     finally:
         ledger.close()

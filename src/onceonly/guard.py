@@ -722,10 +722,11 @@ def late_outcome(
                 if verdict.verdict is Verdict.UNKNOWN or not same_attempt:
                     return rec
                 new = st.fail(rec, error=_err_text(error), now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner)
-            ok = yield Swap(new, rec)
+            # _write tells a write whose answer was lost but that landed from one that did not: read
+            # afresh, this late outcome would be taken for another attempt's (a counted duplicate).
+            ok, _ = yield from _write(rec, new, call)
         except StoreError:
-            # A store down for a moment, or a write whose answer was lost: read again. A write that
-            # landed is then the record as it is (late_success and the failure rule leave it alone).
+            # A store down for a moment (the read, or the write and the read after it): read again.
             failures += 1
             if failures > len(_LATE_RETRY_DELAYS):
                 raise
