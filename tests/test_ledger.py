@@ -990,3 +990,34 @@ def test_list_takes_a_page_size_it_can_send(ledger: Ledger, limit: object) -> No
     """A page size the store cannot take ended as OverflowError (SQLite) or StoreCorrupt (PostgreSQL)."""
     with pytest.raises(ValueError, match="give an int from 1"):
         ledger.list(limit=limit)  # type: ignore[arg-type]
+
+
+def test_a_purge_during_a_backoff_does_not_reset_the_attempt_limit(store_url: str) -> None:
+    """A failure scheduled for a retry later than its ttl: a purge that runs while the caller sleeps
+    out the backoff must leave the record, so the attempts go on counting and stop at the limit.
+    Purged, the record came back at attempt 1 on every retry and the limit was never reached."""
+    clock = FakeClock()
+    purged: list[int] = []
+
+    def sleep_then_purge(seconds: float) -> None:
+        clock.sleep(seconds)
+        purged.append(ledger.purge())  # an operator's purge, while the call waits
+
+    ledger = Ledger.open(store_url, clock=clock, sleep=sleep_then_purge)
+    runs: list[int] = []
+
+    @ledger.tool(name="call_api", ttl=0.001, retry=Retry(attempts=3, base=10, cap=10))
+    def call_api(n: int) -> None:
+        runs.append(n)
+        if len(runs) > 6:  # the old behaviour never stopped by itself
+            raise ValueError("too many runs")
+        raise ConnectionRefusedError("not sent")
+
+    try:
+        with pytest.raises(onceonly.AttemptsExhausted):
+            call_api(1)
+        assert len(runs) == 3 and purged and set(purged) == {0}
+        rec = ledger.get(call_api.key_for(1))
+        assert rec is not None and rec.state is State.ABANDONED and rec.attempts == 3
+    finally:
+        ledger.close()
