@@ -293,7 +293,8 @@ def test_a_read_only_postgresql_refuses_the_claim_and_the_call_says_so(postgres_
     unchanged re-read for a lost race and inserted again at once, thousands of times a second."""
     url = join_url(postgres_database_url, schema=f"readonly_{uuid.uuid4().hex[:8]}")
     onceonly.Ledger.open(url).close()  # the schema, made while writes are allowed
-    ledger = onceonly.Ledger.open(url + "&options=-c%20default_transaction_read_only%3Don")
+    store = CountingStore(open_store(url + "&options=-c%20default_transaction_read_only%3Don"))
+    ledger = onceonly.Ledger(store)  # type: ignore[arg-type]
     runs: list[int] = []
     try:
         if face == "sync":
@@ -316,6 +317,7 @@ def test_a_read_only_postgresql_refuses_the_claim_and_the_call_says_so(postgres_
         with pytest.raises(StoreUnavailable, match="read-only") as err:
             call()
         assert time.monotonic() - start < 10
+        assert store.errors == 4, "the claim and three more writes were refused: no more were sent"
         assert "did not run the tool" in str(err.value)
         assert runs == []
         assert ledger.get(ledger.tools["charge"].key_for(1)) is None
