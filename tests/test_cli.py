@@ -50,14 +50,16 @@ def test_store_errors_after_opening_are_messages(sqlite_url: str) -> None:
 
 def test_commands_refuse_a_sqlite_ledger_that_is_not_there(tmp_path: Path) -> None:
     """A SQLite URL whose file does not exist (a typo, the wrong directory) is refused as "no ledger
-    at PATH" by ls, show, stats, resolve and purge, from --url or $ONCEONLY_URL, and nothing is made
+    at PATH" by ls, show, stats, resolve, purge and reconcile, from --url or $ONCEONLY_URL, and nothing is made
     (they used to make an empty ledger, and its directory, and report 0 records)."""
     missing = tmp_path / "nowhere" / "ledger.db"
     url = f"sqlite:///{missing}"
-    cases = [["ls"], ["show", "k"], ["stats"], ["resolve", "k", "--failed", "no"], ["purge"]]
+    cases = [["ls"], ["show", "k"], ["stats"], ["resolve", "k", "--failed", "no"], ["purge"], ["reconcile", "--once"]]
     for args in cases:
         _said(_run(*args, "--url", url), 1, f"no ledger at {missing}")
     _said(_run("ls", env={"ONCEONLY_URL": url}), 1, f"no ledger at {missing}")
+    # reconcile too: run from cron, "nothing to settle" on a mistyped URL would pass for a quiet night.
+    _said(_run("reconcile", "--once", env={"ONCEONLY_URL": url}), 1, f"no ledger at {missing}")
     assert not missing.parent.exists()
 
 

@@ -7,9 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 try:
     import click
@@ -34,6 +32,8 @@ def main() -> None:
 
 
 if _MISSING_CLI is None:
+    from onceonly._cli import COUNT, refuse_missing_ledger
+
     _url_option = click.option(
         "--url",
         envvar="ONCEONLY_URL",
@@ -42,21 +42,10 @@ if _MISSING_CLI is None:
         help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
     )
 
-    # A sane bound: the stores take 64-bit integers, and a larger --limit failed inside the database.
-    _LIMIT = click.IntRange(min=1, max=1_000_000_000)
-
     def _fail(exc: Exception) -> click.ClickException:
         # str() of a KeyError is the repr of its message, quoted: show the message itself.
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         return click.ClickException(str(text))
-
-    def _sqlite_file(url: str) -> Path | None:
-        """The file of a ``sqlite:`` URL, ``None`` for another store."""
-        if urlsplit(url).scheme.lower() != "sqlite":
-            return None
-        from onceonly.stores.sqlite import parse_sqlite_url
-
-        return parse_sqlite_url(url)[0]
 
     @contextmanager
     def _ledger(url: str) -> Iterator[Ledger]:
@@ -67,17 +56,13 @@ if _MISSING_CLI is None:
         directory) and report no records, hiding a wrong --url.
         """
         try:
-            path = _sqlite_file(url)
-            if path is not None and not path.is_file():
-                raise click.ClickException(
-                    f"no ledger at {path.absolute()}: give the ledger's URL with --url or $ONCEONLY_URL"
-                )
+            refuse_missing_ledger(url)
             ledger = Ledger.open(url)
         except (OnceOnlyError, ValueError, ImportError) as exc:
             raise _fail(exc) from exc
         try:
             yield ledger
-        except (OnceOnlyError, ValueError) as exc:
+        except (OnceOnlyError, ValueError, KeyError) as exc:  # KeyError: no record with that key
             raise _fail(exc) from exc
         finally:
             ledger.close()
@@ -95,7 +80,7 @@ if _MISSING_CLI is None:
     @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]))
     @click.option("--tool", default=None)
     @click.option("--scope", default=None)
-    @click.option("--limit", type=_LIMIT, default=50, show_default=True)
+    @click.option("--limit", type=COUNT, default=50, show_default=True)
     @click.option("--json", "as_json", is_flag=True)
     def ls(url: str, states: tuple[str, ...], tool: str | None, scope: str | None, limit: int, as_json: bool) -> None:
         """List records."""
@@ -148,10 +133,7 @@ if _MISSING_CLI is None:
             kwargs["failed"] = failed
             kwargs["reset"] = reset
         with _ledger(url) as ledger:
-            try:
-                rec = ledger.resolve(key, **kwargs)
-            except KeyError as exc:  # no such record
-                raise _fail(exc) from exc
+            rec = ledger.resolve(key, **kwargs)
         click.echo(f"{key}: {rec.state.value}")
 
     @cli.command()

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from onceonly._cli import COUNT, refuse_missing_ledger
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
 from onceonly.settle import (
@@ -124,7 +125,7 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
 @click.option("--scope", default=None, help="Only the records of this scope (default: all).")
 @click.option(
     "--batch",
-    type=click.IntRange(min=1, max=1_000_000_000),
+    type=COUNT,
     default=200,
     show_default=True,
     help="Records read per page.",
@@ -160,6 +161,8 @@ def reconcile_command(
         raise click.UsageError("give --once or --every DURATION, not both")
     if every is not None and every <= 0:
         raise click.UsageError("--every needs a positive duration, e.g. 30s")
+    if url or not app:
+        refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
     source = _load_app(app, app_dir) if app else None
     try:
         # Ledger.open() without a URL reads $ONCEONLY_URL itself.
