@@ -680,6 +680,12 @@ def reconcile_forever(
             ledger.sleep(min(rest, 0.25))
 
 
+def _app_failed(spec: str, exc: Exception) -> ImportError:
+    return ImportError(
+        f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
+    )
+
+
 def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
     """Import the user's ledger from ``module:attribute``, as uvicorn imports an app.
 
@@ -693,7 +699,8 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
     Raises:
         ValueError: the spec is malformed or names nothing.
         TypeError: it names something that is not a ledger.
-        ImportError: the module cannot be imported (the message says which and why).
+        ImportError: the module cannot be imported, or importing it (or calling the factory) raised:
+            the message says which and why, the app's own error is its cause.
 
     .. versionadded:: 0.1
     """
@@ -712,11 +719,13 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
             raise ImportError(
                 f"--app {spec!r}: no module {module_name!r} on the path (run from its directory, or pass --app-dir)"
             ) from exc
-        raise  # the app itself imports something that is missing: its own message says what
+        raise _app_failed(spec, exc) from exc  # the app itself imports something that is missing
     except AttributeError as exc:
         if exc.name not in attr.split("."):
-            raise  # raised while importing the app, not a name missing from it
+            raise _app_failed(spec, exc) from exc  # raised while importing the app, not a missing name
         raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
+    except Exception as exc:  # importing the app runs its code: whatever that raises is the app's
+        raise _app_failed(spec, exc) from exc
     if not isinstance(obj, Ledger) and callable(obj):
         try:
             inspect.signature(obj).bind()
@@ -726,7 +735,10 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
             ) from None
         except ValueError:
             pass  # no signature to check (a builtin): just call it
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise _app_failed(spec, exc) from exc
     if not isinstance(obj, Ledger):
         raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")
     return obj

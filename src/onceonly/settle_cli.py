@@ -213,20 +213,11 @@ def reconcile_command(
 
 
 def _load_app(spec: str, app_dir: str) -> Ledger:
-    """``load_ledger`` for the command line: every error is a message that says what to do."""
+    """``load_ledger`` for the command line: its errors say what to do, and become the message."""
     try:
         return load_ledger(spec, app_dir)
     except (ValueError, TypeError, ImportError) as exc:
-        if str(exc).startswith(f"--app {spec!r}"):
-            raise click.ClickException(str(exc)) from exc  # load_ledger's own: it says what to fix
-        raise click.ClickException(_app_failed(spec, exc)) from exc
-    except Exception as exc:
-        # Importing the app runs its code (and a factory runs too): whatever it raises is its own.
-        raise click.ClickException(_app_failed(spec, exc)) from exc
-
-
-def _app_failed(spec: str, exc: Exception) -> str:
-    return f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
+        raise click.ClickException(str(exc)) from exc
 
 
 COMMANDS = [reconcile_command]
