@@ -43,6 +43,7 @@ class Scripted:
             more = message.get("more_body", False)
         seen = {k.decode(): v.decode() for k, v in scope["headers"]}
         seen[":method"] = scope["method"]
+        seen[":path"] = scope["path"]
         self.seen.append(seen)
         if self.on_request is not None:
             self.on_request(seen)
@@ -587,6 +588,8 @@ def test_concurrent_requests_of_one_tool_get_keys_of_their_own(scripted: tuple[S
     finally:
         ledger.close()
     assert sorted(app.keys()) == sorted([key, f"{key}#2"])
+    by_path = {seen[":path"]: seen["idempotency-key"] for seen in app.seen}
+    assert by_path == {"/refunds": key, "/notes": f"{key}#2"}, "numbered in the order the tasks start"
 
 
 def test_reports_dispatch_tool_is_marked_sent_before_the_request(

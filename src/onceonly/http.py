@@ -229,8 +229,7 @@ class _BaseClient(Generic[_H, _R]):
             key = explicit
         else:
             lease = _ledger._CURRENT.get()
-            identity = None if lease is None else _request_identity(method, url, kwargs)
-            key = self.key_factory() if lease is None or identity is None else _ledger_key(lease, identity)
+            key = self.key_factory() if lease is None else _ledger_key(lease, _request_identity(method, url, kwargs))
         wire = header_key(key)
         headers[self.header] = f'"{wire}"' if self.quoted else wire
         return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe)
