@@ -471,15 +471,14 @@ class IdempotencyMiddleware:
         await self._stop_beats(held)
         rec = held.record
         result_json = stored.to_json()
-        unseen: list[Record] = []  # writes whose answer and re-read both failed: any may have landed
+        # One write per version of the claim, sent again as is: an earlier try that landed unseen
+        # (its answer and the read after it lost) is then exactly the record ``landed`` looks for.
+        new = st.confirm(rec, result_json=result_json, now=self.clock(), ttl=self.ttl, via="run", by=rec.lease_owner)
         for pause in (*_COMPLETE_DELAYS, None):
-            now = self.clock()
-            new = st.confirm(rec, result_json=result_json, now=now, ttl=self.ttl, via="run", by=rec.lease_owner)
             try:
                 ok, current = await self._swap_now(new, rec)
             except StoreError:  # the write failed and so did the read after it
                 current = rec
-                unseen.append(new)
                 if pause is None:
                     log.exception(
                         "onceonly.server: could not store the response of %s: its claim will go stale after "
@@ -492,8 +491,8 @@ class IdempotencyMiddleware:
                 if ok:
                     held.record = new
                     return
-                if current is not None and any(landed(w, current) for w in unseen):
-                    held.record = current  # an earlier try landed unseen: this one was refused by it
+                if landed(new, current):
+                    held.record = new  # an earlier try landed unseen: this one was refused by it
                     return
                 if not _is_ours(current, rec):
                     log.warning(
@@ -513,6 +512,9 @@ class IdempotencyMiddleware:
             assert current is not None
             if current.version != rec.version:
                 rec = held.record = current  # a renewal of ours landed unseen: write over it at once
+                new = st.confirm(
+                    rec, result_json=result_json, now=self.clock(), ttl=self.ttl, via="run", by=rec.lease_owner
+                )
                 continue
             await asyncio.sleep(pause)  # the write did not land: give the store a moment
 
