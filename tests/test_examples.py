@@ -59,6 +59,17 @@ def test_keyed_shop_example_runs() -> None:
     ]
 
 
+def test_http_client_example_runs() -> None:
+    """examples/http_client.py (docs/http.md): a late answer re-sent with the same key is replayed by
+    the server; a tool's two requests go as <key> and <key>#2; the tool called again sends nothing; a
+    key from the caller's header makes one refund out of two calls."""
+    stdout = _run("http_client.py")
+    assert "refund answered by a replay of the first run: True" in stdout
+    assert "called again, replayed by the ledger: True" in stdout
+    assert "handler runs, by key: ['<key>', '<key>#2', 'order-42']" in stdout
+    assert "refunds made: 2, notes made: 1" in stdout
+
+
 def test_readme_quick_start_declares_the_tool_as_the_example_does() -> None:
     """The README says examples/quickstart.py is its quick start, runnable: the same @ledger.tool(...)."""
 
