@@ -81,3 +81,19 @@ def test_readme_quick_start_declares_the_tool_as_the_example_does() -> None:
     example = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
     assert declarations(quick_start) == declarations(example)
     assert len(declarations(example)) == 1
+
+
+def test_the_sqlite_docs_fork_example_runs_each_order_once(tmp_path: Path) -> None:
+    """docs/sqlite.md's fork example, as written: a ledger opened at import, a "fork" pool, each order
+    charged once; run again, nothing is charged."""
+    text = (ROOT / "docs" / "sqlite.md").read_text()
+    block = text[text.index("A ledger opened before `fork()`") :]
+    block = block[block.index("```python\n") + len("```python\n") : block.index("  ```\n", block.index("```python"))]
+    (tmp_path / "fork_example.py").write_text("\n".join(line[2:] for line in block.splitlines()) + "\n")
+    command = [sys.executable, "fork_example.py"]
+    runs = [
+        subprocess.run(command, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60) for _ in range(2)
+    ]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr + runs[1].stderr
+    assert sorted(runs[0].stdout.splitlines()[:2]) == ["charging o-1", "charging o-2"]
+    assert "charging" not in runs[1].stdout, "the second run is replayed from the ledger"
