@@ -204,3 +204,24 @@ def test_throughput_on_an_unreachable_redis_fails() -> None:
     )
     assert "rate: worker" in err
     assert "StoreUnavailable" in err
+
+
+def test_the_redis_floors_write_what_the_store_writes() -> None:
+    """bench_redis's floor writes record-shaped values by hand (cheap per call): they must stay the
+    store's own encoding of a claimed and a settled record, or the floor stops meaning the same
+    writes once Record changes."""
+    require_driver("redis")
+    import json
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_redis
+        from _harness import bench_records
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from onceonly.stores import redis as redis_store
+
+    claimed, settled = bench_records('{"i":0}', '{"ok":true,"i":0}')
+    t = claimed.created_at
+    assert json.loads(redis_store._encode(claimed)) == bench_redis._claimed(t, claimed.history_json)
+    assert json.loads(redis_store._encode(settled)) == bench_redis._settled(0, t, settled.history_json)
