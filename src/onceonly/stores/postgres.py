@@ -33,9 +33,11 @@ import hashlib
 import importlib.metadata
 import logging
 import operator
+import os
 import select
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -297,6 +299,35 @@ def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bo
 _CONNECT_KWARGS: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
 
 
+# A forked child shares its parent's sockets: a statement sent on one by both processes gets the
+# other's answer (a read of one key answered with another process's record), and closing one, even
+# by the garbage collector at exit, sends Terminate and ends the parent's session. So every
+# connection a ledger opens is listed here; in a child, each is pointed at /dev/null and kept, never
+# used, and every store starts a pool of its own (``_after_fork_in_child``).
+_opened: weakref.WeakSet[Any] = weakref.WeakSet()
+_stores: weakref.WeakSet[PostgresStore] = weakref.WeakSet()
+_inherited: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    inherited = list(_opened)
+    _opened.clear()
+    if inherited:
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for conn in inherited:
+                with contextlib.suppress(Exception):  # a closed one has no socket left
+                    os.dup2(null, conn.pgconn.socket)
+        finally:
+            os.close(null)
+        _inherited.extend(inherited)
+    for store in list(_stores):
+        store._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Connection(psycopg.Connection[Any]):
     """A pooled connection and what the store keeps on it: the names of the hot statements prepared
     on it (get, the claim's INSERT, the swaps' UPDATEs: ``_pgwire``, no cursor), and one binary cursor
@@ -305,6 +336,10 @@ class _Connection(psycopg.Connection[Any]):
 
     ledger_cursor: psycopg.Cursor[Any] | None = None
     ledger_prepared: set[bytes] | None = None  # names of the hot statements prepared on it (_pgwire)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _opened.add(self)
 
 
 class _LifoPool(ConnectionPool[_Connection]):
@@ -331,6 +366,10 @@ class _AsyncConnection(psycopg.AsyncConnection[Any]):
 
     ledger_cursor: psycopg.AsyncCursor[Any] | None = None
     ledger_prepared: set[bytes] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _opened.add(self)
 
 
 # --- waiting: one LISTEN connection per store ------------------------------------------------------
@@ -403,6 +442,7 @@ class _Listener:
             except psycopg.Error:
                 self._failed_at = time.monotonic()
                 return False
+            _opened.add(conn)
             try:
                 # LISTEN is in force once it returns: changes committed from now on reach us.
                 conn.execute(f"LISTEN {_ident(self.channel)}")
@@ -650,7 +690,12 @@ class PostgresStore:
         self._listener = _Listener(self._conninfo, _channel(self.schema)) if options.listen else None
 
         self._ensure_schema()
-        self._pool: ConnectionPool[_Connection] = _LifoPool(
+        self._pool = self._new_pool()
+        _stores.add(self)
+
+    def _new_pool(self) -> ConnectionPool[_Connection]:
+        options = self.options
+        pool: ConnectionPool[_Connection] = _LifoPool(
             self._conninfo,
             connection_class=_Connection,
             min_size=options.pool_min_size,
@@ -660,7 +705,18 @@ class PostgresStore:
             name=f"onceonly[{self.schema}]",
             open=False,
         )
-        self._pool.open(wait=False)
+        pool.open(wait=False)
+        return pool
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: the parent's pool, async connections and listener stay the parent's
+        (set aside, their sockets already blinded); this process gets its own."""
+        _inherited.append((self._pool, self._aconnections, self._listener))
+        self._lock = threading.Lock()
+        self._aconnections = {}
+        self._listener = _Listener(self._conninfo, _channel(self.schema)) if self.options.listen else None
+        if not self._closed:
+            self._pool = self._new_pool()
 
     # --- schema ---------------------------------------------------------------------------------
 
