@@ -19,7 +19,7 @@ def dead_holder(ledger: Ledger, tool: Any, *args: Any, state: State = State.IN_F
     """
     if isinstance(tool, str):
         tool = ledger.tools[tool]
-    call = tool._call(args, {}, None, 1)
+    call = tool.spec.call(args, {}, None, 1)
     rec = st.new_record(
         key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
         state=state, owner="dead-host:1:1", now=ledger.clock() - age, lease_seconds=30,

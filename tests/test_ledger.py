@@ -24,6 +24,7 @@ from onceonly import (
     TransitionEvent,
 )
 from onceonly import states as st
+from onceonly.drivers import drive
 from onceonly.errors import StoreUnavailable
 from onceonly.guard import late_outcome
 from onceonly.stores import open_store
@@ -466,7 +467,7 @@ def test_waiter_takes_over_an_expired_lease(ledger: Ledger, clock: FakeClock) ->
 
     key = create.key_for()
     dead = st.new_record(
-        key=key, scope="default", tool="create", fingerprint=create._call((), {}, None, 1).fingerprint,
+        key=key, scope="default", tool="create", fingerprint=create.spec.call((), {}, None, 1).fingerprint,
         args_json="{}", state=State.IN_FLIGHT, owner="dead-host:1:1", now=clock.now - 60, lease_seconds=10,
     )  # fmt: skip
     assert ledger.store.insert(dead)
@@ -487,7 +488,7 @@ def test_pending_record_of_a_dead_holder_runs_again(ledger: Ledger, clock: FakeC
         return "sent"
 
     dead = st.new_record(
-        key=send.key_for(), scope="default", tool="send", fingerprint=send._call((), {}, None, 1).fingerprint,
+        key=send.key_for(), scope="default", tool="send", fingerprint=send.spec.call((), {}, None, 1).fingerprint,
         args_json="{}", state=State.PENDING, owner="dead-host:1:1", now=clock.now - 60, lease_seconds=10,
     )  # fmt: skip
     assert ledger.store.insert(dead)
@@ -717,7 +718,7 @@ def test_late_failure_settles_only_the_unknown_of_its_own_attempt(ledger: Ledger
     def t() -> int:
         return 1
 
-    call = t._call((), {}, None, 1)
+    call = t.spec.call((), {}, None, 1)
     rec = st.new_record(
         key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
         state=State.IN_FLIGHT, owner="h:1:1", now=ledger.clock(), lease_seconds=30,
@@ -728,7 +729,7 @@ def test_late_failure_settles_only_the_unknown_of_its_own_attempt(ledger: Ledger
         )
     unknown = st.mark_unknown(rec, now=ledger.clock(), reason="timed out", by="h:1:1")
     assert ledger.store.insert(unknown)
-    ledger._drive(late_outcome(call, 1, None, ValueError("refused")), t, call, (), {})
+    drive(ledger, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
     after = ledger.get(call.key)
     assert after is not None
     if unknown_fence == 1:

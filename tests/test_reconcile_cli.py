@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from onceonly import Ledger, State
 from onceonly.cli import cli
-from onceonly.settle import load_ledger
+from onceonly.ledger import load_ledger
 from onceonly.settle_cli import parse_duration
 from onceonly.states import HELD, Record
 from onceonly.stores import open_store

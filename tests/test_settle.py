@@ -788,6 +788,6 @@ def test_resend_stops_when_the_record_moved_on(ledger: Ledger, clock: FakeClock)
     settled = st.confirm(unknown, result_json="null", now=clock.now, ttl=60, via="probe", by="another")
     assert ledger.store.swap(settled, unknown)
     worker = _Reconciler(ledger, ledger.tools, review_after=0, by="late", sleep_budget=lambda: 0.0)
-    line = worker._resend(ledger.tools["post"], unknown, State.UNKNOWN)  # decided on the stale version
+    line = worker._resend(ledger.tools["post"].spec, unknown, State.UNKNOWN)  # decided on the stale version
     assert line.settlement is Settlement.SKIPPED and "confirmed" in line.detail
     assert calls == []

@@ -28,10 +28,12 @@ from onceonly.errors import (
 from onceonly.events import TransitionEvent
 from onceonly.guard import NOT_FOUND, Outcome
 from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
-from onceonly.ledger import AsyncTool, CallInfo, Ledger, Tool, amark_sent, current_call, mark_sent
+from onceonly.ledger import CallInfo, Ledger, amark_sent, current_call, mark_sent
 from onceonly.policy import Classification, Retry, Verdict, classify
 from onceonly.states import Record, State
 from onceonly.stores import Query, Store, open_store
+from onceonly.tell import tell_model
+from onceonly.tools import AsyncTool, Tool, ToolSpec
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Tool",
+    "ToolSpec",
     "TransitionEvent",
     "Verdict",
     "__version__",
@@ -70,4 +73,5 @@ __all__ = [
     "normalize_text",
     "normalize_whitespace",
     "open_store",
+    "tell_model",
 ]

@@ -118,6 +118,7 @@ class Executed:
     error: BaseException | None = None
     timed_out: bool = False
     record: Record | None = None  # the held record as the driver last wrote it (heartbeats)
+    released: bool = False  # ``error`` is control flow (an interrupt), not an outcome
 
 
 @dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
@@ -495,6 +496,10 @@ def plan(call: Call) -> Plan:
         rec = ran.record or rec
         if ran.error is None and not ran.timed_out:
             return (yield from _settle_success(rec, call, ran.value))
+        if ran.released:
+            assert ran.error is not None
+            yield from _release(rec, call, ran.error)
+            raise ran.error
 
         now = call.clock()
         if ran.timed_out:
@@ -533,6 +538,19 @@ def plan(call: Call) -> Plan:
         if ok:
             yield Sleep(wait)
             rec = yield Get(key)
+
+
+def _release(rec: Record, call: Call, exc: BaseException) -> Generator[Action, Any, None]:
+    """The tool stopped for control flow (a framework's interrupt or redirect): give the claim back
+    without counting the attempt, so that the resumed call runs the body again. The record reads as
+    failed (nothing settled) with one attempt fewer; a record that moved on meanwhile is left as it is."""
+    now = call.clock()
+    new = st.transition(
+        rec, State.FAILED, now=now, reason=f"released: {type(exc).__name__} is control flow, not an outcome",
+        by=call.owner, attempts=max(rec.attempts - 1, 0), error=None, lease_owner=None, lease_until=None,
+        next_attempt_at=None, expires_at=None if call.policy.ttl is None else now + call.policy.ttl,
+    )  # fmt: skip
+    yield from _write(rec, new, call)
 
 
 def _reclaim(rec: Record, call: Call, state: State, now: float, reason: str) -> Record:

@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 
-from onceonly import ledger as _ledger
+from onceonly import drivers as _drivers
 from onceonly.errors import InProgress, KeyConflict, NotSerializable
 from onceonly.keys import canonical_json, is_wire_key
 from onceonly.policy import Retry, Verdict, check_seconds, classify, classify_status, retry_after_seconds
@@ -125,7 +125,7 @@ def _request_identity(method: str, url: Any, kwargs: dict[str, Any]) -> str:
     return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _ledger_key(lease: _ledger._Lease, identity: str) -> str:
+def _ledger_key(lease: _drivers.Lease, identity: str) -> str:
     """The key of a keyed request of the running attempt: the ledger's for the first request, then
     ``key#2``, ``key#3``… for each other one, in the order they are first sent; the same request sent
     again (the tool's own retry) keeps its key.
@@ -228,7 +228,7 @@ class _BaseClient(Generic[_H, _R]):
         if explicit is not None:
             key = explicit
         else:
-            lease = _ledger._CURRENT.get()
+            lease = _drivers.CURRENT.get()
             key = self.key_factory() if lease is None else _ledger_key(lease, _request_identity(method, url, kwargs))
         wire = header_key(key)
         headers[self.header] = f'"{wire}"' if self.quoted else wire
@@ -340,7 +340,7 @@ def _needs_mark_sent(call: _Attempts) -> bool:
     """
     if call.safe:
         return False
-    info = _ledger.current_call()
+    info = _drivers.current_call()
     return info is not None and info.state is State.PENDING
 
 
@@ -375,7 +375,7 @@ class Client(_BaseClient[httpx.Client, None]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
-            _ledger.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
+            _drivers.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
         while True:
             call.attempt += 1
             try:
@@ -433,7 +433,7 @@ class AsyncClient(_BaseClient[httpx.AsyncClient, Awaitable[None]]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
-            await _ledger.amark_sent()
+            await _drivers.amark_sent()
         while True:
             call.attempt += 1
             try:

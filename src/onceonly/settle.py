@@ -35,14 +35,13 @@ import enum
 import inspect
 import logging
 import os
-import pkgutil
 import socket
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
+from onceonly.drivers import adrive, aprobe, drive, probe, swap_now
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
 from onceonly.events import emit
 from onceonly.guard import (
@@ -61,9 +60,12 @@ from onceonly.guard import (
     encode_result,
     plan,
 )
-from onceonly.ledger import AsyncTool, Ledger, _BaseTool, swap_now
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
+from onceonly.tools import ToolSpec
+
+if TYPE_CHECKING:
+    from onceonly.ledger import Ledger
 
 __all__ = [
     "DEFAULT_REVIEW_AFTER",
@@ -79,7 +81,6 @@ __all__ = [
     "attempt_started",
     "decide",
     "default_owner",
-    "load_ledger",
     "reconcile",
     "reconcile_forever",
     "rerun_problem",
@@ -381,7 +382,7 @@ class _Reconciler:
     def __init__(
         self,
         ledger: Ledger,
-        tools: Mapping[str, _BaseTool[Any, Any]],
+        tools: Mapping[str, Any],
         *,
         review_after: float,
         by: str,
@@ -389,7 +390,7 @@ class _Reconciler:
     ) -> None:
         self.ledger = ledger
         self.store = ledger.store
-        self.tools = tools
+        self.tools = {name: _spec_of(t) for name, t in tools.items()}
         self.review_after = review_after
         self.by = by
         self.sleep_budget = sleep_budget
@@ -444,13 +445,13 @@ class _Reconciler:
             rec = decision.new
         return line(Settlement.UNSETTLED, "no decision after three rounds", rec)  # pragma: no cover
 
-    def _probe(self, tool: _BaseTool[Any, Any], rec: Record) -> Probed:
+    def _probe(self, tool: ToolSpec, rec: Record) -> Probed:
         """The ledger's own probe step; an async tool's probe runs on an event loop of its own."""
-        if isinstance(tool, AsyncTool):
-            return asyncio.run(self.ledger._aprobe(tool, rec))
-        return self.ledger._probe(tool, rec)
+        if tool.is_async:
+            return asyncio.run(aprobe(tool, rec))
+        return probe(tool, rec)
 
-    def _resend(self, tool: _BaseTool[Any, Any], rec: Record, before: State) -> ReconcileLine:
+    def _resend(self, tool: ToolSpec, rec: Record, before: State) -> ReconcileLine:
         """Run the guard's own plan for the stored call, as one more caller of the operation."""
         ledger = self.ledger
         call = Call(
@@ -465,10 +466,10 @@ class _Reconciler:
             return ReconcileLine(rec.key, rec.tool, before, None if cur is None else cur.state, settlement, detail, due)
 
         try:
-            if isinstance(tool, AsyncTool):
-                out = asyncio.run(ledger._adrive(gen, tool, call, (), kwargs))
+            if tool.is_async:
+                out = asyncio.run(adrive(ledger, gen, tool, call, (), kwargs))
             else:
-                out = ledger._drive(gen, tool, call, (), kwargs)
+                out = drive(ledger, gen, tool, call, (), kwargs)
         except _Stop as stop:
             if stop.settlement is not Settlement.WAITING:
                 return line(stop.settlement, stop.detail, stop.due_at)
@@ -552,7 +553,7 @@ def default_owner() -> str:
 def reconcile(
     ledger: Ledger,
     *,
-    tools: Mapping[str, _BaseTool[Any, Any]] | None = None,
+    tools: Mapping[str, Any] | None = None,
     scope: str | None = None,
     review_after: float = DEFAULT_REVIEW_AFTER,
     wait: float = 0.0,
@@ -680,65 +681,6 @@ def reconcile_forever(
             ledger.sleep(min(rest, 0.25))
 
 
-def _app_failed(spec: str, exc: Exception) -> ImportError:
-    return ImportError(
-        f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
-    )
-
-
-def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
-    """Import the user's ledger from ``module:attribute``, as uvicorn imports an app.
-
-    Importing the module registers its tools on the ledger, so the reconciler knows how each tool
-    settles. The attribute may be a ``Ledger`` or a function of no arguments that returns one.
-
-    Args:
-        spec: ``package.module:attribute`` (dots in the attribute reach nested objects).
-        app_dir: a directory put first on ``sys.path`` (default: the current one), or ``None``.
-
-    Raises:
-        ValueError: the spec is malformed or names nothing.
-        TypeError: it names something that is not a ledger.
-        ImportError: the module cannot be imported, or importing it (or calling the factory) raised:
-            the message says which and why, the app's own error is its cause.
-
-    .. versionadded:: 0.1
-    """
-    module_name, sep, attr = spec.partition(":")
-    names = f"{module_name}.{attr}".split(".")
-    if not sep or not all(name.isidentifier() for name in names):
-        raise ValueError(f"--app {spec!r}: use module:attribute, e.g. myapp.tools:ledger")
-    if app_dir is not None:
-        path = os.path.abspath(app_dir)
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        obj: Any = pkgutil.resolve_name(spec)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            raise ImportError(
-                f"--app {spec!r}: no module {module_name!r} on the path (run from its directory, or pass --app-dir)"
-            ) from exc
-        raise _app_failed(spec, exc) from exc  # the app itself imports something that is missing
-    except AttributeError as exc:
-        if exc.name not in attr.split("."):
-            raise _app_failed(spec, exc) from exc  # raised while importing the app, not a missing name
-        raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
-    except Exception as exc:  # importing the app runs its code: whatever that raises is the app's
-        raise _app_failed(spec, exc) from exc
-    if not isinstance(obj, Ledger) and callable(obj):
-        try:
-            inspect.signature(obj).bind()
-        except TypeError:
-            raise TypeError(
-                f"--app {spec!r} is a function that needs arguments: name a Ledger, or a factory that takes none"
-            ) from None
-        except ValueError:
-            pass  # no signature to check (a builtin): just call it
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise _app_failed(spec, exc) from exc
-    if not isinstance(obj, Ledger):
-        raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")
-    return obj
+def _spec_of(tool: Any) -> ToolSpec:
+    """A registry entry is a guarded function (its ``spec``) or a ``ToolSpec`` itself."""
+    return tool if isinstance(tool, ToolSpec) else tool.spec

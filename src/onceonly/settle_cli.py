@@ -16,12 +16,11 @@ from rich.table import Table
 
 from onceonly._cli import COUNT, refuse_missing_ledger
 from onceonly.errors import OnceOnlyError
-from onceonly.ledger import Ledger
+from onceonly.ledger import Ledger, load_ledger
 from onceonly.settle import (
     DEFAULT_REVIEW_AFTER,
     ReconcileReport,
     Settlement,
-    load_ledger,
     reconcile,
     reconcile_forever,
 )

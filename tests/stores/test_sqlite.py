@@ -97,7 +97,7 @@ def test_a_forked_child_writes_through_its_own_connection(tmp_path: Path) -> Non
     again = onceonly.Ledger.open(url)
     try:
         assert again.stats()["confirmed"] == 71, "every call of the child and the parent is in the file"
-        rerun = again.tool(name="op", wait=30)(op.fn)
+        rerun = again.tool(name="op", wait=30)(op.spec.fn)
         for n in [*range(50), *range(100, 120)]:
             assert rerun(n) == {"n": n}
         assert set(count_effects(effects).values()) == {1}, "no side effect ran twice"

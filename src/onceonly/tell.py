@@ -1,0 +1,112 @@
+"""What a model reads about a guarded call: short text for a replay, an unknown, and the other errors.
+
+An agent that is handed a replayed result as if the tool had just run, or a stack trace, or an
+operator's instruction (``onceonly resolve …``), tends to issue the call again. These texts say what
+happened and what not to do, in a line or two. Operator instructions stay in the exceptions and logs.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any
+
+from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OnceOnlyError, OutcomeUnknown
+from onceonly.guard import Outcome
+from onceonly.keys import canonical_json
+from onceonly.states import Record, State
+
+__all__ = ["result_text", "tell_model"]
+
+#: The longest result a model is shown in these texts; longer ones are cut, with a note.
+MAX_RESULT_CHARS = 2000
+
+
+def _when(at: float | None) -> str:
+    if at is None:
+        return "earlier"
+    return "at " + _dt.datetime.fromtimestamp(at, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def result_text(value: Any) -> str:
+    """A result as a model reads it: a string as is, anything else as JSON (cut at ``MAX_RESULT_CHARS``)."""
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = canonical_json(value, path="result")
+        except Exception:  # a result with no JSON form: its repr is all there is
+            text = repr(value)
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"… ({len(text) - MAX_RESULT_CHARS} more characters)"
+    return text
+
+
+def _recorded(rec: Record | None) -> str | None:
+    """The result a record holds, as text, or None when it holds none."""
+    if rec is None or rec.result_json is None or rec.state is not State.CONFIRMED:
+        return None
+    return result_text(json.loads(rec.result_json))
+
+
+def tell_model(what: Outcome | BaseException) -> str:
+    """The text a model should read for a guarded call's outcome or error.
+
+    - a replayed ``Outcome``: the action was already done (when), it was not repeated, and its result;
+    - a fresh ``Outcome``: its result, as text;
+    - ``OutcomeUnknown``: the outcome is being checked, do not issue it again;
+    - ``InProgress``: another call is doing it now;
+    - ``KeyConflict``: done earlier with other details, and that result;
+    - ``AttemptsExhausted``: it failed and will not be retried automatically;
+    - any other exception: its type and message.
+
+    Integrations (``onceonly.langchain``…) use it for what the model reads. It never contains an operator
+    instruction such as ``onceonly resolve``: those are in the exception and the log.
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(what, Outcome):
+        if not what.replayed:
+            return result_text(what.result)
+        if what.conflict:
+            return (
+                f"This action was already done {_when(what.settled_at)} with other details, and was not repeated. "
+                f"Result of the earlier action: {result_text(what.result)}"
+            )
+        return (
+            f"This action was already done {_when(what.settled_at)} and was not repeated. "
+            f"Its result: {result_text(what.result)}"
+        )
+    if isinstance(what, OutcomeUnknown):
+        return (
+            "The outcome of this action is unknown: it may have happened, and it is being checked. "
+            "Do not issue it again. Go on with other work, or tell the user it is pending confirmation."
+        )
+    if isinstance(what, InProgress):
+        return (
+            "This action is already in progress in another call. Do not issue it again; "
+            "its result will be recorded when it finishes."
+        )
+    if isinstance(what, KeyConflict):
+        earlier = _recorded(what.record)
+        done = (
+            f"Result of the earlier action: {earlier}"
+            if earlier is not None
+            else "The earlier action is not finished or its outcome is not known yet."
+        )
+        return (
+            "An action for the same operation was already issued with other details, and was not repeated. "
+            f"{done} If this is really a different action, it needs different identifying details."
+        )
+    if isinstance(what, AttemptsExhausted):
+        cause = what.last_exception
+        error = f"{type(cause).__name__}: {cause}" if cause is not None else (what.record and what.record.error)
+        why = f" The last error: {error}." if error else ""
+        return (
+            f"This action failed and will not be retried automatically.{why} Do not issue it again; "
+            "tell the user it could not be done."
+        )
+    if isinstance(what, OnceOnlyError):
+        return f"This action could not be completed ({type(what).__name__}). Do not issue it again for now."
+    return f"Error: {type(what).__name__}: {what}"

@@ -1,0 +1,476 @@
+"""Guarded tools: what ``@ledger.tool`` makes of a function.
+
+A guarded tool is a real function: a plain ``def``, or an ``async def`` for a coroutine function, with
+the original's name, docstring, module, annotations and a ``__signature__`` without the injected
+``idempotency_key``. Frameworks that build a JSON schema from a function's signature (LangChain, the
+OpenAI Agents SDK, MCP servers) therefore take it as they would the original, and never show a model
+the key. Its ``spec`` (a ``ToolSpec``) holds how a call becomes a ledger key and how it is run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
+
+from onceonly import drivers
+from onceonly.errors import InvalidKey
+from onceonly.guard import Call, Outcome, Policy, plan
+from onceonly.keys import MAX_KEY_LENGTH, Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
+from onceonly.policy import Verdict, classify
+from onceonly.states import State
+
+if TYPE_CHECKING:
+    from onceonly.ledger import Ledger
+
+__all__ = ["AsyncTool", "Tool", "ToolSpec", "make_tool"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+#: The argument the guard fills in with the call's key: never the caller's to give.
+KEY_PARAM = "idempotency_key"
+
+# Framework tool objects: decorating one is a mistake with a better way in (the module's top package
+# → what to use instead).
+_INTEGRATIONS = {
+    "langchain_core": "onceonly.langchain.guard(tool, ledger) (or guard_tools / OnceOnlyMiddleware)",
+    "langchain": "onceonly.langchain.guard(tool, ledger) (or guard_tools / OnceOnlyMiddleware)",
+    "agents": "onceonly.openai_agents.guard_tools([tool], ledger), or @onceonly.openai_agents.function_tool(ledger) "
+    "on the plain function",
+    "fastmcp": "onceonly.mcp.OnceOnlyMiddleware(ledger) on the server, or @ledger.tool on the plain function",
+    "mcp": "onceonly.mcp.OnceOnlyMiddleware(ledger) on the server, or @ledger.tool on the plain function",
+}
+
+
+@runtime_checkable
+class Tool(Protocol[P, R_co]):
+    """The type of a sync guarded tool: the function, plus ``outcome``, ``using``, ``key_for``.
+
+    .. versionadded:: 0.1
+    """
+
+    name: str
+    ledger: Ledger
+    spec: ToolSpec
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+    def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome: ...
+    def using(self, *, key: str | None = None, occurrence: int = 1) -> Using[P, R_co]: ...
+    def key_for(self, *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+
+@runtime_checkable
+class AsyncTool(Protocol[P, R_co]):
+    """The type of an ``async def`` guarded tool: the same as ``Tool``, awaited.
+
+    .. versionadded:: 0.1
+    """
+
+    name: str
+    ledger: Ledger
+    spec: ToolSpec
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
+    def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, Outcome]: ...
+    def using(self, *, key: str | None = None, occurrence: int = 1) -> AsyncUsing[P, R_co]: ...
+    def key_for(self, *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+
+class _Binder:
+    """Maps a call's arguments to parameter names, defaults applied: the input of the key."""
+
+    def __init__(self, fn: Callable[..., Any], skip: frozenset[str]) -> None:
+        full = inspect.signature(fn)
+        # The injected key is not an argument of the operation: bind as if it were not declared.
+        params = [p for p in full.parameters.values() if p.name != KEY_PARAM]
+        self.sig = full.replace(parameters=params)
+        kinds = {p.kind for p in params}
+        self.simple = not kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD,
+                                   inspect.Parameter.POSITIONAL_ONLY}  # fmt: skip
+        self.positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        self.names = frozenset(p.name for p in params)
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
+        self.skip = skip
+        # Every parameter given positionally, nothing to skip: the common agent tool call.
+        plain = self.simple and len(self.positional) == len(params) and not skip & self.names
+        self.all_positional = len(params) if plain else -1
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if not kwargs and len(args) == self.all_positional:
+            return dict(zip(self.positional, args, strict=True))
+        if self.simple and len(args) <= len(self.positional) and kwargs.keys() <= self.names:
+            bound = dict(self.defaults)
+            bound.update(zip(self.positional, args, strict=False))
+            if not kwargs or kwargs.keys().isdisjoint(self.positional[: len(args)]):
+                bound.update(kwargs)
+                if self.required <= bound.keys():
+                    for name in self.skip:
+                        bound.pop(name, None)
+                    return bound
+        # The slow path also produces Python's own TypeError for a wrong call.
+        ba = self.sig.bind(*args, **kwargs)
+        ba.apply_defaults()
+        out = dict(ba.arguments)
+        for name in self.skip:
+            out.pop(name, None)
+        return out
+
+
+def default_name(fn: Callable[..., Any]) -> str:
+    """A function's tool name: its ``__qualname__``, without the module, so that the same function run as
+    a script (``__main__``) and imported gets the same name and the same records."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"{fn!r} has no __qualname__ or __name__ to name the tool by: pass name='...'")
+    return name
+
+
+def refuse_framework_object(fn: object) -> None:
+    """A framework's tool object is not a function to decorate: say which integration guards it."""
+    for cls in type(fn).__mro__:
+        use = _INTEGRATIONS.get(cls.__module__.partition(".")[0])
+        if use is not None:
+            raise TypeError(
+                f"@ledger.tool decorates a plain function, and {type(fn).__module__}.{type(fn).__qualname__} is a "
+                f"framework's tool object: use {use}"
+            )
+
+
+def same_definition(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether two functions define the same operation: the same object, or the same code with the same
+    captured values (a factory run again with the same arguments). Two closures of one factory over other
+    values (a notifier per channel) are different operations, and must not share records."""
+    if a is b:
+        return True
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_a is not code_b:
+        return False
+    cells_a, cells_b = getattr(a, "__closure__", None) or (), getattr(b, "__closure__", None) or ()
+    if len(cells_a) != len(cells_b):
+        return False
+    for x, y in zip(cells_a, cells_b, strict=True):
+        try:
+            va, vb = x.cell_contents, y.cell_contents
+        except ValueError:  # an empty cell (a name not bound yet)
+            return False
+        if va is not vb:
+            try:
+                if not bool(va == vb):
+                    return False
+            except Exception:
+                return False
+    return getattr(a, "__defaults__", None) == getattr(b, "__defaults__", None)
+
+
+class ToolSpec:
+    """How one guarded function is called: its name, key, policy, and the function itself.
+
+    The guarded function (``make_tool``) is a thin real function over it; integrations and the
+    reconciler use the spec.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        key: Sequence[str] | Callable[[dict[str, Any]], Any] | None,
+        ignore: Sequence[str],
+        normalize: Mapping[str, Normalizer] | None,
+        policy: Policy,
+        probe: Callable[[dict[str, Any], str], Any] | None,
+        timeout: float | None,
+        readonly: bool,
+        decode: Callable[[Any], Any] | None,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self.ledger = ledger
+        self.fn = fn
+        self.name = validate_name(name, "tool name")
+        self.is_async = inspect.iscoroutinefunction(fn)
+        params = inspect.signature(fn).parameters
+        self.takes_key = KEY_PARAM in params
+        skip = {KEY_PARAM} | set(ignore)
+        first = next(iter(params), None)
+        if first in ("self", "cls"):
+            skip.add(first)  # a method's receiver is not part of the operation
+        self.binder = _Binder(fn, frozenset(skip))
+        qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+        unknown = [f for f in (*ignore, *(normalize or {})) if f not in params]
+        if isinstance(key, str):
+            raise TypeError(f"key={key!r}: give a tuple of field names, as key=({key!r},)")
+        if key is not None and not callable(key):
+            unknown += [f for f in key if f not in params]
+        if unknown:
+            raise TypeError(f"tool {name!r}: {unknown} are not parameters of {qualname}{inspect.signature(fn)}")
+        self.key_fields = key
+        self.normalize = dict(normalize or {})
+        self.policy = policy
+        self.probe = probe
+        self.timeout = timeout
+        self.readonly = readonly
+        self.decode = decode
+        self.passthrough = passthrough
+
+    def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
+        """The ledger ``Call`` of one invocation: its key, fingerprint and arguments."""
+        fields = self.binder.bind(args, kwargs)
+        args_json = canonical_json(fields)
+        if self.normalize:
+            hashed = dict(fields)
+            for name, norm in self.normalize.items():
+                hashed[name] = norm(hashed[name])
+            fp = fingerprint(canonical_json(hashed))
+        else:
+            hashed = fields
+            fp = fingerprint(args_json)
+        if key is not None:
+            digest = validate_name(key, "explicit key")
+        elif self.key_fields is None:
+            digest = fp[:32]
+        elif callable(self.key_fields):
+            digest = _key_from_function(self.key_fields(hashed), self.name)
+        else:
+            digest = fingerprint(canonical_json(select(hashed, self.key_fields), path="key"))[:32]
+        if occurrence != 1:  # an int from 1: using() checked it
+            digest = f"{digest}#{occurrence}"
+        ledger = self.ledger
+        scope = ledger._scope()
+        full = f"{scope}:{self.name}:{digest}"
+        if len(full) > MAX_KEY_LENGTH:
+            compose_key(scope, self.name, digest)  # raises, saying which part to shorten
+        # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
+        return Call(full, scope, self.name, fp, args_json, drivers.new_owner(), self.policy, ledger.clock, ledger.rng)
+
+    def tool_kwargs(self, call: Call, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.takes_key:
+            return {**kwargs, KEY_PARAM: call.key}
+        return kwargs
+
+    def finish(self, out: Outcome) -> Outcome:
+        if out.replayed and self.decode is not None:
+            return replace(out, result=self.decode(out.result))
+        return out
+
+    def is_control_flow(self, exc: BaseException) -> bool:
+        """Whether ``exc`` pauses or redirects the caller (not an outcome): a ``passthrough=`` type, or
+        LangGraph's ``GraphBubbleUp`` family (``GraphInterrupt``, ``ParentCommand``), told by name so
+        that the core never imports langgraph."""
+        if self.passthrough and isinstance(exc, self.passthrough):
+            return True
+        return any(c.__name__ == "GraphBubbleUp" and c.__module__.startswith("langgraph") for c in type(exc).__mro__)
+
+    def key_for(self, *args: Any, **kwargs: Any) -> str:
+        """The ledger key this call would use, without calling anything."""
+        return self.call(args, kwargs, None, 1).key
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
+        """Run (or replay) one call of a sync tool."""
+        if self.readonly:
+            return _readonly(self, args, kwargs)
+        call = self.call(args, kwargs, key, occurrence)
+        return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs))
+
+    async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
+        """Run (or replay) one call of an async tool."""
+        if self.readonly:
+            return await _areadonly(self, args, kwargs)
+        call = self.call(args, kwargs, key, occurrence)
+        return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs))
+
+    def __repr__(self) -> str:
+        return f"<onceonly tool {self.name!r} on {self.ledger.url}>"
+
+
+def _key_from_function(value: Any, tool: str) -> str:
+    # None (or "") is no key at all: as the key "None", every such call would share one record.
+    if value is None or value == "":
+        raise InvalidKey(
+            f"the key= function of tool {tool!r} returned {value!r}: return a non-empty str that names the "
+            "operation (an order id, a message id); a call that needs no guard belongs in a function that is "
+            "not guarded"
+        )
+    return validate_name(value if isinstance(value, str) else str(value), "key returned by key=")
+
+
+def check_occurrence(occurrence: int) -> int:
+    # The number is part of the key: True would be occurrence 1 and 2.0 a key other than 2's, so that a
+    # second occurrence could run twice. Only an int is the same number in every call.
+    if type(occurrence) is not int or occurrence < 1:
+        raise InvalidKey(f"occurrence={occurrence!r}: give an int from 1 (the n-th time the same call is meant)")
+    return occurrence
+
+
+def _check_key(key: str | None) -> str | None:
+    if key is not None:
+        validate_name(key, "explicit key")  # "" included: an empty key is a mistake, not "derive one"
+    return key
+
+
+def key_refused(name: str) -> TypeError:
+    return TypeError(
+        f"tool {name!r}: idempotency_key is filled in by the ledger, not passed by the caller; to choose the "
+        f"key, call {name}.using(key='...')(...)"
+    )
+
+
+class Using(Generic[P, R_co]):
+    """A sync tool with an explicit key or occurrence: ``tool.using(key=...)``."""
+
+    def __init__(self, spec: ToolSpec, key: str | None, occurrence: int) -> None:
+        self.spec, self.key, self.occurrence = spec, key, occurrence
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        return cast(R_co, self.outcome(*args, **kwargs).result)
+
+    def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome:
+        if KEY_PARAM in kwargs:
+            raise key_refused(self.spec.name)
+        return self.spec.run(args, dict(kwargs), self.key, self.occurrence)
+
+
+class AsyncUsing(Generic[P, R_co]):
+    """An async tool with an explicit key or occurrence: ``tool.using(key=...)``."""
+
+    def __init__(self, spec: ToolSpec, key: str | None, occurrence: int) -> None:
+        self.spec, self.key, self.occurrence = spec, key, occurrence
+
+    async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        return cast(R_co, (await self.outcome(*args, **kwargs)).result)
+
+    async def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome:
+        if KEY_PARAM in kwargs:
+            raise key_refused(self.spec.name)
+        return await self.spec.arun(args, dict(kwargs), self.key, self.occurrence)
+
+
+def _sync_function(spec: ToolSpec) -> Callable[..., Any]:
+    # Everything the body uses is a closure variable: the function is rebuilt over the original's
+    # globals (see make_tool), where none of these names exist.
+    run = spec.run
+    refused = key_refused
+    key_param = KEY_PARAM
+    name = spec.name
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if key_param in kwargs:
+            raise refused(name)
+        return run(args, kwargs, None, 1).result
+
+    return guarded
+
+
+def _async_function(spec: ToolSpec) -> Callable[..., Any]:
+    arun = spec.arun
+    refused = key_refused
+    key_param = KEY_PARAM
+    name = spec.name
+
+    async def guarded(*args: Any, **kwargs: Any) -> Any:
+        if key_param in kwargs:
+            raise refused(name)
+        return (await arun(args, kwargs, None, 1)).result
+
+    return guarded
+
+
+def make_tool(spec: ToolSpec) -> Any:
+    """The guarded function of ``spec``: a real ``def`` or ``async def`` that looks like the original.
+
+    Its ``__globals__`` are the original's, so a framework that resolves the annotations (written as
+    strings under ``from __future__ import annotations``) finds the user's types where the original would.
+    It has no ``__wrapped__``: unwrapping it would reach the unguarded original.
+    """
+    fn = spec.fn
+    inner = _async_function(spec) if spec.is_async else _sync_function(spec)
+    user_globals = getattr(fn, "__globals__", None)
+    if isinstance(user_globals, dict):
+        inner = types.FunctionType(inner.__code__, user_globals, inner.__name__, None, inner.__closure__)
+    functools.update_wrapper(inner, fn)
+    made: Any = inner
+    made.__dict__.pop("__wrapped__", None)
+    annotations = dict(getattr(fn, "__annotations__", None) or {})
+    annotations.pop(KEY_PARAM, None)
+    made.__annotations__ = annotations
+    made.__signature__ = spec.binder.sig
+    made.__kwdefaults__ = None
+    made.name = spec.name
+    made.ledger = spec.ledger
+    made.spec = spec
+    made.key_for = spec.key_for
+    if spec.is_async:
+
+        async def outcome(*args: Any, **kwargs: Any) -> Outcome:
+            """Run (or replay) the call and return its ``Outcome``."""
+            if KEY_PARAM in kwargs:
+                raise key_refused(spec.name)
+            return await spec.arun(args, kwargs, None, 1)
+
+        def using_async(*, key: str | None = None, occurrence: int = 1) -> AsyncUsing[Any, Any]:
+            """This tool with an explicit key, or the n-th occurrence of the same call (meant twice)."""
+            return AsyncUsing(spec, _check_key(key), check_occurrence(occurrence))
+
+        made.outcome, made.using = outcome, using_async
+    else:
+
+        def outcome_sync(*args: Any, **kwargs: Any) -> Outcome:
+            """Run (or replay) the call and return its ``Outcome``."""
+            if KEY_PARAM in kwargs:
+                raise key_refused(spec.name)
+            return spec.run(args, kwargs, None, 1)
+
+        def using(*, key: str | None = None, occurrence: int = 1) -> Using[Any, Any]:
+            """This tool with an explicit key, or the n-th occurrence of the same call (meant twice).
+
+            ``send_email.using(occurrence=2)(to, body)`` sends a second, distinct email; run again after
+            a crash it replays that second one.
+            """
+            return Using(spec, _check_key(key), check_occurrence(occurrence))
+
+        made.outcome, made.using = outcome_sync, using
+    return made
+
+
+# --- read-only tools: no ledger ---------------------------------------------------------------------
+
+
+def _readonly_outcome(value: Any, attempt: int) -> Outcome:
+    return Outcome(result=value, key="", state=State.CONFIRMED, replayed=False, attempts=attempt, via="readonly")
+
+
+def _readonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+    """A read has no side effect: plain retry on anything that may be transient, no ledger."""
+    retry = spec.policy.retry
+    for attempt in itertools.count(1):
+        try:
+            return _readonly_outcome(spec.fn(*args, **kwargs), attempt)
+        except Exception as exc:
+            verdict = classify(exc, spec.policy.classify)
+            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
+                raise
+            spec.ledger.sleep(retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _areadonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+    retry = spec.policy.retry
+    fn = cast(Callable[..., Awaitable[Any]], spec.fn)
+    for attempt in itertools.count(1):
+        try:
+            return _readonly_outcome(await fn(*args, **kwargs), attempt)
+        except Exception as exc:
+            verdict = classify(exc, spec.policy.classify)
+            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
+                raise
+            await spec.ledger.asleep(retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after))
+    raise AssertionError("unreachable")  # pragma: no cover
