@@ -30,7 +30,7 @@ from onceonly.keys import Normalizer, validate_name
 from onceonly.policy import Classifier, Retry, check_seconds
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.states import HELD, Record, State
-from onceonly.stores import open_store
+from onceonly.stores import open_store, redact_url
 from onceonly.stores.base import Query, Store
 from onceonly.tools import AsyncTool, Tool, ToolSpec, default_name, make_tool, refuse_framework_object, same_definition
 
@@ -78,7 +78,8 @@ class Ledger:
         rng: random.Random | None = None,
     ) -> None:
         self.store = store
-        self.url: str = getattr(store, "url", repr(store))
+        #: The store's URL as it may be shown, password masked (``store.url`` is the one to connect with).
+        self.url: str = redact_url(getattr(store, "url", repr(store)))
         self.scope = validate_name(scope, "scope")
         self.clock = clock
         self.sleep = sleep

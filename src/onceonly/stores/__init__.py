@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from onceonly.stores._url import redact_url
 from onceonly.stores.base import AsyncStore, Query, Store
 
-__all__ = ["AsyncStore", "Query", "Store", "open_store"]
+__all__ = ["AsyncStore", "Query", "Store", "open_store", "redact_url"]
 
 
 def open_store(url: str) -> Store:
@@ -15,6 +16,7 @@ def open_store(url: str) -> Store:
     .. versionadded:: 0.1
     """
     scheme = urlsplit(url).scheme.lower()
+    shown = redact_url(url)
     if scheme == "sqlite":
         from onceonly.stores.sqlite import SQLiteStore
 
@@ -23,14 +25,14 @@ def open_store(url: str) -> Store:
         try:
             from onceonly.stores.redis import RedisStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ImportError(f"{url!r} needs the redis extra: pip install 'onceonly[redis]' ({exc})") from exc
+            raise ImportError(f"{shown!r} needs the redis extra: pip install 'onceonly[redis]' ({exc})") from exc
         return RedisStore(url)
     if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
         try:
             from onceonly.stores.postgres import PostgresStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ImportError(f"{url!r} needs the postgres extra: pip install 'onceonly[postgres]' ({exc})") from exc
+            raise ImportError(f"{shown!r} needs the postgres extra: pip install 'onceonly[postgres]' ({exc})") from exc
         return PostgresStore(url)
     raise ValueError(
-        f"no onceonly store for {url!r}: use sqlite:///path.db, redis://host:6379/0 or postgresql://host/db"
+        f"no onceonly store for {shown!r}: use sqlite:///path.db, redis://host:6379/0 or postgresql://host/db"
     )

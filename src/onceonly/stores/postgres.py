@@ -63,6 +63,7 @@ from onceonly.stores._sql import (
     state_literals,
     swap_fields,
 )
+from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
@@ -217,7 +218,7 @@ def parse_postgres_url(url: str) -> PostgresOptions:
     """
     parts = urlsplit(url)
     if parts.scheme.lower() not in _SCHEMES:
-        raise ValueError(f"not a PostgreSQL URL: {url!r} (use postgresql://host/dbname)")
+        raise ValueError(f"not a PostgreSQL URL: {redact_url(url)!r} (use postgresql://host/dbname)")
     ours: dict[str, str] = {}
     rest: list[tuple[str, str]] = []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -236,12 +237,12 @@ def parse_postgres_url(url: str) -> PostgresOptions:
     try:
         conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
-        raise ValueError(f"{_mask(url)} is not a valid PostgreSQL URL: {exc}") from exc
+        raise ValueError(f"{redact_url(url)} is not a valid PostgreSQL URL: {exc}") from exc
 
     schema = ours.get("schema", "public")
     if not schema or len(schema) > 63 or not set(schema) <= _SCHEMA_CHARS or schema[0].isdigit():
         raise ValueError(
-            f"schema={schema!r} in {_mask(url)}: use 1-63 letters, digits and underscores, not starting "
+            f"schema={schema!r} in {redact_url(url)}: use 1-63 letters, digits and underscores, not starting "
             "with a digit (the name is used as written, case included)"
         )
     try:
@@ -250,25 +251,16 @@ def parse_postgres_url(url: str) -> PostgresOptions:
         timeout = float(ours.get("pool_timeout", "10"))
     except ValueError as exc:
         raise ValueError(
-            f"{_mask(url)}: pool_min_size and pool_max_size take integers, pool_timeout seconds ({exc})"
+            f"{redact_url(url)}: pool_min_size and pool_max_size take integers, pool_timeout seconds ({exc})"
         ) from None
     if min_size < 0 or max_size < 1 or max_size < min_size:
-        raise ValueError(f"{_mask(url)}: need 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1")
+        raise ValueError(f"{redact_url(url)}: need 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1")
     if not timeout > 0:
-        raise ValueError(f"{_mask(url)}: pool_timeout={timeout} must be a positive number of seconds")
+        raise ValueError(f"{redact_url(url)}: pool_timeout={timeout} must be a positive number of seconds")
     listen = _BOOLEANS.get(ours.get("listen", "true").lower())
     if listen is None:
-        raise ValueError(f"listen={ours['listen']!r} in {_mask(url)}: use true or false")
+        raise ValueError(f"listen={ours['listen']!r} in {redact_url(url)}: use true or false")
     return PostgresOptions(conninfo, schema, min_size, max_size, timeout, listen)
-
-
-def _mask(url: str) -> str:
-    """The URL with its password hidden, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -665,7 +657,7 @@ class PostgresStore:
         options = parse_postgres_url(url)
         self.options = options
         self.schema = options.schema
-        self._where = f"the PostgreSQL ledger {_mask(url)}"
+        self._where = f"the PostgreSQL ledger {redact_url(url)}"
         self._conninfo = options.conninfo
         t = f"{_ident(self.schema)}.onceonly_records"
         self._table = t
@@ -1209,4 +1201,4 @@ class PostgresStore:
         await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
-        return f"PostgresStore({_mask(self.url)!r})"
+        return f"PostgresStore({redact_url(self.url)!r})"

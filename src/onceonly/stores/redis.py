@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover - the redis extra installs hiredis
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.states import HELD, Record, State
+from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "RedisStore", "parse_redis_url"]
@@ -307,8 +308,9 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     .. versionadded:: 0.1
     """
     parts = urlsplit(url)
+    shown = redact_url(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"not a Redis URL: {url!r}: use redis://host:6379/0, rediss://… or unix:///path.sock")
+        raise ValueError(f"not a Redis URL: {shown!r}: use redis://host:6379/0, rediss://… or unix:///path.sock")
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -323,18 +325,18 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     prefix = ours.get("prefix", DEFAULT_PREFIX)
     if not prefix or any(c in prefix for c in "{}") or not prefix.isprintable() or any(c.isspace() for c in prefix):
         raise ValueError(
-            f"prefix={prefix!r} in {url!r}: a prefix is a non-empty name without braces or whitespace "
+            f"prefix={prefix!r} in {shown!r}: a prefix is a non-empty name without braces or whitespace "
             "(braces would move the hash tag that keeps a record and its indexes in one Cluster slot)"
         )
     try:
         shards = int(ours.get("shards", DEFAULT_SHARDS))
     except ValueError:
-        raise ValueError(f"shards={ours['shards']!r} in {url!r}: give a whole number such as 16") from None
+        raise ValueError(f"shards={ours['shards']!r} in {shown!r}: give a whole number such as 16") from None
     if not 1 <= shards <= MAX_SHARDS:
-        raise ValueError(f"shards={shards} in {url!r}: use 1 to {MAX_SHARDS}")
+        raise ValueError(f"shards={shards} in {shown!r}: use 1 to {MAX_SHARDS}")
     flag = ours.get("warn_persistence", "true").lower()
     if flag not in _TRUE + _FALSE:
-        raise ValueError(f"warn_persistence={flag!r} in {url!r}: use true or false")
+        raise ValueError(f"warn_persistence={flag!r} in {shown!r}: use true or false")
     client_url = urlunsplit(parts._replace(query=urlencode(theirs)))
     return client_url, {"prefix": prefix, "shards": shards, "warn_persistence": flag in _TRUE}
 

@@ -38,6 +38,7 @@ from onceonly.stores._sql import (
     scan_sql,
     swap_fields,
 )
+from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -100,17 +101,18 @@ def parse_sqlite_url(url: str) -> tuple[Path, dict[str, str]]:
     """``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (SQLAlchemy's habit) → path, options."""
     parts = urlsplit(url)
     if parts.scheme != "sqlite":
-        raise ValueError(f"not a sqlite URL: {url!r}")
+        raise ValueError(f"not a sqlite URL: {redact_url(url)!r}")
     raw = unquote(parts.path)
     if parts.netloc:
         raise ValueError(
-            f"sqlite URL {url!r} has a host part {parts.netloc!r}: use sqlite:///relative.db or sqlite:////abs/path.db"
+            f"sqlite URL {redact_url(url)!r} has a host part: use sqlite:///relative.db or sqlite:////abs/path.db"
+            " (a SQLite ledger is a local file)"
         )
     # urlsplit keeps the leading slash of the path: "sqlite:///a.db" → "/a.db" means relative "a.db".
     path = raw[1:] if raw.startswith("/") else raw
     if not path or path == ":memory:":
         raise ValueError(
-            f"sqlite URL {url!r} names no file: the ledger must outlive the process, "
+            f"sqlite URL {redact_url(url)!r} names no file: the ledger must outlive the process, "
             "give a file such as sqlite:///.onceonly/ledger.db"
         )
     opts = {k.lower(): v[-1] for k, v in parse_qs(parts.query).items()}
@@ -152,20 +154,21 @@ class SQLiteStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self.path, opts = parse_sqlite_url(url)
+        shown = redact_url(url)
         unknown = sorted(set(opts) - {"timeout", "synchronous"})
         if unknown:
             raise ValueError(
-                f"{url!r}: unknown option(s) {', '.join(unknown)}; a sqlite URL takes timeout= and synchronous="
+                f"{shown!r}: unknown option(s) {', '.join(unknown)}; a sqlite URL takes timeout= and synchronous="
             )
         try:
             self.busy_timeout = float(opts.get("timeout", "30"))
         except ValueError:
             self.busy_timeout = math.nan
         if not (math.isfinite(self.busy_timeout) and self.busy_timeout >= 0):
-            raise ValueError(f"timeout={opts['timeout']!r} in {url!r}: give the busy timeout in seconds, 0 or more")
+            raise ValueError(f"timeout={opts['timeout']!r} in {shown!r}: give the busy timeout in seconds, 0 or more")
         sync = opts.get("synchronous", "normal").upper()
         if sync not in ("NORMAL", "FULL", "EXTRA", "OFF"):
-            raise ValueError(f"synchronous={sync.lower()!r} in {url!r}: use normal or full")
+            raise ValueError(f"synchronous={sync.lower()!r} in {shown!r}: use normal or full")
         self.synchronous = sync
         self._local = threading.local()
         # Weak: a thread that ends drops its thread-local connection, which then closes; a strong list
@@ -194,7 +197,7 @@ class SQLiteStore:
         if conn is not None:
             return conn
         if self._closed:
-            raise StoreUnavailable(f"the ledger {self.url} was closed")
+            raise StoreUnavailable(f"the ledger {redact_url(self.url)} was closed")
         conn = self._connect()
         self._local.conn = conn
         # Reused by the hot primitives: conn.execute() would build a new cursor for every statement
@@ -451,4 +454,4 @@ class SQLiteStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SQLiteStore({self.url!r}, pid={os.getpid()})"
+        return f"SQLiteStore({redact_url(self.url)!r}, pid={os.getpid()})"

@@ -1,0 +1,52 @@
+"""Store URLs as they may be shown: in messages, reprs, logs and command output."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+__all__ = ["redact_url"]
+
+MASK = "***"
+
+# scheme://userinfo@host…: the userinfo ends at the last "@" before the path, so that an unquoted "@"
+# in a password is still masked whole.
+_AUTHORITY = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<netloc>[^/?#]*)")
+# user:password@host with the scheme forgotten (no "//" at all).
+_BARE_USERINFO = re.compile(r"^(?P<user>[^:/@?#\s]*):(?P<password>[^/?#\s]+)@")
+# An option: name=value after "?", "&" or ";" in a query, or at the start or after whitespace in a libpq
+# keyword string (where a value may be quoted).
+_OPTION = re.compile(r"(?:^|(?<=[?&;\s]))(?P<name>[^=&;?#\s]+)=(?P<value>'(?:[^'\\]|\\.)*'|[^&;#\s]*)")
+# The options that carry a secret: libpq's password and sslpassword, redis-py's password, the usual
+# spellings of others (a token, a secret). Not passfile: that is the name of a file.
+_SECRET = re.compile(r"(?:ssl)?password|passwd|pwd|pass|[a-z0-9_]*(?:secret|token)", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every password in it replaced by ``***``, for showing it.
+
+    Masks the password of the user part (``redis://:pw@host``, ``postgresql://user:pw@host``) and the
+    value of options that carry one (``?password=``, ``sslpassword=``, libpq's ``password=…``
+    keywords). The rest is kept as written, so the shown URL still says which store is meant. Never
+    raises, whatever the text: it is used in error messages about URLs that do not parse.
+
+    Args:
+        url: a store URL, or any text a user gave as one.
+
+    .. versionadded:: 0.1
+    """
+    match = _AUTHORITY.match(url)
+    if match is not None:
+        userinfo, at, host = match["netloc"].rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        if at and colon and password:
+            url = f"{match['head']}{user}:{MASK}@{host}{url[match.end() :]}"
+    elif "//" not in url:
+        url = _BARE_USERINFO.sub(lambda m: f"{m['user']}:{MASK}@", url, count=1)
+    return _OPTION.sub(_mask_option, url)
+
+
+def _mask_option(match: re.Match[str]) -> str:
+    if not match["value"] or not _SECRET.fullmatch(unquote(match["name"])):
+        return match[0]
+    return f"{match['name']}={MASK}"
