@@ -115,11 +115,14 @@ def test_postgres_url_errors_hide_the_password(postgres_database_url: str, optio
         f"sqlite:///db.example.db?timeout=x&password={SECRET}",
         f"postgresql://db.example/x?password={SECRET}&schema=-",
         f"redis://:{SECRET}@db.example/0?shards=0",
+        f"postgresql://root:{SECRET}%zz@db.example/x",  # libpq quotes the token it cannot decode
+        f"postgresql://root:{SECRET} x@db.example/x",
     ],
 )
 def test_open_errors_hide_the_password(url: str) -> None:
-    """An unknown scheme, a SQLite URL with a host part or a bad option: the ValueError that opening
-    raises names the store without its password (they used to repeat the URL as given)."""
+    """An unknown scheme, a SQLite URL with a host part, a bad option or a password libpq cannot
+    decode: the ValueError that opening raises names the store without its password, in its own
+    words and in the driver's it quotes (they used to repeat the URL, or the password, as given)."""
     with pytest.raises(ValueError) as info:
         open_store(url)
     _hidden(str(info.value), url)

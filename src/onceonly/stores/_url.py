@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-__all__ = ["redact_url"]
+__all__ = ["redact_url", "scrub"]
 
 MASK = "***"
 
@@ -50,3 +50,27 @@ def _mask_option(match: re.Match[str]) -> str:
     if not match["value"] or not _SECRET.fullmatch(unquote(match["name"])):
         return match[0]
     return f"{match['name']}={MASK}"
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (a driver's message about ``url``) with each password of ``url`` replaced by ``***``:
+    a driver may quote the part of a URL it could not parse, password included."""
+    for secret in sorted(_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def _secrets(url: str) -> set[str]:
+    found: set[str] = set()
+    match = _AUTHORITY.match(url)
+    userinfo = match["netloc"].rpartition("@")[0] if match is not None else ""
+    if match is None and "//" not in url and (bare := _BARE_USERINFO.match(url)) is not None:
+        found.add(bare["password"])
+    found.add(userinfo.partition(":")[2])
+    for option in _OPTION.finditer(url):
+        if _SECRET.fullmatch(unquote(option["name"])):
+            found.add(option["value"])
+            found.add(option["value"].strip("'"))
+    found |= {unquote(secret) for secret in found}
+    found.discard("")
+    return found

@@ -63,7 +63,7 @@ from onceonly.stores._sql import (
     state_literals,
     swap_fields,
 )
-from onceonly.stores._url import redact_url
+from onceonly.stores._url import redact_url, scrub
 from onceonly.stores.base import Query
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
@@ -237,7 +237,7 @@ def parse_postgres_url(url: str) -> PostgresOptions:
     try:
         conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
-        raise ValueError(f"{redact_url(url)} is not a valid PostgreSQL URL: {exc}") from exc
+        raise ValueError(f"{redact_url(url)} is not a valid PostgreSQL URL: {scrub(str(exc), url)}") from None
 
     schema = ours.get("schema", "public")
     if not schema or len(schema) > 63 or not set(schema) <= _SCHEMA_CHARS or schema[0].isdigit():
@@ -717,8 +717,9 @@ class PostgresStore:
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True)
         except psycopg.Error as exc:
+            said = scrub(str(exc), self.url).strip()
             raise StoreUnavailable(
-                f"cannot connect to {self._where}: {str(exc).strip()}. Check that the server is up and the URL "
+                f"cannot connect to {self._where}: {said}. Check that the server is up and the URL "
                 "(host, port, database, user) is right"
             ) from exc
         try:
