@@ -21,6 +21,7 @@ else:
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.states import State
+from onceonly.stores import redact_url
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
 
 
 if _MISSING_CLI is None:
-    from onceonly._cli import COUNT, refuse_missing_ledger
+    from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger
 
     _url_option = click.option(
         "--url",
@@ -45,7 +46,7 @@ if _MISSING_CLI is None:
     def _fail(exc: Exception) -> click.ClickException:
         # str() of a KeyError is the repr of its message, quoted: show the message itself.
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        return click.ClickException(str(text))
+        return click.ClickException(printable(text))
 
     @contextmanager
     def _ledger(url: str) -> Iterator[Ledger]:
@@ -89,11 +90,18 @@ if _MISSING_CLI is None:
         if as_json:
             click.echo(json.dumps([r.to_dict() for r in records], indent=2))
             return
-        table = Table(title=f"{len(records)} record(s) in {url}")
+        table = Table(title=cell(f"{len(records)} record(s) in {redact_url(url)}"))
         for col in ("key", "state", "tool", "attempts", "updated", "via / error"):
             table.add_column(col, overflow="fold")
         for r in records:
-            table.add_row(r.key, r.state.value, r.tool, str(r.attempts), _when(r.updated_at), r.via or r.error or "")
+            table.add_row(
+                cell(r.key),
+                r.state.value,
+                cell(r.tool),
+                str(r.attempts),
+                _when(r.updated_at),
+                cell(r.via or r.error or ""),
+            )
         Console().print(table)
 
     @cli.command()
@@ -105,7 +113,7 @@ if _MISSING_CLI is None:
             rec = ledger.get(key)
         if rec is None:
             raise click.ClickException(f"no record with key {key!r}")
-        click.echo(json.dumps(rec.to_dict(), indent=2, ensure_ascii=False))
+        click.echo(dumps(rec.to_dict(), indent=2))
 
     @cli.command()
     @_url_option
@@ -134,7 +142,7 @@ if _MISSING_CLI is None:
             kwargs["reset"] = reset
         with _ledger(url) as ledger:
             rec = ledger.resolve(key, **kwargs)
-        click.echo(f"{key}: {rec.state.value}")
+        click.echo(printable(f"{key}: {rec.state.value}"))
 
     @cli.command()
     @_url_option
@@ -146,11 +154,11 @@ if _MISSING_CLI is None:
         if as_json:
             click.echo(json.dumps(counts))
             return
-        table = Table(title=url)
+        table = Table(title=cell(redact_url(url)))
         table.add_column("state")
         table.add_column("records", justify="right")
         for state, n in counts.items():
-            table.add_row(state, str(n))
+            table.add_row(cell(state), str(n))
         Console().print(table)
 
     @cli.command()

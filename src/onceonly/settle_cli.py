@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -14,7 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from onceonly._cli import COUNT, refuse_missing_ledger
+from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger, load_ledger
 from onceonly.settle import (
@@ -70,18 +69,18 @@ _COLOURS = {
 def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -> None:
     lines = report.lines if verbose else report.acted
     if lines:
-        table = Table(title=f"reconcile by {report.by}", box=box.SIMPLE_HEAD)
+        table = Table(title=cell(f"reconcile by {report.by}"), box=box.SIMPLE_HEAD)
         for col in ("key", "tool", "was", "now", "done", "detail"):
             table.add_column(col, overflow="fold")
         for ln in lines:
             colour = _COLOURS[ln.settlement]
             table.add_row(
-                ln.key,
-                ln.tool,
+                cell(ln.key),
+                cell(ln.tool),
                 ln.before.value,
                 "gone" if ln.after is None else ln.after.value,
                 f"[{colour}]{ln.settlement.value}[/{colour}]",
-                ln.detail,
+                cell(ln.detail),
             )
         console.print(table)
     counts = ", ".join(f"{n} {name}" for name, n in report.counts.items() if n) or "nothing to settle"
@@ -169,7 +168,7 @@ def reconcile_command(
     except (OnceOnlyError, ValueError, TypeError, ImportError) as exc:
         if source is not None:
             source.close()
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(printable(exc)) from exc
     # The app's tools settle its records on whichever store holds them (--url: the same app elsewhere).
     tools = source.tools if source is not None else ledger.tools
     console = Console(stderr=as_json)
@@ -182,7 +181,7 @@ def reconcile_command(
 
     def show(report: ReconcileReport) -> None:
         if as_json:
-            click.echo(json.dumps(report.to_dict(), ensure_ascii=False))
+            click.echo(dumps(report.to_dict()))
         else:
             _print_report(console, report, verbose=verbose)
 
@@ -204,7 +203,7 @@ def reconcile_command(
         finally:
             signal.signal(signal.SIGTERM, previous)
     except OnceOnlyError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(printable(exc)) from exc
     finally:
         ledger.close()
         if source is not None and source is not ledger:
@@ -216,7 +215,7 @@ def _load_app(spec: str, app_dir: str) -> Ledger:
     try:
         return load_ledger(spec, app_dir)
     except (ValueError, TypeError, ImportError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(printable(exc)) from exc
 
 
 COMMANDS = [reconcile_command]

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from onceonly._cli import printable
+
 __all__ = ["COMMANDS", "demo"]
 
 _ABOUT = {
@@ -83,7 +85,7 @@ def demo(
         try:
             result = run_demo(config, progress=advance)
         except Exception as exc:
-            raise click.ClickException(f"the demo failed: {type(exc).__name__}: {exc}") from exc
+            raise click.ClickException(printable(f"the demo failed: {type(exc).__name__}: {exc}")) from exc
 
     if as_json:
         click.echo(json.dumps(result.to_dict()))

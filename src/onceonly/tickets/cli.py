@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from onceonly.stores import redact_url
+
 __all__ = ["COMMANDS", "tickets"]
 
 
@@ -76,7 +78,7 @@ def tickets(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    mode = "off" if no_idempotency else ("store " + store if store else "transactional")
+    mode = "off" if no_idempotency else ("store " + redact_url(store) if store else "transactional")
     injected = ", ".join(f"{k}={v:g}" for k, v in parsed.to_dict().items() if k not in ("seed", "delay_seconds") and v)
 
     def ready(url: str) -> None:
