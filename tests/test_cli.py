@@ -254,3 +254,15 @@ def test_reconcile_every_survives_stored_markup(sqlite_url: str, tmp_path: Path)
     assert proc.returncode == 0, text
     assert text.count("reconciled 1 record(s)") >= 2 and "k-[/oops]" in text and "\\x1b[31m" in text, text
     assert not _CONTROLS.search(text), repr(text)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", '{"total": [1, NaN]}'])
+def test_resolve_refuses_json_that_is_not_strict(sqlite_url: str, value: str) -> None:
+    """--confirmed NaN (or Infinity, or a number too large for a double) is a usage error that says
+    the result must be strict JSON; the record is left as it was (it used to be confirmed, with a
+    description of a float stored as its result)."""
+    key = _with_one_record(sqlite_url)
+    _said(_run("resolve", key, "--url", sqlite_url, "--confirmed", value), 2, "not strict JSON")
+    with Ledger.open(sqlite_url) as check:
+        rec = check.get(key)
+    assert rec is not None and rec.state is State.IN_FLIGHT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -71,6 +72,21 @@ if _MISSING_CLI is None:
     def _when(ts: float | None) -> str:
         return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
+    def _strict_json(text: str) -> Any:
+        """``json.loads`` that refuses what Python's json accepts beyond JSON: NaN, Infinity, and
+        numbers too large for a double (1e400 becomes inf), which no store can keep as JSON."""
+
+        def constant(name: str) -> Any:
+            raise ValueError(f"{name} has no JSON form; give a number, or quote it as a string")
+
+        def number(digits: str) -> float:
+            value = float(digits)
+            if not math.isfinite(value):
+                raise ValueError(f"{digits} is too large for a JSON number; quote it as a string")
+            return value
+
+        return json.loads(text, parse_constant=constant, parse_float=number)
+
     @click.group()
     @click.version_option(package_name="onceonly")
     def cli() -> None:
@@ -134,9 +150,11 @@ if _MISSING_CLI is None:
         kwargs: dict[str, Any] = {"by": by, "why": why}
         if confirmed is not None:
             try:
-                kwargs["confirmed"] = json.loads(confirmed)
+                kwargs["confirmed"] = _strict_json(confirmed)
             except json.JSONDecodeError as exc:
                 raise click.UsageError(f"--confirmed takes JSON ({exc}); quote a string as '\"text\"'") from exc
+            except ValueError as exc:
+                raise click.UsageError(printable(f"--confirmed {confirmed!r} is not strict JSON: {exc}")) from exc
         else:
             kwargs["failed"] = failed
             kwargs["reset"] = reset
