@@ -256,11 +256,13 @@ def test_reconcile_every_survives_stored_markup(sqlite_url: str, tmp_path: Path)
     assert not _CONTROLS.search(text), repr(text)
 
 
-@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", '{"total": [1, NaN]}'])
+@pytest.mark.parametrize(
+    "value", ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", '{"total": [1, NaN]}', '{"\\ud800": 1}', '"a\\udfff"']
+)
 def test_resolve_refuses_json_that_is_not_strict(sqlite_url: str, value: str) -> None:
-    """--confirmed NaN (or Infinity, or a number too large for a double) is a usage error that says
-    the result must be strict JSON; the record is left as it was (it used to be confirmed, with a
-    description of a float stored as its result)."""
+    """--confirmed NaN (or Infinity, a number too large for a double, an escaped lone surrogate) is a
+    usage error that says the result must be strict JSON; the record is left as it was (it used to be
+    confirmed, with a description of the value stored as its result)."""
     key = _with_one_record(sqlite_url)
     _said(_run("resolve", key, "--url", sqlite_url, "--confirmed", value), 2, "not strict JSON")
     with Ledger.open(sqlite_url) as check:

@@ -73,8 +73,9 @@ if _MISSING_CLI is None:
         return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
     def _strict_json(text: str) -> Any:
-        """``json.loads`` that refuses what Python's json accepts beyond JSON: NaN, Infinity, and
-        numbers too large for a double (1e400 becomes inf), which no store can keep as JSON."""
+        """``json.loads`` that refuses what Python's json accepts beyond strict JSON: NaN, Infinity,
+        numbers too large for a double (1e400 becomes inf) and lone surrogates, which no store can
+        keep as JSON."""
 
         def constant(name: str) -> Any:
             raise ValueError(f"{name} has no JSON form; give a number, or quote it as a string")
@@ -85,7 +86,13 @@ if _MISSING_CLI is None:
                 raise ValueError(f"{digits} is too large for a JSON number; quote it as a string")
             return value
 
-        return json.loads(text, parse_constant=constant, parse_float=number)
+        value = json.loads(text, parse_constant=constant, parse_float=number)
+        try:  # "\ud800" parses, but a lone surrogate has no UTF-8 form for the store to keep
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end]
+            raise ValueError(f"it holds a lone surrogate {bad!r}, which has no UTF-8 form; remove it") from None
+        return value
 
     @click.group()
     @click.version_option(package_name="onceonly")
