@@ -73,7 +73,7 @@ def test_ledger_and_store_show_no_password(store_url: str, caplog: pytest.LogCap
         assert charge("a") == "a"
         assert ledger.store.url == url
         assert ledger.url == redact_url(url)
-        for shown in (ledger.url, repr(ledger), repr(ledger.store), repr(charge)):
+        for shown in (ledger.url, repr(ledger), repr(ledger.store), repr(charge.spec)):
             _hidden(shown, url)
     query = f"{store_url}&password={SECRET}"  # the fixture's URL has a query: its prefix or schema
     with Ledger.open(query) as ledger:
