@@ -283,3 +283,20 @@ def test_tell_model_for_errors_never_gives_operator_instructions(ledger: Ledger)
     busy = InProgress("held", key="k")
     assert "in progress" in onceonly.tell_model(busy)
     assert json.dumps(onceonly.tell_model(ValueError("bad")))  # plain text for anything else
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), {1, 2}])
+def test_resolve_refuses_a_result_with_no_strict_json_form(ledger: Ledger, value: Any) -> None:
+    """A person's stated result is stored as given or refused: never replaced by a description."""
+
+    @ledger.tool(name="send")
+    def send(to: str) -> str:
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(OutcomeUnknown):
+        send("ann")
+    key = send.key_for("ann")
+    with pytest.raises(onceonly.NotSerializable, match="confirmed"):
+        ledger.resolve(key, confirmed=value)
+    rec = ledger.get(key)
+    assert rec is not None and rec.state is State.NEEDS_REVIEW

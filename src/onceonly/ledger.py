@@ -25,8 +25,8 @@ from onceonly.drivers import CallInfo, amark_sent, current_call, mark_sent
 from onceonly.errors import InProgress, OnceOnlyError
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
-from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy, encode_result
-from onceonly.keys import Normalizer, validate_name
+from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
+from onceonly.keys import Normalizer, canonical_json, validate_name
 from onceonly.policy import Classifier, Retry, check_seconds
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.states import HELD, Record, State
@@ -347,11 +347,14 @@ class Ledger:
             KeyError: no such record.
             InProgress: a caller holds a live lease on it.
             OnceOnlyError: the record is already confirmed, or neither outcome was given.
+            NotSerializable: ``confirmed`` has no strict JSON form (NaN, a set…): nothing is written.
 
         .. versionadded:: 0.1
         """
         if (confirmed is _MISSING) == (failed is None):
             raise OnceOnlyError("resolve needs exactly one of confirmed=RESULT or failed=REASON")
+        # A person states the result: it must be storable as it is (no NaN, no set), not a description.
+        result_json = None if confirmed is _MISSING else canonical_json(confirmed, path="confirmed")
         who = by or os.environ.get("USER") or "unknown"
         while True:
             rec = self.get(key)
@@ -370,7 +373,7 @@ class Ledger:
             released = {"lease_owner": None, "lease_until": None, "next_attempt_at": None}
             if confirmed is not _MISSING:
                 new = st.transition(
-                    rec, State.CONFIRMED, now=now, reason=reason, by=who, result_json=encode_result(confirmed, key),
+                    rec, State.CONFIRMED, now=now, reason=reason, by=who, result_json=result_json,
                     via="resolve", error=None, expires_at=None if ttl is None else now + ttl, **released,
                 )  # fmt: skip
             else:
