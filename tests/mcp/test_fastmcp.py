@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS
 
 from onceonly import Ledger
 from onceonly.mcp import KEY_META, REPLAYED_META, OnceOnlyMiddleware, meta
@@ -113,12 +115,14 @@ def test_malformed_meta_key_is_an_mcp_error(tickets: Tickets, mcp_ledger: Ledger
     server = fastmcp_server(tickets)
     server.add_middleware(OnceOnlyMiddleware(mcp_ledger))
 
-    async def main() -> None:
+    async def main() -> MCPError:
         async with Client(server) as client:
-            await client.call_tool("create_ticket", ARGS, meta=bad)
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("create_ticket", ARGS, meta=bad)
+            return caught.value
 
-    with pytest.raises(Exception, match=said):
-        asyncio.run(main())
+    error = asyncio.run(main())
+    assert error.code == INVALID_PARAMS and said in error.message
     assert tickets.count() == 0
     assert mcp_ledger.list() == []
 
