@@ -3,7 +3,8 @@
 It stands for any MCP server with a side effect: ``create_ticket`` makes a new ticket every time it is
 called, so a client that retries after a lost answer makes two. Run it behind ``onceonly mcp-proxy``.
 
-    TICKETS_DB=tickets.db python ticket_server.py
+    TICKETS_DB=tickets.db python ticket_server.py                      # stdio
+    TICKETS_DB=tickets.db python ticket_server.py --http 127.0.0.1:9000  # streamable HTTP at /mcp
 
 Faults, for the example and the tests, are rows of the ``faults`` table (kind, title):
 ``slow`` commits the ticket and then answers after ``TICKETS_SLOW_SECONDS`` (default 3), ``hang``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import time
 from typing import Any
 
@@ -86,4 +88,8 @@ if __name__ == "__main__":
     with connect() as conn:
         conn.executescript(SCHEMA)
         conn.execute("INSERT INTO servers (pid, started_at) VALUES (?, ?)", (os.getpid(), time.time()))
-    server.run()  # stdio
+    if len(sys.argv) == 3 and sys.argv[1] == "--http":
+        host, _, port = sys.argv[2].rpartition(":")
+        server.run("streamable-http", host=host, port=int(port))
+    else:
+        server.run()  # stdio
