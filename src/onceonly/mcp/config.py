@@ -1,21 +1,21 @@
 """The proxy's TOML config: its own settings, and a ``ToolPolicy`` per upstream tool. No MCP library.
 
-    [proxy]
-    scope = "tickets"            # the scope of keys when the client sends none (default: the upstream's name)
-    annotations = true           # trust the upstream's readOnlyHint / idempotentHint to relax guarding
-    tell_model = true            # precede a replay with the text that tells the model
+[proxy]
+scope = "tickets"            # the scope of keys when the client sends none (default: the upstream's name)
+annotations = true           # trust the upstream's readOnlyHint / idempotentHint to relax guarding
+tell_model = true            # precede a replay with the text that tells the model
 
-    [tools.create_ticket]
-    on_unknown = "probe"
-    probe = { tool = "find_ticket", arguments = { session_id = "$session_id", title = "$title" } }
-    attempts = 3
-    timeout = 30                 # seconds per attempt
-    wait = 10                    # seconds a second caller waits for an attempt in progress
-    ttl = 86400                  # seconds a result is replayed, or "forever"
-    key = ["session_id", "title"]
+[tools.create_ticket]
+on_unknown = "probe"
+probe = { tool = "find_ticket", arguments = { session_id = "$session_id", title = "$title" } }
+attempts = 3
+timeout = 30                 # seconds per attempt
+wait = 10                    # seconds a second caller waits for an attempt in progress
+ttl = 86400                  # seconds a result is replayed, or "forever"
+key = ["session_id", "title"]
 
-    [tools.get_weather]
-    guard = false                # pass through
+[tools.get_weather]
+guard = false                # pass through
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _want(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> A
     if isinstance(value, bool) and kind in (int, float, (int, float)):
         raise ValueError(f"{where}: {what}, got {value!r}")
     if not isinstance(value, kind):
-        raise ValueError(f"{where}: {what}, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{where}: {what}, got {type(value).__name__} {value!r}")  # noqa: TRY004 - a wrong value in a file, one error type for all
     return value
 
 
@@ -118,7 +118,9 @@ def _tool(name: str, table: dict[str, Any], where: str) -> ToolPolicy:
             kw[seconds] = float(_want(table[seconds], (int, float), f"{where} {seconds}", "a number of seconds"))
     if "ttl" in table:
         ttl = table["ttl"]
-        kw["ttl"] = None if ttl == "forever" else float(_want(ttl, (int, float), f"{where} ttl", 'seconds or "forever"'))
+        kw["ttl"] = (
+            None if ttl == "forever" else float(_want(ttl, (int, float), f"{where} ttl", 'seconds or "forever"'))
+        )
     if "key" in table:
         key = _want(table["key"], list, f"{where} key", "a list of argument names")
         kw["key"] = tuple(_want(k, str, f"{where} key", "argument names (strings)") for k in key)

@@ -47,7 +47,9 @@ def from_wire(wire: Mapping[str, Any]) -> ToolResult:
     content = _BLOCKS.validate_python(wire.get("content") or [])
     structured = wire.get("structuredContent")
     cls = ToolResult if structured is None or isinstance(structured, dict) else RawStructuredToolResult
-    return cls(content=content, structured_content=structured, meta=wire.get("_meta"), is_error=bool(wire.get("isError")))
+    return cls(
+        content=content, structured_content=structured, meta=wire.get("_meta"), is_error=bool(wire.get("isError"))
+    )
 
 
 def _hints(tool: Tool) -> Hints:

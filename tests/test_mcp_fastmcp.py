@@ -18,7 +18,7 @@ from mcp_types import INVALID_PARAMS
 
 from onceonly import Ledger
 from onceonly.mcp import KEY_META, REPLAYED_META, OnceOnlyMiddleware, meta
-from tests.mcp._tickets import Tickets, fastmcp_server
+from tests._mcp_tickets import Tickets, fastmcp_server
 
 ARGS = {"session_id": "s1", "title": "printer on fire", "body": "third floor"}
 
@@ -108,9 +108,14 @@ def test_read_only_runs_every_time_and_error_result_is_retried(tickets: Tickets,
 
 @pytest.mark.parametrize(
     ("bad", "said"),
-    [({"dev.onceonly/idempotencyKey": "k" * 300}, "characters"), ({"dev.onceonly/idempotencyKey": 42}, "must be a str")],
+    [
+        ({"dev.onceonly/idempotencyKey": "k" * 300}, "characters"),
+        ({"dev.onceonly/idempotencyKey": 42}, "must be a str"),
+    ],
 )
-def test_malformed_meta_key_is_an_mcp_error(tickets: Tickets, mcp_ledger: Ledger, bad: dict[str, Any], said: str) -> None:
+def test_malformed_meta_key_is_an_mcp_error(
+    tickets: Tickets, mcp_ledger: Ledger, bad: dict[str, Any], said: str
+) -> None:
     """A _meta key that is too long or not a string: a clear MCP error, the tool not run, nothing recorded."""
     server = fastmcp_server(tickets)
     server.add_middleware(OnceOnlyMiddleware(mcp_ledger))

@@ -19,9 +19,9 @@ from mcp import Client
 
 from onceonly import Ledger
 from onceonly.mcp import REPLAYED_META, meta
-from tests.mcp._tickets import Tickets
+from tests._mcp_tickets import Tickets
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mcp_proxy"
 
 
@@ -124,7 +124,9 @@ def test_proxy_over_streamable_http(tmp_path: Path) -> None:
     assert tickets.count("flaky") == 1
 
     unknown = out["killed"][0]
-    assert unknown.is_error and "unknown" in unknown.content[0].text and "Do not issue it again" in unknown.content[0].text
+    assert (
+        unknown.is_error and "unknown" in unknown.content[0].text and "Do not issue it again" in unknown.content[0].text
+    )
     assert "onceonly resolve" not in unknown.content[0].text
     assert settled.meta[REPLAYED_META] is True and not settled.is_error
     assert tickets.count("hang") == 1

@@ -14,7 +14,7 @@ from mcp_types import INVALID_PARAMS
 
 from onceonly import Ledger
 from onceonly.mcp import REPLAYED_META, guard_server, meta
-from tests.mcp._tickets import Tickets, sdk_server
+from tests._mcp_tickets import Tickets, sdk_server
 
 ARGS = {"session_id": "s1", "title": "printer on fire", "body": "third floor"}
 

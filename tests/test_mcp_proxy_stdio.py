@@ -16,9 +16,9 @@ from mcp import Client, StdioServerParameters
 
 from onceonly import Ledger
 from onceonly.mcp import REPLAYED_META, meta
-from tests.mcp._tickets import Tickets
+from tests._mcp_tickets import Tickets
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mcp_proxy"
 UPSTREAM = [sys.executable, str(EXAMPLE / "ticket_server.py")]
 
