@@ -148,10 +148,12 @@ def test_unknown_tool_records_nothing(tickets: Tickets, mcp_ledger: Ledger) -> N
 
 def test_guarded_function_registered_directly(tickets: Tickets, mcp_ledger: Ledger) -> None:
     """@ledger.tool functions, sync and async, registered with FastMCP: a clean schema (no
-    idempotency_key), and the same call twice runs once."""
+    idempotency_key), and the same call twice runs once; the middleware leaves them to their own guard
+    (one record each, not two)."""
     from fastmcp import FastMCP
 
     server: FastMCP[Any] = FastMCP("direct")
+    server.add_middleware(OnceOnlyMiddleware(mcp_ledger))
 
     @server.tool
     @mcp_ledger.tool
@@ -178,3 +180,4 @@ def test_guarded_function_registered_directly(tickets: Tickets, mcp_ledger: Ledg
         assert set(schema["properties"]) == {"session_id", "title"}, json.dumps(schema)
         assert set(schema["required"]) == {"session_id", "title"}
     assert tickets.count("a") == 1 and tickets.count("b") == 1
+    assert len(mcp_ledger.list()) == 2
