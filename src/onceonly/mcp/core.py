@@ -492,10 +492,7 @@ class Guard:
                 f"tools/call {req.name!r}: the arguments must be a JSON object, got {type(req.arguments).__name__}"
             )
         scope, key = self.scope_and_key(req, base_scope)
-        on_unknown = self.on_unknown(req.name, req.hints)
-        if on_unknown == "probe" and self.tools[req.name].probe is None:
-            on_unknown = "review"
-        spec = self.spec(req.name, on_unknown)
+        spec = self.spec(req.name, self.on_unknown(req.name, req.hints))
         forward = _Forward(req)
         token = _PROBE_CALL.set(req.probe_call)
         try:
