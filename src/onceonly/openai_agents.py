@@ -1,0 +1,684 @@
+"""OpenAI Agents SDK: function tools whose calls go through an onceonly ledger, and MCP calls that carry a key.
+
+    from onceonly.openai_agents import function_tool, guard_tools, mcp_meta_resolver
+
+    @function_tool(ledger)
+    async def charge(customer: str, cents: int) -> str:
+        \"\"\"Charge a customer.\"\"\"
+
+    agent = Agent(name="billing", tools=[charge, *guard_tools([refund], ledger)])
+    result = await Runner.run(agent, text, run_config=RunConfig(group_id=conversation_id))
+
+A guarded tool is the SDK's own ``FunctionTool``, with the same name, description and strict argument
+schema. The guard sits inside the tool's invoker, below the SDK's ``failure_error_function``: the
+tool's exception reaches the ledger (a failed attempt) before the SDK turns it into the text the model
+reads, so an error is never recorded as a result and replayed. The argument JSON reaches the tool
+unchanged; ``ToolContext`` is not part of it, so it is never part of a key.
+
+A call's key is the conversation (``RunConfig.group_id``, else the trace's group, else the
+``ledger.task()`` around the run, else the ledger's scope), the tool's name and its canonical
+arguments. Never the call id: the model that re-plans a call after the SDK's time limit sends it under
+a new id, and the call must replay.
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import keyword
+import logging
+import re
+import threading
+import types
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+try:
+    import agents
+    from agents import FunctionTool, RunContextWrapper, ToolOutputFileContent, ToolOutputImage, ToolOutputText
+    from agents.tool import (
+        _FUNCTION_TOOL_WRAPPED_CALLABLE_MARKER,
+        _SYNC_FUNCTION_TOOL_MARKER,
+        ValidToolOutputPydanticModelsTypeAdapter,
+        _FailureHandlingFunctionToolInvoker,
+        _get_function_tool_invoke_context,
+    )
+    from agents.tool_context import ToolContext
+    from agents.tracing import get_current_trace
+    from pydantic import TypeAdapter, ValidationError
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        'onceonly.openai_agents needs the OpenAI Agents SDK: pip install "onceonly[openai-agents]" '
+        "(from a checkout: pip install -e '.[openai-agents]')"
+    ) from exc
+
+from onceonly.drivers import current_call
+from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
+from onceonly.guard import Outcome
+from onceonly.keys import canonical_json, fingerprint
+from onceonly.tell import tell_model as _tell_model
+
+if TYPE_CHECKING:
+    from agents.mcp import MCPToolMetaContext
+
+    from onceonly.ledger import Ledger
+
+__all__ = ["conversation_scope", "function_tool", "guard", "guard_tools", "mcp_meta_resolver"]
+
+_log = logging.getLogger("onceonly.openai_agents")
+
+#: The ``_meta`` entries an onceonly-guarded MCP server reads (reverse-DNS names, not the protocol's own).
+MCP_KEY = "dev.onceonly/idempotencyKey"
+MCP_SCOPE = "dev.onceonly/scope"
+
+#: The guarded body's hidden parameter: this invocation's context, raw arguments and invoker. It is left
+#: out of the key and the fingerprint (``ignore=``).
+_CALL = "_onceonly_call"
+#: The parameter of an argument schema that is not a set of named fields: the whole JSON object.
+_WHOLE = "arguments"
+#: The argument through which a function gets the ledger's key (``@ledger.tool``'s convention).
+_KEY = "idempotency_key"
+#: Outcomes the model is told about instead of a result (the operator's text goes to the log).
+_TOLD = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
+#: The longest conversation id used as a scope as it is; a longer one (or one with whitespace) is hashed.
+_MAX_SCOPE = 100
+_WHITESPACE = re.compile(r"\s")
+
+ScopeFunction = Callable[[RunContextWrapper[Any]], "str | None"]
+
+
+# --- scope: the conversation ----------------------------------------------------------------------
+
+
+def conversation_scope(ctx: RunContextWrapper[Any]) -> str | None:
+    """The ledger scope of a tool call: the run's ``RunConfig.group_id``, else the group of the trace it
+    runs in (a ``RunState`` resumed without a ``RunConfig`` keeps its trace's group).
+
+    ``None`` when the run names no conversation: the ``ledger.task(...)`` around the run applies, else
+    the ledger's scope. The SDK does not show a tool the run's ``session``: with a session and no
+    ``group_id``, pass ``RunConfig(group_id=session.session_id)``, or run inside
+    ``ledger.task(session.session_id)``.
+
+    An id longer than 100 characters, or with whitespace, is hashed.
+
+    .. versionadded:: 0.1
+    """
+    run_config = getattr(ctx, "run_config", None)
+    group = getattr(run_config, "group_id", None)
+    if not group:
+        group = getattr(get_current_trace(), "group_id", None)
+    if not isinstance(group, str) or not group.strip():
+        return None
+    return _scope_text(group)
+
+
+@functools.lru_cache(maxsize=1024)  # a conversation asks again at every call
+def _scope_text(group: str) -> str:
+    if len(group) <= _MAX_SCOPE and group.isprintable() and _WHITESPACE.search(group) is None:
+        return group
+    return "group-" + hashlib.sha256(group.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+# --- what is stored, and what the model reads ---------------------------------------------------------
+
+_STRUCTURED = (ToolOutputText, ToolOutputImage, ToolOutputFileContent)
+
+
+def _structured(value: Any) -> Any:
+    """The JSON form of one structured output (``ToolOutputText``... or its dict form), or ``None``."""
+    if isinstance(value, _STRUCTURED):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, dict) and "type" in value:
+        try:
+            ValidToolOutputPydanticModelsTypeAdapter.validate_python(value)
+            canonical_json(value, path="result")
+        except (ValidationError, TypeError, ValueError):
+            return None
+        return value
+    return None
+
+
+_ANY = TypeAdapter(Any)
+
+
+def _stored(value: Any, with_schema: bool) -> Any:
+    """What the ledger keeps of a tool's output: what the model read, as JSON.
+
+    A string as it is; structured outputs (text, image, file, or a list of them) in their dict form,
+    which the SDK takes back as the same output; for a tool with an output schema, its JSON form (the
+    SDK validates it again); anything else as the text the SDK made of it (``str``)."""
+    if isinstance(value, str):
+        return value
+    if with_schema:
+        return _ANY.dump_python(value, mode="json")
+    if isinstance(value, list | tuple):
+        parts = [_structured(v) for v in value]
+        if parts and all(p is not None for p in parts):
+            return parts
+        return str(value)
+    one = _structured(value)
+    return one if one is not None else str(value)
+
+
+def _shown(stored: Any) -> Any:
+    """A stored output as the model read it, for ``tell_model``: the text of text outputs."""
+    if isinstance(stored, dict) and stored.get("type") == "text" and isinstance(stored.get("text"), str):
+        return stored["text"]
+    if isinstance(stored, list) and stored and all(isinstance(s, dict) and s.get("type") == "text" for s in stored):
+        return "\n".join(str(s.get("text", "")) for s in stored)
+    return stored
+
+
+# --- one call of a guarded tool ---------------------------------------------------------------------
+
+
+class _Target:
+    """The invoker a guarded body runs. Two are one definition (the ledger's check that a tool name
+    stands for one function) when they invoke the same function: a tool built again from it."""
+
+    __slots__ = ("identity", "invoke")
+
+    def __init__(self, identity: object, invoke: Callable[[Any, str], Awaitable[Any]]) -> None:
+        self.identity = identity
+        self.invoke = invoke
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Target) and self.identity is other.identity
+
+    def __hash__(self) -> int:
+        return id(self.identity)
+
+
+class _Invocation:
+    """One call: its context and raw arguments, and, once the tool ran, what it returned."""
+
+    __slots__ = ("args_json", "ctx", "has_raw", "raw", "with_schema")
+
+    def __init__(self, ctx: Any, args_json: str, with_schema: bool) -> None:
+        self.ctx = ctx
+        self.args_json = args_json
+        self.with_schema = with_schema
+        self.raw: Any = None
+        self.has_raw = False
+
+    def keep(self, output: Any) -> Any:
+        """Keep the output for this caller; return the form the ledger stores."""
+        self.raw, self.has_raw = output, True
+        try:
+            return _stored(output, self.with_schema)
+        except Exception as exc:
+            # The side effect happened: an output with no stored form must not make it a failed attempt
+            # (which would run again), so the record keeps a description of it.
+            return {"$unstorable": type(output).__name__, "error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def _body(target: _Target) -> Callable[..., Awaitable[Any]]:
+    """The function the ledger guards: the model's arguments are its parameters (so ``key=``,
+    ``ignore=`` and ``normalize=`` name them), the invocation its hidden one."""
+
+    async def body(**fields: Any) -> Any:
+        call: _Invocation = fields[_CALL]
+        return call.keep(await target.invoke(call.ctx, call.args_json))
+
+    return body
+
+
+def _param_names(tool: FunctionTool, sdk_built: bool) -> tuple[str, ...] | None:
+    """The named fields a call's key is made of, or ``None`` when the whole JSON object is.
+
+    A tool made by ``function_tool`` passes its function only the fields of its schema (pydantic drops
+    others), so those are the operation. A hand-made tool whose schema is open may use what else the
+    model sends: then the whole object is."""
+    schema = tool.params_json_schema
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):
+        return None
+    names = tuple(props)
+    if not (sdk_built or schema.get("additionalProperties") is False):
+        return None
+    if all(n.isidentifier() and not keyword.iskeyword(n) and n != _CALL for n in names):
+        return names
+    return None
+
+
+class _Guard:
+    """One guarded tool: the ledger's function, and how a call reaches the original invoker."""
+
+    def __init__(
+        self,
+        tool: FunctionTool,
+        ledger: Ledger,
+        name: str,
+        tell_model: bool,
+        scope: ScopeFunction,
+        policy: dict[str, Any],
+        identity: object,
+    ) -> None:
+        self.ledger = ledger
+        self.tell_model = tell_model
+        self.scope = scope
+        self.with_schema = tool.output_json_schema is not None
+        invoker = tool.on_invoke_tool
+        self.sdk_built = isinstance(invoker, _FailureHandlingFunctionToolInvoker)
+        if isinstance(invoker, _FailureHandlingFunctionToolInvoker):
+            # Below the failure handler: the tool's exception reaches the ledger, not its error text.
+            self.inner: Callable[[Any, str], Awaitable[Any]] = invoker._invoke_tool_impl
+        else:
+            self.inner = _with_context(tool, invoker)
+        self.named = _param_names(tool, self.sdk_built)
+        target = _Target(identity, self.inner)
+        body: Any = _body(target)
+        fields = self.named if self.named is not None else (_WHOLE,)
+        params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in fields]
+        params.append(inspect.Parameter(_CALL, inspect.Parameter.KEYWORD_ONLY))
+        body.__signature__ = inspect.Signature(params)
+        body.__name__ = body.__qualname__ = name
+        body.__doc__ = tool.description
+        ignore = (*policy.pop("ignore", ()), _CALL)
+        try:
+            self.fn: Any = ledger.tool(name=name, ignore=ignore, **policy)(body)
+        except TypeError as err:
+            if "are not parameters of" not in str(err):
+                raise
+            takes = f"the fields {list(self.named)}" if self.named is not None else f"one JSON object, {_WHOLE!r}"
+            raise TypeError(
+                f"tool {name!r}: key=, ignore= and normalize= name its arguments, and it takes {takes} ({err})"
+            ) from None
+        except ValueError as err:
+            if "already used" not in str(err):
+                raise
+            raise ValueError(
+                f"another tool named {name!r}, made from another function, is guarded on this ledger already: "
+                "the two would share records and replay each other's results; pass name='...' to give this "
+                "one its own"
+            ) from None
+
+    def fields(self, parsed: dict[str, Any]) -> dict[str, Any]:
+        if self.named is None:
+            return {_WHOLE: parsed}
+        return {n: parsed[n] for n in self.named if n in parsed}
+
+    def scoped(self, ctx: Any) -> contextlib.AbstractContextManager[Any]:
+        scope = self.scope(ctx)
+        return contextlib.nullcontext() if scope is None else self.ledger.task(scope)
+
+    async def invoke(self, ctx: ToolContext[Any], args_json: str) -> Any:
+        """What the SDK calls with the model's arguments: the ledger decides whether the tool runs."""
+        try:
+            parsed = json.loads(args_json) if args_json else {}
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            return await self.inner(ctx, args_json)  # nothing can run: the SDK says what is wrong
+        call = _Invocation(ctx, args_json, self.with_schema)
+        try:
+            with self.scoped(ctx):
+                out: Outcome = await self.fn.outcome(**self.fields(parsed), **{_CALL: call})
+        except _TOLD as err:
+            # The operator's next step (onceonly resolve ...) goes to the log, the model's to the model.
+            _log.warning("onceonly %s: %s", getattr(err, "key", "?"), err)
+            return _tell_model(err)
+        return self.respond(out, call)
+
+    def respond(self, out: Outcome, call: _Invocation) -> Any:
+        """The tool's own output when this call ran it; else the recorded one, and for a replay the
+        text that says the action was not repeated."""
+        if not out.replayed and call.has_raw:
+            return call.raw
+        stored = out.result
+        if out.replayed and self.tell_model and not self.with_schema:
+            return _tell_model(_replace_result(out, _shown(stored)))
+        return stored
+
+
+def _replace_result(out: Outcome, result: Any) -> Outcome:
+    return dataclasses.replace(out, result=result)
+
+
+def _with_context(tool: FunctionTool, invoker: Callable[..., Awaitable[Any]]) -> Callable[[Any, str], Awaitable[Any]]:
+    """A hand-made invoker, passed the context it declares (the SDK narrows a ``ToolContext`` to a
+    ``RunContextWrapper`` for an invoker that asks for one)."""
+
+    async def invoke(ctx: Any, args_json: str) -> Any:
+        return await invoker(_get_function_tool_invoke_context(tool, ctx), args_json)
+
+    return invoke
+
+
+def _timeout_text(ctx: RunContextWrapper[Any], error: Exception) -> str:
+    """What the model reads when the SDK's time limit passes: the call runs on and its outcome is
+    recorded, so the outcome is unknown, not failed ("timed out" invites the same call again)."""
+    return _tell_model(OutcomeUnknown(str(error), key=getattr(ctx, "tool_name", "")))
+
+
+def _marked(invoker: object) -> _Guard | None:
+    impl = getattr(invoker, "_invoke_tool_impl", invoker)
+    found = getattr(impl, "__onceonly_guard__", None)
+    return found if isinstance(found, _Guard) else None
+
+
+def _guarded_tool(tool: FunctionTool, spec: _Guard) -> FunctionTool:
+    """A copy of ``tool`` whose invoker goes through ``spec``: the SDK's failure handler, approval
+    argument preparation and wrapped callable kept."""
+    invoker = tool.on_invoke_tool
+
+    async def on_invoke(ctx: ToolContext[Any], args_json: str) -> Any:
+        return await spec.invoke(ctx, args_json)
+
+    made_invoker: Any = on_invoke
+    if isinstance(invoker, _FailureHandlingFunctionToolInvoker):
+        impl = invoker._invoke_tool_impl
+        for attr in ("__agents_prepare_arguments__", _FUNCTION_TOOL_WRAPPED_CALLABLE_MARKER):
+            if hasattr(impl, attr):
+                setattr(on_invoke, attr, getattr(impl, attr))
+        made_invoker = _FailureHandlingFunctionToolInvoker(on_invoke, invoker._on_handled_error)
+        if getattr(invoker, _SYNC_FUNCTION_TOOL_MARKER, False):
+            setattr(made_invoker, _SYNC_FUNCTION_TOOL_MARKER, True)
+    cast_on_invoke: Any = on_invoke
+    cast_on_invoke.__onceonly_guard__ = spec
+    made = copy.copy(tool)  # FunctionTool.__copy__: subclasses too, normalised again
+    bind = getattr(made_invoker, "__agents_bind_function_tool__", None)
+    made.on_invoke_tool = bind(made) if callable(bind) else made_invoker
+    if made.timeout_seconds is not None and made.timeout_error_function is None:
+        made.timeout_error_function = _timeout_text
+    return made
+
+
+# --- guard(), guard_tools() -------------------------------------------------------------------------
+
+# One guarded tool per (ledger, original, settings): guarding the same tool again returns it.
+_made: weakref.WeakKeyDictionary[Ledger, dict[tuple[Any, ...], tuple[weakref.ref[FunctionTool], FunctionTool]]]
+_made = weakref.WeakKeyDictionary()
+_made_lock = threading.Lock()
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+    if isinstance(value, list | tuple | set | frozenset):
+        return ("seq", tuple(_frozen(v) for v in value))
+    hash(value)  # a callable, a number, a Retry: by value or identity; else TypeError (no reuse)
+    return value
+
+
+def _identity(tool: FunctionTool) -> object:
+    """What a tool invokes, to tell one function from another under one name."""
+    try:
+        return tool.__wrapped__  # the function given to the SDK's function_tool
+    except AttributeError:
+        invoker = tool.on_invoke_tool
+        return getattr(invoker, "_invoke_tool_impl", invoker)
+
+
+def guard(
+    tool: FunctionTool,
+    ledger: Ledger,
+    *,
+    name: str | None = None,
+    tell_model: bool = True,
+    scope: ScopeFunction = conversation_scope,
+    **policy: Any,
+) -> FunctionTool:
+    """A ``FunctionTool`` whose calls happen once per conversation: the same call again replays.
+
+    Args:
+        tool: a ``FunctionTool`` (``@agents.function_tool``, or made by hand).
+        ledger: the ledger the calls go through.
+        name: the tool's name in the ledger's keys; default the tool's name.
+        tell_model: a replay reaches the model as ``onceonly.tell_model(outcome)`` ("already done at
+            ..., not repeated; result: ..."); ``False``: exactly as the original output read.
+        scope: ``context -> scope | None`` (default ``conversation_scope``: the run's ``group_id``).
+        policy: the keyword arguments of ``@ledger.tool`` (``key=``, ``normalize=``, ``on_conflict=``,
+            ``on_unknown=``, ``probe=``, ``retry=``, ``timeout=``...), naming the tool's arguments.
+
+    An outcome the model must hear about (unknown, in progress, a conflict, attempts exhausted) is the
+    tool's output in ``onceonly.tell_model``'s words; the operator's instructions go to the
+    ``onceonly.openai_agents`` log. When the SDK's own time limit (``timeout_seconds``) passes, the call
+    runs on and its late outcome is recorded; unless the tool has a ``timeout_error_function``, the model
+    reads that the outcome is unknown and must not be issued again.
+
+    .. versionadded:: 0.1
+    """
+    return _guard(tool, ledger, name, tell_model, scope, policy, None)
+
+
+def _guard(
+    tool: FunctionTool,
+    ledger: Ledger,
+    name: str | None,
+    tell_model: bool,
+    scope: ScopeFunction,
+    policy: dict[str, Any],
+    identity: object,
+) -> FunctionTool:
+    if not isinstance(tool, FunctionTool):
+        raise TypeError(
+            f"guard() takes an Agents SDK FunctionTool, not {type(tool).__name__}; for a plain function use "
+            "@onceonly.openai_agents.function_tool(ledger)"
+        )
+    found = _marked(tool.on_invoke_tool)
+    if found is not None:
+        raise TypeError(
+            f"tool {tool.name!r} is guarded already (on {found.ledger.url}); guard the original once, "
+            "with all its settings"
+        )
+    if tool._is_agent_tool or tool._is_codex_tool:
+        raise TypeError(
+            f"tool {tool.name!r} runs an agent: guard the tools that agent calls (guard_tools leaves an agent "
+            "tool as it is)"
+        )
+    if "decode" in policy:
+        raise TypeError("decode= does not apply here: a replay re-emits the recorded output")
+    if _KEY in (tool.params_json_schema.get("properties") or {}):
+        raise TypeError(
+            f"tool {tool.name!r} asks the model for idempotency_key, so the model would choose keys: make it "
+            "with @onceonly.openai_agents.function_tool(ledger), which fills the key in and leaves it out of "
+            "the schema"
+        )
+    try:
+        signature: tuple[Any, ...] | None = (name, tell_model, scope, _frozen(policy))
+    except TypeError:
+        signature = None
+    if signature is not None:
+        with _made_lock:
+            cached = _made.get(ledger, {}).get((id(tool), *signature))
+        if cached is not None and cached[0]() is tool:
+            return cached[1]
+    spec = _Guard(
+        tool, ledger, name or tool.name, tell_model, scope, dict(policy),
+        identity if identity is not None else _identity(tool),
+    )  # fmt: skip
+    made = _guarded_tool(tool, spec)
+    if signature is not None:
+        with _made_lock:
+            _made.setdefault(ledger, {})[(id(tool), *signature)] = (weakref.ref(tool), made)
+    return made
+
+
+def guard_tools(tools: Sequence[Any], ledger: Ledger, **options: Any) -> list[Any]:
+    """``guard()`` each ``FunctionTool`` with the same settings (``tell_model=``, ``scope=`` and the
+    policy of ``@ledger.tool``). Hosted tools (web search, file search...), tools guarded already and
+    agents used as tools pass as they are: guard the tools of such an agent.
+
+    .. versionadded:: 0.1
+    """
+    if "name" in options:
+        raise TypeError("guard_tools() gives every tool its own name: use guard(tool, ledger, name=...) for one")
+    out = []
+    for tool in tools:
+        if (
+            not isinstance(tool, FunctionTool)
+            or _marked(tool.on_invoke_tool) is not None
+            or tool._is_agent_tool
+            or tool._is_codex_tool
+        ):
+            out.append(tool)
+        else:
+            out.append(guard(tool, ledger, **options))
+    return out
+
+
+# --- function_tool() --------------------------------------------------------------------------------
+
+# The SDK's keywords pass through; onceonly's keep their names. Both have timeout=: onceonly's is the
+# per-attempt limit, the SDK's is tool_timeout=.
+_SDK_OPTIONS = frozenset(inspect.signature(agents.function_tool).parameters) - {"func", "timeout"}
+
+
+def _ledger_options() -> frozenset[str]:
+    from onceonly.ledger import Ledger
+
+    return frozenset(inspect.signature(Ledger.tool).parameters) - {"self", "fn", "name"}
+
+
+def function_tool(
+    ledger: Ledger,
+    /,
+    *,
+    name: str | None = None,
+    tool_timeout: float | None = None,
+    tell_model: bool = True,
+    scope: ScopeFunction = conversation_scope,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], FunctionTool]:
+    """Make an Agents SDK ``FunctionTool`` of a plain function, sync or async, whose calls go through
+    ``ledger``: the SDK's ``@function_tool`` with onceonly below its error handling.
+
+    ``@function_tool(ledger, key=("order_id",))`` over ``def refund(order_id: str, cents: int) -> str``.
+    The schema is the SDK's (strict by default); a ``ToolContext`` or ``RunContextWrapper`` first
+    parameter is passed as the SDK does and is never part of the key; an ``idempotency_key`` parameter is
+    filled in with the call's key and left out of the schema, so the model never sees it.
+
+    Args:
+        ledger: the ledger the calls go through.
+        name: the tool's name in the ledger's keys (default the tool's name; the SDK's is
+            ``name_override=``).
+        tool_timeout: the SDK's ``timeout=`` (seconds; async functions only): past it the model is told
+            the outcome is unknown while the call runs on, and its late outcome is recorded.
+        tell_model, scope: as for ``guard()``.
+        options: the keywords of ``@ledger.tool`` (``key=``, ``normalize=``, ``on_unknown=``, ``probe=``,
+            ``timeout=`` onceonly's per-attempt limit...) and of the SDK's ``function_tool``
+            (``name_override=``, ``failure_error_function=``, ``needs_approval=``, ``strict_mode=``...).
+
+    .. versionadded:: 0.1
+    """
+    ours = _ledger_options()
+    policy = {k: v for k, v in options.items() if k in ours}
+    sdk = {k: v for k, v in options.items() if k in _SDK_OPTIONS and k not in ours}
+    unknown = sorted(set(options) - policy.keys() - sdk.keys())
+    if unknown:
+        raise TypeError(
+            f"function_tool() got unexpected keywords {unknown}: it takes onceonly's policy "
+            f"({', '.join(sorted(ours))}) and the SDK's function_tool keywords ({', '.join(sorted(_SDK_OPTIONS))}; "
+            "the SDK's timeout= is tool_timeout=)"
+        )
+
+    def make(fn: Callable[..., Any]) -> FunctionTool:
+        if isinstance(fn, FunctionTool):
+            raise TypeError(
+                f"{fn.name!r} is a FunctionTool already: guard it with onceonly.openai_agents.guard_tools([tool], "
+                "ledger), or put @function_tool(ledger) on the plain function instead of the SDK's"
+            )
+        if hasattr(fn, "spec") and hasattr(fn, "outcome") and hasattr(fn, "ledger"):
+            raise TypeError(
+                f"{getattr(fn, '__name__', fn)!r} is guarded by @ledger.tool already: put "
+                "@onceonly.openai_agents.function_tool(ledger) on the plain function (it keys calls by the "
+                "conversation and tells the model of a replay)"
+            )
+        if not callable(fn):
+            raise TypeError(f"function_tool(ledger) decorates a function, and got {type(fn).__name__}: {fn!r}")
+        if tool_timeout is not None and not inspect.iscoroutinefunction(fn):
+            raise TypeError(
+                f"tool_timeout= (the SDK's timeout) needs an async def, and {getattr(fn, '__name__', fn)!r} is "
+                "sync: make it async, or use timeout= (onceonly's per-attempt limit, which works for both)"
+            )
+        tool = agents.function_tool(_without_key(fn), timeout=tool_timeout, **sdk)
+        return _guard(tool, ledger, name, tell_model, scope, dict(policy), fn)
+
+    return make
+
+
+def _without_key(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as the SDK should see it: without an ``idempotency_key`` parameter, which the ledger fills
+    in (the current call's key) so that the model neither sees nor chooses it."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    if _KEY not in sig.parameters:
+        return fn
+    key_of = current_call
+    key_param = _KEY
+    if inspect.iscoroutinefunction(fn):
+
+        async def with_key_async(*args: Any, **kwargs: Any) -> Any:
+            running = key_of()
+            if running is not None:
+                kwargs[key_param] = running.key
+            return await fn(*args, **kwargs)
+
+        made: Any = with_key_async
+    else:
+
+        def with_key(*args: Any, **kwargs: Any) -> Any:
+            running = key_of()
+            if running is not None:
+                kwargs[key_param] = running.key
+            return fn(*args, **kwargs)
+
+        made = with_key
+    # Over the function's own globals, so that the SDK resolves its annotations (strings under
+    # `from __future__ import annotations`) where the function's module defines them.
+    user_globals = getattr(fn, "__globals__", None)
+    if isinstance(user_globals, dict):
+        made = types.FunctionType(made.__code__, user_globals, made.__name__, None, made.__closure__)
+    functools.update_wrapper(made, fn)
+    made.__dict__.pop("__wrapped__", None)
+    made.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != _KEY])
+    made.__annotations__ = {k: v for k, v in (getattr(fn, "__annotations__", None) or {}).items() if k != _KEY}
+    return made  # type: ignore[no-any-return]
+
+
+# --- MCP --------------------------------------------------------------------------------------------
+
+
+def mcp_meta_resolver(
+    ledger: Ledger | None = None,
+    *,
+    scope: ScopeFunction = conversation_scope,
+) -> Callable[[MCPToolMetaContext], dict[str, Any] | None]:
+    """A ``tool_meta_resolver`` for the SDK's MCP servers that puts an idempotency key in each
+    ``tools/call``'s ``_meta``: ``MCPServerStdio(params, tool_meta_resolver=mcp_meta_resolver())``.
+
+    The key is made of the conversation (``scope``), the tool's name and its canonical arguments, so the
+    same call re-planned under a new call id, or re-sent by the SDK's ``max_retry_attempts``, carries the
+    same key, and an onceonly-guarded MCP server runs it once. It goes in
+    ``_meta["dev.onceonly/idempotencyKey"]``, the scope in ``_meta["dev.onceonly/scope"]``.
+
+    Args:
+        ledger: when the run names no conversation, the scope of this ledger's ``task()`` around the run
+            (or the ledger's own); without one, such a call carries no key and the server decides.
+        scope: ``context -> scope | None`` (default ``conversation_scope``: the run's ``group_id``).
+
+    .. versionadded:: 0.1
+    """
+
+    def resolve(context: MCPToolMetaContext) -> dict[str, Any] | None:
+        conversation = scope(context.run_context)
+        if conversation is None and ledger is not None:
+            conversation = ledger._scope()
+        if conversation is None:
+            return None
+        operation = canonical_json({"tool": context.tool_name, "arguments": context.arguments or {}})
+        return {MCP_KEY: f"{context.tool_name}-{fingerprint(canonical_json([conversation, operation]))[:40]}",
+                MCP_SCOPE: conversation}  # fmt: skip
+
+    return resolve
