@@ -28,7 +28,7 @@ from agents.testing import ModelStep, ScriptedModel, assistant_message, function
 import onceonly
 from onceonly.openai_agents import function_tool
 
-TIME_LIMIT = 0.2  # seconds: the SDK's limit per tool call; the provider answers only when released
+TIME_LIMIT = 0.5  # seconds: the SDK's limit per tool call; the provider answers only when released
 
 
 class Provider:

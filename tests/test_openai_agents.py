@@ -8,6 +8,8 @@ duplicate without onceonly and its absence with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import re
 import sqlite3
@@ -146,7 +148,11 @@ def test_ledger_tool_on_a_function_tool_names_this_integration(sqlite_ledger: Le
 def test_sdk_timeout_then_replan_charges_once(store_url: str, charges: Charges) -> None:
     """The charge's answer comes after the SDK's time limit; the model is told the outcome is unknown,
     re-issues the call under a new call id, and reads that it was already done: one charge. The same
-    script against the SDK's plain ``function_tool`` charges twice."""
+    script against the SDK's plain ``function_tool`` charges twice.
+
+    The first call blocks until the model's next turn releases it, so the limit always passes; the model
+    re-issues the call once the late answer is recorded, so the second call is one read of the ledger."""
+    limit = 0.5
     release: asyncio.Event | None = None
 
     async def charge(customer: str, cents: int) -> str:
@@ -156,10 +162,12 @@ def test_sdk_timeout_then_replan_charges_once(store_url: str, charges: Charges) 
         await release.wait()  # the answer is late: the SDK stops waiting, the charge has happened
         return f"charge #{number}"
 
-    def script() -> ScriptedModel:
-        def replan(_: Any) -> Any:
+    def script(recorded: Callable[[], bool]) -> ScriptedModel:
+        async def replan(_: Any) -> Any:
             assert release is not None
             release.set()  # the late answer arrives while the model thinks
+            while not recorded():
+                await asyncio.sleep(0.01)
             return [call("charge", "call_B", customer="c1", cents=500)]
 
         return ScriptedModel(
@@ -172,15 +180,15 @@ def test_sdk_timeout_then_replan_charges_once(store_url: str, charges: Charges) 
         config = RunConfig(group_id="conv-1", tracing_disabled=True)
         await Runner.run(Agent(name="billing", model=model, tools=[tool]), "charge c1 $5", run_config=config)
 
-    plain = script()
-    asyncio.run(go(agents.function_tool(charge, timeout=0.05), plain))
+    plain = script(lambda: True)
+    asyncio.run(go(agents.function_tool(charge, timeout=limit), plain))
     assert charges.count() == 2  # without onceonly: charged twice
-    assert told(plain)[0] == "Tool 'charge' timed out after 0.05 seconds."
+    assert told(plain)[0] == "Tool 'charge' timed out after 0.5 seconds."
 
     ledger = Ledger.open(store_url)  # each store: SQLite, Redis, PostgreSQL
     try:
-        guarded = script()
-        asyncio.run(go(function_tool(ledger, tool_timeout=0.05)(charge), guarded))
+        guarded = script(lambda: [r.state for r in ledger.list()] == [onceonly.State.CONFIRMED])
+        asyncio.run(go(function_tool(ledger, tool_timeout=limit)(charge), guarded))
     finally:
         ledger.close()
     assert charges.count() == 3  # with onceonly: one more
@@ -541,6 +549,48 @@ def test_mcp_meta_resolver_key_is_the_conversation_tool_and_arguments(sqlite_led
     with sqlite_ledger.task("session-7"):
         got = mcp_meta_resolver(sqlite_ledger)(MCPToolMetaContext(ctx, "payments", "charge", {}))
     assert got is not None and got["dev.onceonly/scope"] == "session-7"
+
+
+def test_the_sdk_is_imported_only_by_the_integration() -> None:
+    """``import onceonly`` loads no Agents SDK; ``import onceonly.openai_agents`` without it is an
+    ImportError that names the extra to install."""
+    light = "import sys, onceonly; print('agents' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout == "False\n"
+    missing = "import sys; sys.modules['agents'] = None; import onceonly.openai_agents"
+    done = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and 'pip install "onceonly[openai-agents]"' in done.stderr
+
+
+# --- the docs -----------------------------------------------------------------------------------------
+
+
+def _doc_snippets() -> tuple[str, list[str]]:
+    """docs/openai_agents.md: its set-up block, and every Python block after it that says what it prints."""
+    text = (ROOT / "docs" / "openai_agents.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    setup = next(i for i, b in enumerate(blocks) if b.startswith("import asyncio\nimport re\n"))
+    return blocks[setup], [b for b in blocks[setup + 1 :] if "# -> " in b]
+
+
+@pytest.mark.parametrize("index", range(len(_doc_snippets()[1])))
+def test_the_docs_snippets_run_and_print_what_they_say(
+    index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each snippet of docs/openai_agents.md runs after its set-up block, in a directory of its own, and
+    prints, line by line, what its ``# -> ...`` comments say."""
+    setup, snippets = _doc_snippets()
+    snippet = snippets[index]
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    namespace: dict[str, Any] = {"__name__": "snippet"}
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(setup + "\n" + snippet, "snippet.py", "exec"), namespace)
+    finally:
+        if "ledger" in namespace:
+            namespace["ledger"].close()
+    expected = [line.split("# -> ", 1)[1] for line in snippet.splitlines() if "# -> " in line]
+    assert printed.getvalue().splitlines() == expected
 
 
 # --- the example --------------------------------------------------------------------------------------
