@@ -471,6 +471,12 @@ def test_guard_tools_keeps_raw_arguments_context_and_other_tools(sqlite_ledger: 
     with pytest.raises(TypeError, match="guarded already"):
         guard(guarded, sqlite_ledger)
 
+    # Arguments that are not a JSON object never reach a hand-made invoker (it might act on them).
+    ctx = ToolContext(None, tool_name="charge", tool_call_id="call_C", tool_arguments='["c1"]')
+    with pytest.raises(agents.ModelBehaviorError, match="expected a JSON object"):
+        asyncio.run(guarded.on_invoke_tool(ctx, '["c1"]'))
+    assert len(seen) == 1 and charges.count() == 1
+
 
 def test_bad_settings_say_what_to_do(sqlite_ledger: Ledger) -> None:
     """Unknown keywords, the SDK's timeout on a sync function, a key field that is not an argument and a

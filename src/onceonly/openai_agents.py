@@ -43,7 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 try:
     import agents
-    from agents import FunctionTool, RunContextWrapper, ToolOutputFileContent, ToolOutputImage, ToolOutputText
+    from agents import (
+        FunctionTool,
+        ModelBehaviorError,
+        RunContextWrapper,
+        ToolOutputFileContent,
+        ToolOutputImage,
+        ToolOutputText,
+    )
+
+    # The failure-handling invoker and its markers are the SDK's internals (hence the tight pin): the guard
+    # must sit under the failure handler, and a copied tool must keep what the SDK reads off its invoker.
     from agents.tool import (
         _FUNCTION_TOOL_WRAPPED_CALLABLE_MARKER,
         _SYNC_FUNCTION_TOOL_MARKER,
@@ -79,8 +89,8 @@ _log = logging.getLogger("onceonly.openai_agents")
 MCP_KEY = "dev.onceonly/idempotencyKey"
 MCP_SCOPE = "dev.onceonly/scope"
 
-#: The guarded body's hidden parameter: this invocation's context, raw arguments and invoker. It is left
-#: out of the key and the fingerprint (``ignore=``).
+#: The guarded body's hidden parameter: this invocation's context and raw arguments. It is left out of
+#: the key and the fingerprint (``ignore=``).
 _CALL = "_onceonly_call"
 #: The parameter of an argument schema that is not a set of named fields: the whole JSON object.
 _WHOLE = "arguments"
@@ -100,7 +110,7 @@ ScopeFunction = Callable[[RunContextWrapper[Any]], "str | None"]
 
 def conversation_scope(ctx: RunContextWrapper[Any]) -> str | None:
     """The ledger scope of a tool call: the run's ``RunConfig.group_id``, else the group of the trace it
-    runs in (a ``RunState`` resumed without a ``RunConfig`` keeps its trace's group).
+    runs in (``with agents.trace(name, group_id=...)``).
 
     ``None`` when the run names no conversation: the ``ledger.task(...)`` around the run applies, else
     the ledger's scope. The SDK does not show a tool the run's ``session``: with a session and no
@@ -317,7 +327,10 @@ class _Guard:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            return await self.inner(ctx, args_json)  # nothing can run: the SDK says what is wrong
+            if self.sdk_built:
+                return await self.inner(ctx, args_json)  # it refuses them before the function runs
+            # A hand-made invoker might act on them: not without the ledger.
+            raise ModelBehaviorError(f"Invalid JSON input for tool {ctx.tool_name}: expected a JSON object")
         call = _Invocation(ctx, args_json, self.with_schema)
         try:
             with self.scoped(ctx):
