@@ -15,6 +15,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -195,6 +196,35 @@ def test_sdk_timeout_then_replan_charges_once(store_url: str, charges: Charges) 
     first, second = told(guarded)
     assert first.startswith(UNKNOWN) and "Do not issue it again" in first
     assert REPLAYED.match(second) and second.endswith("Its result: charge #3")
+
+
+def test_sync_tool_past_onceonlys_timeout_then_replan_charges_once(sqlite_ledger: Ledger, charges: Charges) -> None:
+    """A sync tool (the SDK's time limit is for async ones only): onceonly's own ``timeout=`` passes while
+    the charge waits for its answer. The model reads that the outcome is unknown; the answer, when it
+    comes, is recorded; the model's re-issue under a new call id replays it: one charge."""
+    release = threading.Event()
+
+    @function_tool(sqlite_ledger, timeout=0.05)
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        number = charges.add(customer, cents)
+        release.wait(60)  # the answer is late (the bound only keeps a failing test from hanging)
+        return f"charge #{number}"
+
+    async def replan(_: Any) -> Any:
+        release.set()
+        while [r.state for r in sqlite_ledger.list()] != [onceonly.State.CONFIRMED]:
+            await asyncio.sleep(0.01)
+        return [call("charge", "call_B", customer="c1", cents=500)]
+
+    model = ScriptedModel(
+        [[call("charge", "call_A", customer="c1", cents=500)], ModelStep.respond(replan), [assistant_message("ok")]]
+    )
+    run(Agent(name="billing", model=model, tools=[charge]))
+    assert charges.count() == 1
+    first, second = told(model)
+    assert first.startswith(UNKNOWN) and "Do not issue it again" in first
+    assert REPLAYED.match(second) and second.endswith("Its result: charge #1")
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
