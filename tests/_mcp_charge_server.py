@@ -1,9 +1,8 @@
-"""A stdio MCP server with one side-effecting tool, ``charge``, guarded by onceonly on the server side.
+"""A stdio MCP server (the official SDK's ``MCPServer``) with one side-effecting tool, ``charge``.
 
-Run as ``python _mcp_charge_server.py LEDGER_URL CHARGES_DB``. A call whose ``_meta`` carries
-``dev.onceonly/idempotencyKey`` goes through the ledger under that key; a call without one just runs.
-Every charge that runs is a row in CHARGES_DB's ``charges`` table. (A small glue for tests: onceonly's
-MCP middleware is the full version of it.)
+Run as ``python _mcp_charge_server.py CHARGES_DB [LEDGER_URL]``. Every charge that runs is a row in
+CHARGES_DB's ``charges`` table. With a LEDGER_URL the server is guarded by onceonly
+(``onceonly.mcp.guard_server``): a call whose ``_meta`` carries a key runs once per key.
 """
 
 from __future__ import annotations
@@ -11,35 +10,25 @@ from __future__ import annotations
 import sqlite3
 import sys
 
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import MCPServer
 
 import onceonly
+import onceonly.mcp
 
-KEY = "dev.onceonly/idempotencyKey"
-
-ledger = onceonly.Ledger.open(sys.argv[1], scope="mcp")
-charges_db = sys.argv[2]
+charges_db = sys.argv[1]
 server = MCPServer("payments")
 
 
-def _record(customer: str, cents: int) -> str:
+@server.tool()
+def charge(customer: str, cents: int) -> str:
+    """Charge a customer's card."""
     with sqlite3.connect(charges_db) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS charges (customer TEXT, cents INTEGER)")
-        cur = conn.execute("INSERT INTO charges VALUES (?, ?)", (customer, cents))
-    return f"charged {customer} {cents} (charge #{cur.lastrowid})"
-
-
-guarded_record = ledger.tool(name="charge")(_record)
-
-
-@server.tool()
-def charge(customer: str, cents: int, ctx: Context) -> str:
-    """Charge a customer's card."""
-    key = (ctx.request_context.meta or {}).get(KEY)
-    if not key:
-        return _record(customer, cents)
-    return str(guarded_record.using(key=key)(customer, cents))
+        number = conn.execute("INSERT INTO charges VALUES (?, ?)", (customer, cents)).lastrowid
+    return f"charged {customer} {cents} (charge #{number})"
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        onceonly.mcp.guard_server(server, onceonly.Ledger.open(sys.argv[2]))
     server.run("stdio")

@@ -534,33 +534,46 @@ def test_bad_settings_say_what_to_do(sqlite_ledger: Ledger) -> None:
 # --- MCP ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("resolver", [False, True], ids=["no-key", "meta-resolver"])
-def test_mcp_meta_resolver_runs_the_upstream_call_once(resolver: bool, tmp_path: Path) -> None:
-    """A real stdio MCP server process guarded by onceonly (the key from ``_meta``): the model calls its
-    tool and re-plans the same call under a new call id. With ``mcp_meta_resolver()`` both calls carry the
-    same key and the charge runs once; without it, twice."""
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain-server", "onceonly"])
+def test_mcp_meta_resolver_runs_the_upstream_call_once(guarded: bool, tmp_path: Path) -> None:
+    """A real stdio MCP server process: the model calls its ``charge`` and re-plans the same call under a
+    new call id, then another conversation makes the same call. The plain server charges for each call.
+    Guarded by onceonly (``onceonly.mcp.guard_server``) and called with ``mcp_meta_resolver()``, the
+    re-plan carries the first call's key and runs once, and the other conversation's key is its own."""
     charges_db = tmp_path / "upstream.db"
+    ledger = [f"sqlite:///{tmp_path / 'upstream-ledger.db'}"] if guarded else []
     params: MCPServerStdioParams = {
         "command": sys.executable,
-        "args": [str(ROOT / "tests" / "_mcp_charge_server.py"), f"sqlite:///{tmp_path / 'upstream-ledger.db'}",
-                 str(charges_db)],
+        "args": [str(ROOT / "tests" / "_mcp_charge_server.py"), str(charges_db), *ledger],
         "env": {"PYTHONPATH": str(ROOT / "src")},
-    }  # fmt: skip
+    }
 
-    async def go() -> ScriptedModel:
-        meta = mcp_meta_resolver() if resolver else None
+    async def go() -> list[str]:
+        meta = mcp_meta_resolver() if guarded else None
+        read: list[str] = []
         async with MCPServerStdio(params, tool_meta_resolver=meta, client_session_timeout_seconds=30) as server:
-            model = replan_script("charge", customer="c1", cents=500)
-            agent = Agent(name="billing", model=model, mcp_servers=[server])
-            await Runner.run(agent, "charge", run_config=RunConfig(group_id="conv-1", tracing_disabled=True))
-            return model
+            for group, model in (
+                ("conv-1", replan_script("charge", customer="c1", cents=500)),
+                (
+                    "conv-2",
+                    ScriptedModel([[call("charge", "call_A", customer="c1", cents=500)], [assistant_message("ok")]]),
+                ),
+            ):
+                agent = Agent(name="billing", model=model, mcp_servers=[server])
+                await Runner.run(agent, "charge", run_config=RunConfig(group_id=group, tracing_disabled=True))
+                read += told(model)
+        return read
 
-    model = asyncio.run(go())
+    first, again, other = asyncio.run(go())
     with sqlite3.connect(charges_db) as conn:
         ran = conn.execute("SELECT COUNT(*) FROM charges").fetchone()[0]
-    assert ran == (1 if resolver else 2)
-    first, second = told(model)
-    assert "charge #1" in first and ("charge #1" if resolver else "charge #2") in second
+    assert "charge #1" in first
+    if guarded:
+        assert ran == 2
+        assert "This action was already done at" in again and "charge #1" in again
+        assert "charge #2" in other and "already done" not in other
+    else:
+        assert ran == 3 and "charge #2" in again and "charge #3" in other
 
 
 def test_mcp_meta_resolver_key_is_the_conversation_tool_and_arguments(sqlite_ledger: Ledger) -> None:

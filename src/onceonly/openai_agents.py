@@ -74,6 +74,7 @@ from onceonly.drivers import current_call
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, fingerprint
+from onceonly.mcp.core import meta as mcp_meta
 from onceonly.tell import tell_model as _tell_model
 
 if TYPE_CHECKING:
@@ -84,10 +85,6 @@ if TYPE_CHECKING:
 __all__ = ["conversation_scope", "function_tool", "guard", "guard_tools", "mcp_meta_resolver"]
 
 _log = logging.getLogger("onceonly.openai_agents")
-
-#: The ``_meta`` entries an onceonly-guarded MCP server reads (reverse-DNS names, not the protocol's own).
-MCP_KEY = "dev.onceonly/idempotencyKey"
-MCP_SCOPE = "dev.onceonly/scope"
 
 #: The guarded body's hidden parameter: this invocation's context and raw arguments. It is left out of
 #: the key and the fingerprint (``ignore=``).
@@ -690,8 +687,7 @@ def mcp_meta_resolver(
             conversation = ledger._scope()
         if conversation is None:
             return None
-        operation = canonical_json({"tool": context.tool_name, "arguments": context.arguments or {}})
-        return {MCP_KEY: f"{context.tool_name}-{fingerprint(canonical_json([conversation, operation]))[:40]}",
-                MCP_SCOPE: conversation}  # fmt: skip
+        operation = canonical_json([conversation, context.tool_name, context.arguments or {}])
+        return mcp_meta(f"{context.tool_name}-{fingerprint(operation)[:40]}", scope=conversation)
 
     return resolve
