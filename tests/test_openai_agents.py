@@ -508,6 +508,24 @@ def test_guard_tools_keeps_raw_arguments_context_and_other_tools(sqlite_ledger: 
     assert len(seen) == 1 and charges.count() == 1
 
 
+def test_a_tool_built_again_from_the_same_function_shares_its_records(sqlite_ledger: Ledger, charges: Charges) -> None:
+    """Tools made per request (``agents.function_tool(charge)`` each time, then guarded) are one tool to
+    the ledger: the second one's call replays the first one's."""
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        return f"charge #{charges.add(customer, cents)}"
+
+    outputs = []
+    for call_id in ("call_A", "call_B"):
+        [tool] = guard_tools([agents.function_tool(charge)], sqlite_ledger)
+        model = ScriptedModel([[call("charge", call_id, customer="c1", cents=5)], [assistant_message("ok")]])
+        run(Agent(name="billing", model=model, tools=[tool]))
+        outputs += told(model)
+    assert charges.count() == 1
+    assert outputs[0] == "charge #1" and REPLAYED.match(outputs[1])
+
+
 def test_bad_settings_say_what_to_do(sqlite_ledger: Ledger) -> None:
     """Unknown keywords, the SDK's timeout on a sync function, a key field that is not an argument and a
     schema that asks the model for the key are refused with the way out."""

@@ -3,8 +3,7 @@
     from onceonly.openai_agents import function_tool, guard_tools, mcp_meta_resolver
 
     @function_tool(ledger)
-    async def charge(customer: str, cents: int) -> str:
-        \"\"\"Charge a customer.\"\"\"
+    async def charge(customer: str, cents: int) -> str: ...  # its docstring is the tool's description
 
     agent = Agent(name="billing", tools=[charge, *guard_tools([refund], ledger)])
     result = await Runner.run(agent, text, run_config=RunConfig(group_id=conversation_id))
