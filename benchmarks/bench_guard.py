@@ -48,14 +48,14 @@ class DictStore:
 
     def swap(self, record: Record, expected: Record) -> bool:
         current = self.records.get(record.key)
-        if current is None or current.version != expected.version:
+        if current is None or current.version != expected.version or current.created_at != expected.created_at:
             return False
         self.records[record.key] = record
         return True
 
-    def delete(self, key: str, expected_version: int) -> bool:
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         current = self.records.get(key)
-        if current is None or current.version != expected_version:
+        if current is None or current.version != expected_version or created_at not in (None, current.created_at):
             return False
         del self.records[key]
         return True

@@ -230,7 +230,7 @@ def throughput_table(processes: int, seconds: float, rounds: int) -> dict[str, f
 def preload(records: int, rounds: int, batch: int) -> list[dict[str, object]]:
     """Per-call cost with ``records`` confirmed records already stored (loaded by pipelined claims)."""
     from onceonly import states as st
-    from onceonly.stores.redis import _encode, _head
+    from onceonly.stores.redis import _claim_args
 
     with _run_prefix() as prefix, onceonly.Ledger.open(_url(prefix)) as ledger:
         store = ledger.store
@@ -245,7 +245,7 @@ def preload(records: int, rounds: int, batch: int) -> list[dict[str, object]]:
                                     fingerprint="f" * 64, args_json=f'{{"i":{i}}}', state=onceonly.State.IN_FLIGHT,
                                     owner="h:1:1", now=now, lease_seconds=30)  # fmt: skip
                 rec = st.confirm(rec, result_json='{"ok":true}', now=now, ttl=86400, via="run", by="h:1:1")
-                store._claim(store._keys(rec.key), (_head(rec), _encode(rec), rec.args_json), client=pipe)
+                store._claim(store._keys(rec.key), _claim_args(rec), client=pipe)
             pipe.execute()
         print(f"redis: {records} records loaded in {time.monotonic() - started:.0f}s", file=sys.stderr)
         first, replay = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
@@ -326,7 +326,7 @@ def store_scripts(store: RedisStore, prefix: str) -> Callable[[int], None]:
     it fits every key), and each call sends only the two ``EVALSHA``. What the scripts cost on the
     wire and in the server, before any of the guard's or the store's Python."""
     claimed, settled = bench_records('{"i":0}', '{"ok":true,"i":0}')
-    claim_args = (redis_store._head(claimed), redis_store._encode(claimed), claimed.args_json)
+    claim_args = redis_store._claim_args(claimed)
     swap_args = redis_store._swap_args(settled, claimed)
     claim, swap = store._claim, store._swap
 

@@ -95,8 +95,8 @@ class FlakyStore:
             assert self.inner.swap(record, expected), "the injected fault expected this write to land"
         raise self._fail("swap")
 
-    def delete(self, key: str, expected_version: int) -> bool:
-        return self.inner.delete(key, expected_version)
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        return self.inner.delete(key, expected_version, created_at)
 
     def scan(self, query: Query) -> list[Record]:
         if self._fault("scan"):

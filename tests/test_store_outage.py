@@ -61,8 +61,8 @@ class CountingStore:
     def swap(self, record: Record, expected: Record) -> bool:
         return self._call(self.inner.swap, record, expected)  # type: ignore[no-any-return]
 
-    def delete(self, key: str, expected_version: int) -> bool:
-        return self._call(self.inner.delete, key, expected_version)  # type: ignore[no-any-return]
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        return self._call(self.inner.delete, key, expected_version, created_at)  # type: ignore[no-any-return]
 
     def scan(self, query: Query) -> list[Record]:
         return self._call(self.inner.scan, query)  # type: ignore[no-any-return]
@@ -97,8 +97,8 @@ class CountingStore:
     async def aswap(self, record: Record, expected: Record) -> bool:
         return await self._acall(self.ainner.aswap, record, expected)  # type: ignore[no-any-return]
 
-    async def adelete(self, key: str, expected_version: int) -> bool:
-        return await self._acall(self.ainner.adelete, key, expected_version)  # type: ignore[no-any-return]
+    async def adelete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        return await self._acall(self.ainner.adelete, key, expected_version, created_at)  # type: ignore[no-any-return]
 
     async def ascan(self, query: Query) -> list[Record]:
         return await self._acall(self.ainner.ascan, query)  # type: ignore[no-any-return]

@@ -403,7 +403,7 @@ class Ledger:
                 )
             )
             for rec in page:
-                if self.store.delete(rec.key, rec.version):
+                if self.store.delete(rec.key, rec.version, rec.created_at):
                     removed += 1
             if len(page) < batch:
                 return removed

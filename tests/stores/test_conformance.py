@@ -253,3 +253,55 @@ def test_an_error_with_a_nul_character_is_kept(store: Store) -> None:
     assert got is not None and got.state is State.FAILED and got.version == failed.version
     assert got.error in ("boom\x00tail", "boom\ufffdtail")
     assert got == failed
+
+
+def test_a_swap_on_a_record_made_again_is_refused(store: Store) -> None:
+    """A record lost and made again starts again at version 1: a writer that read the lost one expects
+    version 1 too. The swap also compares the incarnation (``created_at``), so the stale write is refused
+    and the new record is left as it is."""
+    lost = make("again")
+    assert store.insert(lost)
+    assert store.delete("again", lost.version)
+    remade = st.replace(make("again", now=NOW + 5), lease_owner="host:2:2")
+    assert store.insert(remade)
+    assert remade.version == lost.version and remade.fence == lost.fence
+    stale = st.confirm(lost, result_json='"stale"', now=NOW + 6, ttl=60, via="run", by="host:1:1")
+    assert store.swap(stale, lost) is False
+    assert store.get("again") == remade
+    own = st.confirm(remade, result_json='"own"', now=NOW + 7, ttl=60, via="run", by="host:2:2")
+    assert store.swap(own, remade) is True
+    assert store.get("again") == own
+
+
+def test_a_delete_of_a_record_made_again_is_refused(store: Store) -> None:
+    """``delete`` given the incarnation it read (purge) leaves a record made again at the same version."""
+    lost = make("gone")
+    assert store.insert(lost)
+    assert store.delete("gone", lost.version)
+    remade = make("gone", now=NOW + 5)
+    assert store.insert(remade)
+    assert store.delete("gone", lost.version, created_at=lost.created_at) is False
+    assert store.get("gone") == remade
+    assert store.delete("gone", remade.version, created_at=remade.created_at) is True
+    assert store.get("gone") is None
+
+
+def test_the_async_face_refuses_a_stale_incarnation(store_url: str) -> None:
+    """``aswap`` and ``adelete`` compare the incarnation like their sync twins."""
+
+    async def main() -> None:
+        store = open_store(store_url)
+        try:
+            lost = make("a-again")
+            assert await store.ainsert(lost)  # type: ignore[attr-defined]
+            assert await store.adelete("a-again", lost.version)  # type: ignore[attr-defined]
+            remade = make("a-again", now=NOW + 5)
+            assert await store.ainsert(remade)  # type: ignore[attr-defined]
+            stale = st.confirm(lost, result_json="1", now=NOW + 6, ttl=60, via="run", by=None)
+            assert await store.aswap(stale, lost) is False  # type: ignore[attr-defined]
+            assert await store.adelete("a-again", 1, created_at=lost.created_at) is False  # type: ignore[attr-defined]
+            assert await store.aget("a-again") == remade  # type: ignore[attr-defined]
+        finally:
+            await store.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(main())

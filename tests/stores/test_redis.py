@@ -526,6 +526,25 @@ def test_scans_and_counts_never_use_keys_or_scan(redis_base_url: str) -> None:
     assert not words & {"KEYS", "SCAN", "HSCAN", "ZSCAN", "SSCAN"}, words
 
 
+# --- the incarnation ----------------------------------------------------------------------------------
+
+
+def test_a_record_without_an_incarnation_is_compared_on_its_version(store: RedisStore, raw: Any) -> None:
+    """A record written before the incarnation (``i``) was stored has none: a swap compares its version,
+    as before, and the record takes its ``i`` then, so the next swap compares both."""
+    rec = make("old")
+    assert store.claim(rec) is None
+    name = store._keys("old")[0]
+    assert raw.hget(name, "i") == repr(rec.created_at).encode()
+    raw.hdel(name, "i")
+    unknown = st.mark_unknown(rec, now=NOW + 1, reason="x", by=None)
+    assert store.swap(unknown, rec)
+    assert raw.hget(name, "i") == repr(rec.created_at).encode()
+    other = st.replace(unknown, created_at=NOW - 5)
+    assert store.swap(st.park(other, now=NOW + 2, reason="x", by=None), other) is False
+    assert store.get("old") == unknown
+
+
 # --- opening ------------------------------------------------------------------------------------------
 
 

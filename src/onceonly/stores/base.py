@@ -11,9 +11,14 @@ proven by one conformance suite (``tests/stores/``):
   claim and settle, and a replay pays a second statement.
 - ``insert(record)``: write it only if the key is absent; ``True`` when this call wrote it.
 - ``swap(record, expected)``: replace the record only if its stored ``version`` is still
-  ``expected.version``: the compare-and-set every transition goes through. ``expected`` is the
-  record as the caller read it, so a store may write only the fields that differ.
-- ``delete(key, expected_version)``: remove it only at that version (purge).
+  ``expected.version`` and its ``created_at`` is still ``expected.created_at``: the compare-and-set
+  every transition goes through. ``expected`` is the record as the caller read it, so a store may
+  write only the fields that differ. The version alone is not enough: a record lost from the store
+  (a restart without persistence, a failover to a lagging replica) and made again by another caller
+  starts again at version 1, and a caller still holding the lost one must not write over it.
+  ``created_at`` names the incarnation: it is set when a record is made and never changes.
+- ``delete(key, expected_version, created_at=None)``: remove it only at that version, and (given)
+  only that incarnation (purge).
 - ``scan(...)``: records by state, tool, scope and due time, in key order, paged by ``after``.
 - ``wait_for_change(key, version, timeout)``: return when the record may have changed, or after
   ``timeout``; a store without notifications just sleeps.
@@ -75,7 +80,7 @@ class Store(Protocol):
 
     def swap(self, record: Record, expected: Record) -> bool: ...
 
-    def delete(self, key: str, expected_version: int) -> bool: ...
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool: ...
 
     def scan(self, query: Query) -> list[Record]: ...
 
@@ -103,7 +108,7 @@ class AsyncStore(Protocol):
 
     async def aswap(self, record: Record, expected: Record) -> bool: ...
 
-    async def adelete(self, key: str, expected_version: int) -> bool: ...
+    async def adelete(self, key: str, expected_version: int, created_at: float | None = None) -> bool: ...
 
     async def ascan(self, query: Query) -> list[Record]: ...
 

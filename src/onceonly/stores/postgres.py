@@ -6,8 +6,9 @@ write is one autocommitted statement, so every transition is one transaction:
 - claim: ``INSERT … ON CONFLICT (key) DO NOTHING``; only when it inserted nothing does a second
   statement read the stored row. A first call is then the floor's two writes (claim, settle) and no
   read; a replay costs two round trips;
-- swap: ``UPDATE … WHERE key = $1 AND version = $2``, writing only the columns that changed;
-- delete: ``DELETE … WHERE key = $1 AND version = $2``.
+- swap: ``UPDATE … WHERE key = $1 AND version = $2 AND created_at = $3``, writing only the columns
+  that changed (``created_at`` tells a record lost and made again from the one the caller read);
+- delete: ``DELETE … WHERE key = $1 AND version = $2`` (``AND created_at = $3`` when given).
 
 The schema is created on first use under an advisory lock (many processes may start at once) and
 carries a version table, ``onceonly_schema``, so a later release can migrate it; a schema newer than
@@ -670,6 +671,7 @@ class PostgresStore:
         self._stmt_get = wire.Statement(f"onceonly_{tag}_get", select, [wire.TEXT])
         self._stmt_insert = wire.Statement(f"onceonly_{tag}_insert", insert, wire.COLUMN_TYPES)
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
+        self._sql_delete_at = f"DELETE FROM {t} WHERE key = %s AND version = %s AND created_at = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
         #: Statements run a second time after their connection was lost (see ``_run``).
@@ -922,9 +924,12 @@ class PostgresStore:
         if plan is None:
             fields = list(compress(range(len(changed)), changed))
             sets = "".join(f", {_SWAP_COLUMNS[i]} = %s" for i in fields)
-            sql = f"UPDATE {self._table} SET version = %s, watched = false{sets} WHERE key = %s AND version = %s"
+            sql = (
+                f"UPDATE {self._table} SET version = %s, watched = false{sets} "
+                "WHERE key = %s AND version = %s AND created_at = %s"
+            )
             mask = sum(1 << i for i in fields)
-            types = [wire.INT8, *(_SWAP_TYPES[i] for i in fields), wire.TEXT, wire.INT8]
+            types = [wire.INT8, *(_SWAP_TYPES[i] for i in fields), wire.TEXT, wire.INT8, wire.FLOAT8]
             encoders = tuple(_SWAP_ENCODERS[i] for i in fields)
             plan = self._updates[changed] = (
                 wire.Statement(f"onceonly_{self._tag}_update_{mask:x}", sql, types),
@@ -935,6 +940,7 @@ class PostgresStore:
         params += [enc(v) for enc, v in zip(encoders, compress(new, changed), strict=True)]
         params.append(record.key.encode())
         params.append(wire.int8(expected.version))
+        params.append(wire.float8(expected.created_at))
         return stmt, params
 
     def _scan_sql(self, query: Query) -> tuple[str, list[Any]] | None:
@@ -1020,9 +1026,14 @@ class PostgresStore:
         res, again = self._exec(*self._update(record, expected))
         return res.command_tuples == 1 or (again and self.get(record.key) == record)
 
-    def delete(self, key: str, expected_version: int) -> bool:
+    def _delete_sql(self, key: str, expected_version: int, created_at: float | None) -> tuple[str, tuple[Any, ...]]:
+        if created_at is None:
+            return self._sql_delete, (key, expected_version)
+        return self._sql_delete_at, (key, expected_version, float(created_at))
+
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         # Not rerun: after a lost connection nobody can tell whose delete removed the row.
-        count, _ = self._run(self._sql_delete, (key, expected_version), _COUNT, rerun=False)
+        count, _ = self._run(*self._delete_sql(key, expected_version, created_at), _COUNT, rerun=False)
         return count == 1  # type: ignore[no-any-return]
 
     def scan(self, query: Query) -> list[Record]:
@@ -1156,8 +1167,8 @@ class PostgresStore:
         res, again = await self._aexec(*self._update(record, expected))
         return res.command_tuples == 1 or (again and await self.aget(record.key) == record)
 
-    async def adelete(self, key: str, expected_version: int) -> bool:
-        count, _ = await self._arun(self._sql_delete, (key, expected_version), _COUNT, rerun=False)
+    async def adelete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        count, _ = await self._arun(*self._delete_sql(key, expected_version, created_at), _COUNT, rerun=False)
         return count == 1  # type: ignore[no-any-return]
 
     async def ascan(self, query: Query) -> list[Record]:

@@ -4,8 +4,9 @@ Key layout (``P`` is the ``prefix`` URL option, ``S`` a shard number, ``K`` the 
 
     P:meta                   hash: schema and shard count, checked at open (a changed shard count
                              would file existing keys under other shards: refused)
-    P:{P:S}:r:K              hash of one record: v (version), s (state), d (the record as one JSON
-                             array, without key and args), a (the arguments' JSON)
+    P:{P:S}:r:K              hash of one record: v (version), s (state), i (the incarnation: its
+                             created_at), d (the record as one JSON array, without key and args),
+                             a (the arguments' JSON)
     P:{P:S}:k                sorted set, score 0: every key of the shard (lexicographic order)
     P:{P:S}:o                sorted set, score 0: keys in unknown or needs_review (the review queue)
     P:{P:S}:h                sorted set: keys held (pending, in_flight), scored by lease_until
@@ -140,8 +141,8 @@ end
 """
 
 # ARGV: 1 the head ("<version> <state> <lease score or nothing> <expiry score or nothing>", see
-# `_head`), 2 d, 3 a. Returns 1 when written (the caller holds the record), else the stored {d, a}:
-# one round trip for both a first call and a replay.
+# `_head`) with the incarnation appended ("… <created_at>"), 2 d, 3 a. Returns 1 when written (the
+# caller holds the record), else the stored {d, a}: one round trip for both a first call and a replay.
 _CLAIM_TEMPLATE = (
     _INDEX
     + """
@@ -150,22 +151,25 @@ if cur[1] then
   %(existing)s
   return cur
 end
-local v, s, lease, expiry = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*)$')
-redis.call('HSET', KEYS[1], 'v', v, 's', s, 'd', ARGV[2], 'a', ARGV[3])
+local v, s, lease, expiry, inc = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*) (%%S+)$')
+redis.call('HSET', KEYS[1], 'v', v, 's', s, 'i', inc, 'd', ARGV[2], 'a', ARGV[3])
 redis.call('ZADD', KEYS[2], 0, key)
 reindex(false, s, lease, expiry)
 return 1
 """
 )
 
-# ARGV: 1 the head with the expected version appended ("… <expected>"), 2 d, 3 (only when the
-# arguments changed) a.
+# ARGV: 1 the head with the expected version and incarnation appended ("… <expected> <created_at>"),
+# 2 d, 3 (only when the arguments changed) a. The incarnation tells a record lost and made again (a
+# restart without persistence, a failover), which starts again at version 1, from the one the caller
+# read. A record written before the incarnation was stored has none: its version decides, and it
+# takes the incarnation now.
 _SWAP_TEMPLATE = (
     _INDEX
     + """
-local v, s, lease, expiry, expected = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*) (%%S+)$')
-local cur = redis.call('HMGET', KEYS[1], 'v', 's')
-if cur[1] ~= expected then
+local v, s, lease, expiry, expected, inc = string.match(ARGV[1], '^(%%S+) (%%S+) (%%S*) (%%S*) (%%S+) (%%S+)$')
+local cur = redis.call('HMGET', KEYS[1], 'v', 's', 'i')
+if cur[1] ~= expected or (cur[3] and cur[3] ~= inc) then
   %(mismatch)s
   return 0
 end
@@ -174,6 +178,7 @@ if ARGV[3] then
 else
   redis.call('HSET', KEYS[1], 'v', v, 's', s, 'd', ARGV[2])
 end
+if not cur[3] then redis.call('HSET', KEYS[1], 'i', inc) end
 reindex(cur[2], s, lease, expiry)
 changed(v)
 return 1
@@ -192,12 +197,12 @@ _SWAP_AGAIN = _SWAP_TEMPLATE % {
     "mismatch": "if cur[1] == v and redis.call('HGET', KEYS[1], 'd') == ARGV[2] then return 1 end"
 }
 
-# ARGV: 1 the expected version.
+# ARGV: 1 the expected version, 2 (optional) the expected incarnation.
 _DELETE = (
     _INDEX
     + """
-local cur = redis.call('HMGET', KEYS[1], 'v', 's')
-if cur[1] ~= ARGV[1] then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 'v', 's', 'i')
+if cur[1] ~= ARGV[1] or (ARGV[2] and cur[3] and cur[3] ~= ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], key)
 redis.call('ZREM', KEYS[3], key)
@@ -256,10 +261,15 @@ def _head(r: Record) -> str:
     return f"{r.version} {_VALUE[r.state]} {lease} {'' if r.expires_at is None else repr(r.expires_at)}"
 
 
+def _claim_args(record: Record) -> tuple[str, ...]:
+    """A claim script's ARGV: the head with the record's incarnation appended, ``d`` and ``a``."""
+    return f"{_head(record)} {record.created_at!r}", _encode(record), record.args_json
+
+
 def _swap_args(record: Record, expected: Record) -> tuple[str, ...]:
-    """A swap script's ARGV: the head with the expected version appended, ``d``, and ``a`` only when the
-    arguments changed (a settle leaves them alone: they are not sent again)."""
-    head = f"{_head(record)} {expected.version}"
+    """A swap script's ARGV: the head with the expected version and incarnation appended, ``d``, and ``a``
+    only when the arguments changed (a settle leaves them alone: they are not sent again)."""
+    head = f"{_head(record)} {expected.version} {expected.created_at!r}"
     if record.args_json == expected.args_json:
         return head, _encode(record)
     return head, _encode(record), record.args_json
@@ -732,7 +742,7 @@ class RedisStore:
 
     def claim(self, record: Record) -> Record | None:
         self._check_open()
-        args = (_head(record), _encode(record), record.args_json)
+        args = _claim_args(record)
         got = self._write(self._claim, self._claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
@@ -746,10 +756,11 @@ class RedisStore:
             self._write(self._swap, self._swap_again, self._keys(record.key), args, f"writing {record.key!r}") == 1
         )
 
-    def delete(self, key: str, expected_version: int) -> bool:
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         self._check_open()
+        args = (expected_version,) if created_at is None else (expected_version, repr(created_at))
         try:
-            return bool(self._script(self._delete, self._keys(key), (expected_version,)) == 1)
+            return bool(self._script(self._delete, self._keys(key), args) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
@@ -850,7 +861,7 @@ class RedisStore:
     async def aclaim(self, record: Record) -> Record | None:
         self._check_open()
         side = await self._side()
-        args = (_head(record), _encode(record), record.args_json)
+        args = _claim_args(record)
         got = await self._awrite(side.claim, side.claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
@@ -866,10 +877,11 @@ class RedisStore:
         )
         return bool(written == 1)
 
-    async def adelete(self, key: str, expected_version: int) -> bool:
+    async def adelete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         self._check_open()
+        args = (expected_version,) if created_at is None else (expected_version, repr(created_at))
         try:
-            return bool(await (await self._side()).delete(self._keys(key), (expected_version,)) == 1)
+            return bool(await (await self._side()).delete(self._keys(key), args) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 

@@ -2,7 +2,7 @@
 
 One connection per thread (sqlite3 connections must not be shared while in use), autocommit, WAL, a
 busy timeout. Every write is one statement, so every write is one transaction: ``INSERT OR IGNORE``
-is the claim, ``UPDATE … WHERE version = ?`` the compare-and-set.
+is the claim, ``UPDATE … WHERE version = ? AND created_at = ?`` the compare-and-set.
 
 Durability: ``synchronous=NORMAL`` by default. In WAL mode that survives any crash of the process
 (SIGKILL included) but may lose the last transactions on power loss or an OS crash; pass
@@ -385,19 +385,24 @@ class SQLiteStore:
         sql = _UPDATES.get(changed)
         if sql is None:
             sets = "".join(f", {COLUMN_OF.get(n, n)}=?" for n in compress(SWAP_FIELDS, changed))
-            sql = _UPDATES[changed] = f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=?"
-        values = [record.version, *compress(new, changed), record.key, expected.version]
+            sql = _UPDATES[changed] = (
+                f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=? AND created_at=?"
+            )
+        values = [record.version, *compress(new, changed), record.key, expected.version, expected.created_at]
         try:
             cur = self._cursor().execute(sql, values)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
         return cur.rowcount == 1
 
-    def delete(self, key: str, expected_version: int) -> bool:
+    def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        sql = "DELETE FROM onceonly_records WHERE key = ? AND version = ?"
+        params: tuple[object, ...] = (key, expected_version)
+        if created_at is not None:
+            sql += " AND created_at = ?"
+            params += (created_at,)
         with self._errors():
-            cur = self._conn().execute(
-                "DELETE FROM onceonly_records WHERE key = ? AND version = ?", (key, expected_version)
-            )
+            cur = self._conn().execute(sql, params)
         return cur.rowcount == 1
 
     def scan(self, query: Query) -> list[Record]:
@@ -441,8 +446,8 @@ class SQLiteStore:
     async def aswap(self, record: Record, expected: Record) -> bool:
         return await asyncio.to_thread(self.swap, record, expected)
 
-    async def adelete(self, key: str, expected_version: int) -> bool:
-        return await asyncio.to_thread(self.delete, key, expected_version)
+    async def adelete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
+        return await asyncio.to_thread(self.delete, key, expected_version, created_at)
 
     async def ascan(self, query: Query) -> list[Record]:
         return await asyncio.to_thread(self.scan, query)
