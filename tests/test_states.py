@@ -121,3 +121,23 @@ def test_a_failed_record_waiting_for_its_retry_outlives_its_backoff() -> None:
     assert failed.expires_at == NOW + 65
     final = st.fail(held(), error="400", now=NOW, retry_at=None, ttl=5, by=None)
     assert final.expires_at == NOW + 5
+
+
+def test_a_late_success_of_an_earlier_incarnation_is_always_counted() -> None:
+    """A record lost and made again restarts at fence 1: a late success of fence 1 that names another
+    ``created_at`` is another record's attempt. It never passes for the new record's own (no-op) nor
+    confirms a live attempt's record: counted beside a held or confirmed record, and confirming (and
+    counted) where the outcome is open."""
+    earlier = NOW - 60
+    rec = held(fence=1)
+    on_held = st.late_success(rec, fence=1, result_json="1", now=NOW, ttl=None, by=None, created_at=earlier)
+    assert (on_held.state, on_held.lease_owner, on_held.conflicts) == (State.IN_FLIGHT, "o", 1)
+    assert "earlier record" in on_held.history[-1]["reason"]
+    done = st.confirm(rec, result_json="2", now=NOW, ttl=None, via="run", by=None)
+    on_done = st.late_success(done, fence=1, result_json="1", now=NOW, ttl=None, by=None, created_at=earlier)
+    assert (on_done.state, on_done.result, on_done.conflicts) == (State.CONFIRMED, 2, 1)
+    unknown = st.mark_unknown(rec, now=NOW, reason="x", by=None)
+    on_open = st.late_success(unknown, fence=1, result_json="1", now=NOW, ttl=None, by=None, created_at=earlier)
+    assert (on_open.state, on_open.result, on_open.via, on_open.conflicts) == (State.CONFIRMED, 1, "late:1", 1)
+    # The same incarnation: the rules above, unchanged.
+    assert st.late_success(done, fence=1, result_json="2", now=NOW, ttl=None, by=None, created_at=NOW) is done

@@ -210,6 +210,9 @@ class Call:
     refusals: int = 0
     #: Whether this call ran the tool (for what a refusal's error says).
     ran: bool = False
+    #: ``created_at`` of the record this call last ran an attempt on. With the fence it names the attempt:
+    #: a record lost from the store and made again by another caller starts again at fence 1.
+    created_at: float | None = None
 
 
 def encode_result(value: Any, key: str) -> str:
@@ -285,8 +288,13 @@ def _write(old: Record, new: Record, call: Call | None) -> Generator[Action, Any
             now_rec = yield Get(new.key)
             if landed(new, now_rec):
                 return True, new
-            if call is None or now_rec is None or now_rec.version != old.version:
-                return False, now_rec  # moved on (or gone): the caller decides from what is there
+            if (
+                call is None
+                or now_rec is None
+                or now_rec.version != old.version
+                or now_rec.created_at != old.created_at
+            ):
+                return False, now_rec  # moved on (or gone, or made again): the caller decides from what is there
             yield from _refused(call, exc, new.key)
     if ok:
         if call is not None and call.refusals:
@@ -492,6 +500,7 @@ def plan(call: Call) -> Plan:
         # --- we hold the lease on rec: run one attempt ----------------------------------------
         assert rec is not None and rec.state in HELD and rec.lease_owner == owner
         call.ran = True
+        call.created_at = rec.created_at
         ran = yield Execute(rec)
         rec = ran.record or rec
         if ran.error is None and not ran.timed_out:
@@ -595,13 +604,18 @@ def _settle_success(rec: Record, call: Call, value: Any) -> Generator[Action, An
             # Someone changed the record under us (our lease expired and a waiter marked it unknown, a
             # probe confirmed it…). The side effect did happen: hand it to the late-outcome rule.
             new = st.late_success(
-                cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner
-            )
+                cur, fence=rec.fence, result_json=result_json, now=call.clock(), ttl=call.policy.ttl, by=call.owner,
+                created_at=rec.created_at,
+            )  # fmt: skip
             if new is cur:
                 return _outcome(cur, replayed=True)
             ok, again = yield from _write(cur, new, call)
             if ok:
-                mine = new.result_json == result_json and new.state is State.CONFIRMED
+                if new.state is not State.CONFIRMED:
+                    # Counted beside another caller's live attempt (the record was lost and made again):
+                    # there is no recorded result yet, and this call's tool did return one.
+                    return _outcome(new, replayed=False, value=value, use_value=True)
+                mine = new.result_json == result_json
                 return _outcome(new, replayed=not mine, value=value, use_value=mine)
             cur = again
     except StoreError:
@@ -715,7 +729,8 @@ def late_outcome(
     """The outcome of attempt ``fence`` that arrived after its caller stopped waiting (a timeout, a
     cancelled caller). A success is never dropped: it confirms the record, or is counted as a
     conflict on a record settled otherwise. A definite failure settles the record only while it is
-    still the unknown of that very attempt.
+    still the unknown of that very attempt. The attempt is ``fence`` of the record ``call`` last ran
+    an attempt on (``call.created_at``): on a record made again since, it is another record's.
 
     .. versionadded:: 0.1
     """
@@ -730,13 +745,18 @@ def late_outcome(
             now = call.clock()
             if error is None:
                 new = st.late_success(
-                    rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner
-                )
+                    rec, fence=fence, result_json=result_json, now=now, ttl=call.policy.ttl, by=call.owner,
+                    created_at=call.created_at,
+                )  # fmt: skip
                 if new is rec:
                     return rec
             else:
                 verdict = classify(error, call.policy.classify)
-                same_attempt = rec.fence == fence and rec.state in (State.UNKNOWN, *HELD)
+                same_attempt = (
+                    rec.fence == fence
+                    and rec.state in (State.UNKNOWN, *HELD)
+                    and (call.created_at is None or rec.created_at == call.created_at)
+                )
                 if verdict.verdict is Verdict.UNKNOWN or not same_attempt:
                     return rec
                 new = st.fail(rec, error=_err_text(error), now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner)

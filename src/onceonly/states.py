@@ -386,14 +386,38 @@ _SAME_ATTEMPT = frozenset({"run", "probe", "reconcile-probe"})
 
 
 def late_success(
-    rec: Record, *, fence: int, result_json: str | None, now: float, ttl: float | None, by: str | None
+    rec: Record,
+    *,
+    fence: int,
+    result_json: str | None,
+    now: float,
+    ttl: float | None,
+    by: str | None,
+    created_at: float | None = None,
 ) -> Record:
     """The outcome of attempt ``fence`` arrived after the record moved on.
 
     On a record whose outcome is still open it is the truth and confirms it. On a record that was
     confirmed by another attempt, or failed definitely, it means the side effect happened twice (or
     once, where the record said none): it is kept as a counted conflict, never dropped silently.
+
+    ``created_at`` is that of the record the attempt held. A record lost from the store (a restart
+    without persistence, a failover) and made again by another caller starts again at fence 1, so a
+    fence alone would take the other caller's attempt for this one: another ``created_at`` means
+    another record, and this side effect is counted as a conflict on it whatever its state: noted
+    beside a live attempt or a confirmed result, and confirming a record whose outcome is open.
     """
+    if created_at is not None and rec.created_at != created_at:
+        if rec.state in HELD or rec.state is State.CONFIRMED:
+            reason = (
+                f"late outcome of attempt {fence} of an earlier record of this key (created at {created_at!r}; "
+                "the record was lost and made again): possible duplicate"
+            )
+            return note_conflict(rec, now=now, reason=reason, by=by)
+        return replace(
+            confirm(rec, result_json=result_json, now=now, ttl=ttl, via=f"late:{fence}", by=by),
+            conflicts=rec.conflicts + 1,
+        )
     if rec.state in HELD and rec.fence == fence:
         return confirm(rec, result_json=result_json, now=now, ttl=ttl, via="run", by=by)
     if rec.state is State.CONFIRMED and rec.fence == fence:
