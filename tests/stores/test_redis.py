@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from onceonly import states as st
-from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import HELD, Record, State
 from onceonly.stores import Query
+from tests._redis_server import PrivateRedis
 from tests.conftest import RUN_ID, join_url
 from tests.stores._records import NOW, make
 
@@ -590,10 +591,118 @@ def test_the_shard_count_is_fixed_per_prefix(url: str) -> None:
         RedisStore(join_url(url, shards="8"))
 
 
+def test_records_whose_metadata_is_gone_are_refused_whatever_the_shard_count(url: str, raw: Any) -> None:
+    """The metadata key gone (deleted, evicted) while records remain: the shard count they are filed under
+    cannot be checked, so opening is refused (not re-made with this URL's count, which filed records
+    under other shards and ran them again) with the HSET that restores it; restored, it opens."""
+    store = RedisStore(url)
+    try:
+        for i in range(3):
+            assert store.claim(make(f"k{i}")) is None
+    finally:
+        store.close()
+    meta = f"{parse_redis_url(url)[1]['prefix']}:meta"
+    raw.delete(meta)  # this test's own prefix
+    for shards in ("8", "16"):
+        with pytest.raises(StoreCorrupt, match=r"holds records .* metadata .* is gone") as refused:
+            RedisStore(join_url(url, shards=shards))
+        assert f"HSET {meta} schema 1 shards N" in str(refused.value)
+        assert not raw.exists(meta), "a refused open wrote the metadata"
+    raw.hset(meta, mapping={"schema": 1, "shards": 16})
+    store = RedisStore(url)
+    try:
+        assert store.get("k1") == make("k1")
+    finally:
+        store.close()
+
+
+def test_a_cluster_node_refuses_records_without_metadata(cluster_url: str) -> None:
+    """The same check on a node in cluster mode, which refuses the one-script look over every shard:
+    the store asks the same question in one pipeline."""
+    store = RedisStore(cluster_url)
+    probe = redis.Redis.from_url(cluster_url.split("?", maxsplit=1)[0])
+    try:
+        assert store.claim(make("k")) is None
+        probe.delete("onceonly:meta")
+        with pytest.raises(StoreCorrupt, match="metadata onceonly:meta is gone"):
+            RedisStore(join_url(cluster_url, shards="4"))
+    finally:
+        probe.close()
+        store.close()
+
+
+@pytest.fixture(name="evicting")
+def fixture_evicting(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A private Redis with 2 MB of memory that evicts any key when full (allkeys-lru)."""
+    server = PrivateRedis(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+def test_a_server_that_evicts_keys_is_refused(evicting: PrivateRedis) -> None:
+    """allkeys-* and volatile-* policies drop keys when memory is full: an evicted record is a call
+    that runs again. Refused, with the CONFIG SET that fixes it; noeviction opens; allow_eviction=true
+    accepts the risk."""
+    url = f"{evicting.url}?warn_persistence=false"
+    with pytest.raises(StoreError, match="maxmemory-policy allkeys-lru") as refused:
+        RedisStore(url)
+    assert not isinstance(refused.value, (StoreCorrupt, StoreUnavailable))
+    assert "CONFIG SET maxmemory-policy noeviction" in str(refused.value)
+    assert "allow_eviction=true" in str(refused.value)
+    RedisStore(f"{url}&allow_eviction=true").close()
+    admin = redis.Redis.from_url(evicting.url)
+    try:
+        admin.config_set("maxmemory-policy", "volatile-lru")
+        with pytest.raises(StoreError, match="maxmemory-policy volatile-lru"):
+            RedisStore(url)
+        admin.config_set("maxmemory-policy", "noeviction")
+        RedisStore(url).close()
+    finally:
+        admin.close()
+
+
+def test_eviction_is_checked_through_info_where_config_is_disabled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Managed services disable CONFIG: the policy is read from INFO memory instead and refused the
+    same; where INFO is disabled too, opening works and logs a warning to check the policy."""
+    no_config = PrivateRedis(
+        tmp_path,
+        "--maxmemory",
+        "2mb",
+        "--maxmemory-policy",
+        "allkeys-lru",
+        "--rename-command",
+        "CONFIG",
+        "hidden-config",
+    ).start()
+    try:
+        with pytest.raises(StoreError, match="maxmemory-policy allkeys-lru"):
+            RedisStore(f"{no_config.url}?warn_persistence=false")
+    finally:
+        no_config.stop()
+    blind = PrivateRedis(
+        tmp_path, "--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG", "hidden-config",
+        "--rename-command", "INFO", "hidden-info",
+    ).start()  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="onceonly.stores.redis"):
+            store = RedisStore(f"{blind.url}?warn_persistence=false")
+        try:
+            assert store.claim(make("k")) is None
+        finally:
+            store.close()
+        warned = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+        assert len(warned) == 1 and "Make sure it is noeviction" in warned[0], warned
+    finally:
+        blind.stop()
+
+
 def test_url_options() -> None:
     """Onceonly's options are taken out of the URL; redis-py's stay; bad values are explained."""
     client_url, opts = parse_redis_url("redis://h:1/2?prefix=app&shards=4&socket_timeout=2&client_name=x")
-    assert opts == {"prefix": "app", "shards": 4, "warn_persistence": True}
+    assert opts == {"prefix": "app", "shards": 4, "warn_persistence": True, "allow_eviction": False}
+    assert parse_redis_url("redis://h/0?allow_eviction=yes")[1]["allow_eviction"] is True
     assert "prefix" not in client_url and "socket_timeout=2" in client_url and "client_name=x" in client_url
     assert "socket_connect_timeout=5" in client_url
     with pytest.raises(ValueError, match="braces"):
@@ -602,6 +711,8 @@ def test_url_options() -> None:
         parse_redis_url("redis://h/0?shards=0")
     with pytest.raises(ValueError, match="warn_persistence"):
         parse_redis_url("redis://h/0?warn_persistence=maybe")
+    with pytest.raises(ValueError, match="allow_eviction"):
+        parse_redis_url("redis://h/0?allow_eviction=perhaps")
 
 
 def test_foreign_data_under_the_prefix_is_store_corrupt(store: RedisStore, raw: Any) -> None:

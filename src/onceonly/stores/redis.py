@@ -61,7 +61,7 @@ try:  # redis-py's own packer wraps it in ~2 µs of Python per command (argument
 except ImportError:  # pragma: no cover - the redis extra installs hiredis
     _pack_command = None  # type: ignore[assignment]
 
-from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import HELD, Record, State
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
@@ -214,6 +214,16 @@ return 1
 """
 )
 
+# ARGV: 1 the shards' common name up to the shard number ("P:{P:"), 2 how many shards to look at.
+# Returns the first shard whose all-keys index exists, else -1. It touches keys it is not given, which
+# a standalone server allows and Redis Cluster refuses (the store then pipelines the same EXISTS).
+_FIND_RECORDS = """
+for s = 0, tonumber(ARGV[2]) - 1 do
+  if redis.call('EXISTS', ARGV[1] .. s .. '}:k') == 1 then return s end
+end
+return -1
+"""
+
 #: How many times a claim or swap whose connection failed is re-run (with its "again" twin).
 _RERUNS = 2
 
@@ -301,7 +311,7 @@ def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
 
 # --- the URL ------------------------------------------------------------------------------------------
 
-_OURS = ("prefix", "shards", "warn_persistence")
+_OURS = ("prefix", "shards", "warn_persistence", "allow_eviction")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -310,7 +320,8 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     """Split ``url`` into the URL redis-py gets and onceonly's own options.
 
     Onceonly's options: ``prefix`` (key namespace, default ``onceonly``; no braces, no whitespace),
-    ``shards`` (default 16), ``warn_persistence`` (default ``true``). Every other query parameter is
+    ``shards`` (default 16), ``warn_persistence`` (default ``true``), ``allow_eviction`` (default
+    ``false``: a server whose ``maxmemory-policy`` evicts keys is refused). Every other query parameter is
     redis-py's (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``,
     ``client_name``…); the two timeouts default to 5 seconds here, so that a dead server is reported
     rather than waited on forever.
@@ -344,11 +355,14 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"shards={ours['shards']!r} in {shown!r}: give a whole number such as 16") from None
     if not 1 <= shards <= MAX_SHARDS:
         raise ValueError(f"shards={shards} in {shown!r}: use 1 to {MAX_SHARDS}")
-    flag = ours.get("warn_persistence", "true").lower()
-    if flag not in _TRUE + _FALSE:
-        raise ValueError(f"warn_persistence={flag!r} in {shown!r}: use true or false")
+    flags: dict[str, bool] = {}
+    for name, default in (("warn_persistence", "true"), ("allow_eviction", "false")):
+        flag = ours.get(name, default).lower()
+        if flag not in _TRUE + _FALSE:
+            raise ValueError(f"{name}={flag!r} in {shown!r}: use true or false")
+        flags[name] = flag in _TRUE
     client_url = urlunsplit(parts._replace(query=urlencode(theirs)))
-    return client_url, {"prefix": prefix, "shards": shards, "warn_persistence": flag in _TRUE}
+    return client_url, {"prefix": prefix, "shards": shards, **flags}
 
 
 def _where(url: str) -> str:
@@ -527,13 +541,23 @@ class RedisStore:
     Args:
         url: ``redis://[user:password@]host:6379/0``, ``rediss://…`` (TLS) or ``unix:///path.sock``,
             with onceonly's options in the query: ``prefix`` (key namespace, default ``onceonly``),
-            ``shards`` (index shards, default 16; fixed for the life of a prefix), and
-            ``warn_persistence=false`` to silence the warning about a server that persists nothing.
+            ``shards`` (index shards, default 16; fixed for the life of a prefix),
+            ``warn_persistence=false`` to silence the warning about a server that persists nothing, and
+            ``allow_eviction=true`` to accept a server that evicts keys when its memory is full.
             Other query parameters go to redis-py (``socket_timeout=5``, ``max_connections``…).
 
     Opening checks the server: it must answer, the prefix must hold an onceonly ledger of this
-    schema and shard count (or nothing yet), and a server that persists nothing gets a warning
-    logged on ``onceonly.stores.redis``, since a restart would lose the ledger.
+    schema and shard count (or nothing yet: then no records either, since records without their
+    metadata could be of another shard count), its ``maxmemory-policy`` must not evict keys (an evicted
+    record is a call that runs again), and a server that persists nothing gets a warning logged on
+    ``onceonly.stores.redis``, since a restart would lose the ledger.
+
+    Raises:
+        StoreUnavailable: the server cannot be reached.
+        StoreCorrupt: the prefix holds something else, a ledger of another schema, or records whose
+            metadata is gone.
+        StoreError: the server evicts keys (``allow_eviction=true`` accepts it).
+        ValueError: a bad URL, or another shard count than the ledger was made with.
 
     .. versionadded:: 0.1
     """
@@ -570,38 +594,34 @@ class RedisStore:
         #: Writes re-run (exactly, by their "again" twin) after their connection failed.
         self.reruns = 0
         try:
-            self._open(warn=opts["warn_persistence"])
+            self._open(warn=opts["warn_persistence"], allow_eviction=opts["allow_eviction"])
         except BaseException:
             self._client.close()
             raise
 
     # --- opening ----------------------------------------------------------------------------------
 
-    def _open(self, *, warn: bool) -> None:
+    def _open(self, *, warn: bool, allow_eviction: bool) -> None:
         meta = f"{self.prefix}:meta"
+        scripts = (self._claim, self._claim_again, self._swap, self._swap_again, self._delete)
         try:
             pipe = self._client.pipeline(transaction=False)
-            pipe.hsetnx(meta, "schema", SCHEMA_VERSION)
-            pipe.hsetnx(meta, "shards", self.shards)
             pipe.hgetall(meta)
-            for script in (self._claim, self._claim_again, self._swap, self._swap_again, self._delete):
+            for script in scripts:
                 pipe.script_load(script.script)
             pipe.config_get("appendonly")
             pipe.config_get("save")
+            pipe.config_get("maxmemory-policy")
             answers = pipe.execute(raise_on_error=False)
         except RedisError as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
-        stored = answers[2]
-        if isinstance(stored, Exception):
-            if "WRONGTYPE" in str(stored):
-                raise StoreCorrupt(
-                    f"{self._where}: {meta} is not an onceonly ledger's metadata. Nothing was changed: "
-                    "use another prefix= in the URL"
-                )
-            raise self._unavailable(stored, "opening the ledger")
-        for answer in answers[3:8]:
+        stored = self._meta(answers[0])
+        for answer in answers[1:6]:
             if isinstance(answer, Exception):
                 raise self._unavailable(answer, "loading the ledger's scripts")
+        self._check_eviction(answers[8], allow_eviction)
+        if b"schema" not in stored or b"shards" not in stored:
+            stored = self._claim_prefix(meta)
         schema = int(stored.get(b"schema", 0))
         shards = int(stored.get(b"shards", 0))
         if schema != SCHEMA_VERSION:
@@ -616,7 +636,119 @@ class RedisStore:
                 f"records (and could run their operations again): open it with shards={shards}"
             )
         if warn:
-            self._check_persistence(answers[8], answers[9])
+            self._check_persistence(answers[6], answers[7])
+
+    def _meta(self, answer: Any) -> dict[bytes, bytes]:
+        """The ledger's metadata hash as read (empty when there is none)."""
+        if isinstance(answer, Exception):
+            if "WRONGTYPE" in str(answer):
+                raise StoreCorrupt(
+                    f"{self._where}: {self.prefix}:meta is not an onceonly ledger's metadata. Nothing was "
+                    "changed: use another prefix= in the URL"
+                )
+            raise self._unavailable(answer, "opening the ledger")
+        stored: dict[bytes, bytes] = answer
+        return stored
+
+    def _claim_prefix(self, meta: str) -> dict[bytes, bytes]:
+        """Write the metadata of a prefix that has none, and return it as stored (another process may
+        have written it first).
+
+        A prefix without metadata must hold no records: records whose metadata was deleted (or evicted,
+        or lost in a restart while a process kept writing) may be filed under another shard count, and
+        accepting this URL's count would look them up in the wrong shards and run their calls again.
+        """
+        found = self._first_shard_with_records()
+        if found is not None:
+            raise StoreCorrupt(
+                f"{self._where}: the ledger under prefix {self.prefix!r} holds records (shard {found} has some) "
+                f"but its metadata {meta} is gone (deleted, evicted, or lost in a restart while a process kept "
+                "writing), so the shard count they are filed under cannot be checked. Nothing was changed: "
+                f"restore it with HSET {meta} schema {SCHEMA_VERSION} shards N, N being the shards= the ledger "
+                f"was made with (16 unless its URL said otherwise; more than {found} here), then open it again"
+            )
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hsetnx(meta, "schema", SCHEMA_VERSION)
+            pipe.hsetnx(meta, "shards", self.shards)
+            pipe.hgetall(meta)
+            answers = pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        return self._meta(answers[2])
+
+    def _first_shard_with_records(self) -> int | None:
+        """The first shard, under any shard count the prefix may have had, whose all-keys index holds a
+        key; ``None`` when none does. One Lua loop over the ``MAX_SHARDS`` possible indexes (a few
+        milliseconds, only when a prefix has no metadata); a server that refuses a script touching
+        keys it was not given (Redis Cluster) answers the same ``EXISTS`` in one pipeline instead.
+        """
+        base = f"{self.prefix}:{{{self.prefix}:"
+        try:
+            found = self._client.eval(_FIND_RECORDS, 0, base, MAX_SHARDS)
+            return None if int(found) < 0 else int(found)
+        except ResponseError:
+            pass
+        except RedisError as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for shard in range(MAX_SHARDS):
+                pipe.exists(f"{base}{shard}}}:k")
+            answers = pipe.execute()
+        except RedisError as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        return next((shard for shard, n in enumerate(answers) if n), None)
+
+    def _check_eviction(self, answer: Any, allow: bool) -> None:
+        """Refuse a server that evicts keys when its memory is full, unless ``allow``.
+
+        ``CONFIG GET maxmemory-policy`` first; where CONFIG is disabled (managed services), ``INFO
+        memory``; where neither answers, a warning.
+        """
+        policy = None
+        if not isinstance(answer, Exception):
+            policy = answer.get(b"maxmemory-policy") or answer.get("maxmemory-policy")
+        if policy is None:
+            try:
+                policy = self._client.info("memory").get("maxmemory_policy")
+            except RedisError as exc:
+                if not allow:
+                    log.warning(
+                        "onceonly: could not read the maxmemory-policy of the Redis server at %s (CONFIG: %s; "
+                        "INFO: %s). Make sure it is noeviction: a server that evicts keys loses records, and "
+                        "their calls run again",
+                        self._where,
+                        answer if isinstance(answer, Exception) else "no answer",
+                        exc,
+                    )
+                return
+        if isinstance(policy, bytes):
+            policy = policy.decode()
+        if policy is None:
+            if not allow:
+                log.warning(
+                    "onceonly: the Redis server at %s did not say its maxmemory-policy. Make sure it is noeviction: "
+                    "a server that evicts keys loses records, and their calls run again",
+                    self._where,
+                )
+            return
+        policy = str(policy).lower()
+        if allow or not policy.startswith(("allkeys-", "volatile-")):
+            return
+        which = (
+            "evicts any key when its memory is full"
+            if policy.startswith("allkeys-")
+            else "evicts keys that have a TTL when its memory is full (onceonly sets none on its keys, but one "
+            "set by anything else makes them evictable)"
+        )
+        raise StoreError(
+            f"the Redis server at {self._where} has maxmemory-policy {policy}, which {which}: an evicted record "
+            "is a call that runs again, an evicted index loses records from listings and the reconciler. Set "
+            "CONFIG SET maxmemory-policy noeviction (and maxmemory-policy noeviction in redis.conf: a full server "
+            "then refuses writes, which the ledger reports as StoreUnavailable, rather than forgetting calls), "
+            "or open the ledger with allow_eviction=true if losing records is acceptable"
+        )
 
     def _check_persistence(self, appendonly: Any, save: Any) -> None:
         if isinstance(appendonly, Exception) or isinstance(save, Exception):
