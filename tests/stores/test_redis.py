@@ -631,6 +631,46 @@ def test_a_cluster_node_refuses_records_without_metadata(cluster_url: str) -> No
         store.close()
 
 
+def test_a_restarted_server_gets_the_metadata_back_from_the_running_stores(tmp_path: Path) -> None:
+    """A server restarted without persistence loses the metadata with everything else, and running
+    processes write again: their first write (which meets NOSCRIPT) restores it, sync and async, so a
+    process opened afterwards is not refused for records without metadata."""
+    server = PrivateRedis(tmp_path).start()
+    url = f"{server.url}?warn_persistence=false"
+    store = RedisStore(url)
+    try:
+        assert store.claim(make("before")) is None
+        server.restart()
+        assert store.get("before") is None  # lost with the restart
+        assert store.claim(make("after")) is None
+        RedisStore(url).close()
+        server.restart()
+        assert asyncio.run(store.aclaim(make("async"))) is None
+        RedisStore(url).close()
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_a_running_store_writes_nothing_under_another_shard_count_after_a_restart(tmp_path: Path) -> None:
+    """The server restarted empty and a process opened the prefix first with another shard count: a
+    store opened before the restart refuses to write rather than file records under its own."""
+    server = PrivateRedis(tmp_path).start()
+    url = f"{server.url}?warn_persistence=false"
+    store = RedisStore(url)
+    try:
+        assert store.claim(make("before")) is None
+        server.restart()
+        RedisStore(join_url(url, shards="8")).close()
+        assert store.get("before") is None  # reconnects (a read is retried once) after the restart
+        with pytest.raises(StoreCorrupt, match="shards=8, where this process opened it with schema 1, shards=16"):
+            store.claim(make("after"))
+        assert store._client.exists(store._keys("after")[0]) == 0
+    finally:
+        store.close()
+        server.stop()
+
+
 @pytest.fixture(name="evicting")
 def fixture_evicting(tmp_path: Path) -> Iterator[PrivateRedis]:
     """A private Redis with 2 MB of memory that evicts any key when full (allkeys-lru)."""

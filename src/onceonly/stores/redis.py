@@ -224,6 +224,19 @@ end
 return -1
 """
 
+
+def _scripts_for(shards: int) -> tuple[str, ...]:
+    """The five write scripts (claim, claim again, swap, swap again, delete) of a ledger of ``shards``.
+
+    Each names the shard count in a comment, so ledgers of different counts load different scripts:
+    after a server lost them (a restart without persistence), a process that opened the prefix anew
+    with another count does not load this one's, and this one's next write meets NOSCRIPT, which
+    checks the restored metadata (``RedisStore._script``) before anything is written.
+    """
+    tail = f"\n-- an onceonly ledger of {shards} shards\n"
+    return tuple(text + tail for text in (_CLAIM, _CLAIM_AGAIN, _SWAP, _SWAP_AGAIN, _DELETE))
+
+
 #: How many times a claim or swap whose connection failed is re-run (with its "again" twin).
 _RERUNS = 2
 
@@ -514,15 +527,13 @@ class _AsyncSide:
 
     __slots__ = ("claim", "claim_again", "client", "closer", "delete", "swap", "swap_again")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, scripts: Sequence[str]) -> None:
         from redis.asyncio.retry import Retry as AsyncRetry
 
         self.client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
-        self.claim = self.client.register_script(_CLAIM)
-        self.claim_again = self.client.register_script(_CLAIM_AGAIN)
-        self.swap = self.client.register_script(_SWAP)
-        self.swap_again = self.client.register_script(_SWAP_AGAIN)
-        self.delete = self.client.register_script(_DELETE)
+        self.claim, self.claim_again, self.swap, self.swap_again, self.delete = (
+            self.client.register_script(text) for text in scripts
+        )
         self.closer = self._close_at_shutdown()
 
     async def _close_at_shutdown(self) -> AsyncGenerator[None, None]:
@@ -578,11 +589,11 @@ class RedisStore:
         self._client: redis.Redis = redis.Redis(connection_pool=self._pool)
         self._local = threading.local()
         self._thread_clients: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
-        self._claim = self._client.register_script(_CLAIM)
-        self._claim_again = self._client.register_script(_CLAIM_AGAIN)
-        self._swap = self._client.register_script(_SWAP)
-        self._swap_again = self._client.register_script(_SWAP_AGAIN)
-        self._delete = self._client.register_script(_DELETE)
+        self._scripts = _scripts_for(self.shards)
+        self._claim, self._claim_again, self._swap, self._swap_again, self._delete = (
+            self._client.register_script(text) for text in self._scripts
+        )
+        self._meta_key = f"{self.prefix}:meta"
         self._tags = [f"{self.prefix}:{{{self.prefix}:{s}}}" for s in range(self.shards)]
         self._records = [f"{tag}:r:" for tag in self._tags]
         self._indexes = [(f"{t}:k", f"{t}:o", f"{t}:h", f"{t}:e", f"{t}:n") for t in self._tags]
@@ -602,7 +613,7 @@ class RedisStore:
     # --- opening ----------------------------------------------------------------------------------
 
     def _open(self, *, warn: bool, allow_eviction: bool) -> None:
-        meta = f"{self.prefix}:meta"
+        meta = self._meta_key
         scripts = (self._claim, self._claim_again, self._swap, self._swap_again, self._delete)
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -833,9 +844,45 @@ class RedisStore:
         try:
             return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            # NOSCRIPT ran nothing: loading the script and running it now is the first run.
+            # NOSCRIPT ran nothing: loading the script and running it now is the first run. A server that
+            # lost its scripts may have lost the ledger's metadata with them: restore it first.
+            meta = self._meta_key
+            self._command("HSETNX", meta, "schema", SCHEMA_VERSION)
+            self._command("HSETNX", meta, "shards", self.shards)
+            stored = self._command("HGETALL", meta)  # a map (RESP3) or a flat list (RESP2)
+            if not isinstance(stored, dict):
+                stored = dict(zip(stored[::2], stored[1::2], strict=True))
+            self._check_restored(stored)
             self._command("SCRIPT", "LOAD", script.script)
             return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def _ascript(self, side: _AsyncSide, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
+        """``_script`` awaited, on the event loop's client."""
+        client: Any = side.client
+        try:
+            return await client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            meta = self._meta_key
+            pipe = client.pipeline(transaction=False)
+            pipe.hsetnx(meta, "schema", SCHEMA_VERSION)
+            pipe.hsetnx(meta, "shards", self.shards)
+            pipe.hgetall(meta)
+            self._check_restored((await pipe.execute())[2])
+            await client.script_load(script.script)
+            return await client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def _check_restored(self, stored: dict[bytes, bytes]) -> None:
+        """After the server lost its scripts: the metadata, restored by this store or by another one
+        meanwhile, must still say this store's schema and shard count, or nothing is written."""
+        schema, shards = int(stored.get(b"schema", 0)), int(stored.get(b"shards", 0))
+        if (schema, shards) != (SCHEMA_VERSION, self.shards):
+            raise StoreCorrupt(
+                f"{self._where}: the server lost the ledger's scripts (a restart, a failover, SCRIPT FLUSH), and "
+                f"its metadata {self._meta_key} now says schema {schema}, shards={shards}, where this process "
+                f"opened it with schema {SCHEMA_VERSION}, shards={self.shards}: another process opened the "
+                "prefix with another shard count after the server lost it. Nothing was written: open every "
+                "process with the same shards="
+            )
 
     # --- the primitives, sync ---------------------------------------------------------------------
 
@@ -963,7 +1010,7 @@ class RedisStore:
         self._check_open()
         # Forget the clients of loops that are gone (their shutdown closed them).
         self._async = {lp: sd for lp, sd in self._async.items() if not lp.is_closed()}
-        side = self._async[loop] = _AsyncSide(self._client_url)
+        side = self._async[loop] = _AsyncSide(self._client_url, self._scripts)
         await side.closer.__anext__()  # started here, so this loop's shutdown finalises it
         return side
 
@@ -980,12 +1027,14 @@ class RedisStore:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
-    async def _awrite(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
+    async def _awrite(
+        self, side: _AsyncSide, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str
+    ) -> Any:
         """``_write`` awaited: a write script, and its exact "again" twin if the connection fails."""
         run, reruns = script, 0
         while True:
             try:
-                return await run(keys, args)
+                return await self._ascript(side, run, keys, args)
             except RedisError as exc:
                 self._rerun_or_raise(exc, reruns, what)
             run, reruns = again, reruns + 1
@@ -994,7 +1043,9 @@ class RedisStore:
         self._check_open()
         side = await self._side()
         args = _claim_args(record)
-        got = await self._awrite(side.claim, side.claim_again, self._keys(record.key), args, f"claiming {record.key!r}")
+        got = await self._awrite(
+            side, side.claim, side.claim_again, self._keys(record.key), args, f"claiming {record.key!r}"
+        )
         return None if got == 1 else _decode(record.key, got[0], got[1])
 
     async def ainsert(self, record: Record) -> bool:
@@ -1005,7 +1056,7 @@ class RedisStore:
         side = await self._side()
         args = _swap_args(record, expected)
         written = await self._awrite(
-            side.swap, side.swap_again, self._keys(record.key), args, f"writing {record.key!r}"
+            side, side.swap, side.swap_again, self._keys(record.key), args, f"writing {record.key!r}"
         )
         return bool(written == 1)
 
@@ -1013,7 +1064,8 @@ class RedisStore:
         self._check_open()
         args = (expected_version,) if created_at is None else (expected_version, repr(created_at))
         try:
-            return bool(await (await self._side()).delete(self._keys(key), args) == 1)
+            side = await self._side()
+            return bool(await self._ascript(side, side.delete, self._keys(key), args) == 1)
         except RedisError as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
