@@ -141,3 +141,16 @@ def test_a_late_success_of_an_earlier_incarnation_is_always_counted() -> None:
     assert (on_open.state, on_open.result, on_open.via, on_open.conflicts) == (State.CONFIRMED, 1, "late:1", 1)
     # The same incarnation: the rules above, unchanged.
     assert st.late_success(done, fence=1, result_json="2", now=NOW, ttl=None, by=None, created_at=NOW) is done
+
+
+def test_a_long_history_that_is_not_json_is_store_corrupt() -> None:
+    """A record past HISTORY_LIMIT transitions has its history decoded to trim it: a damaged one raises
+    StoreCorrupt naming the key, not a bare JSONDecodeError in the middle of a transition."""
+    from onceonly.errors import StoreCorrupt
+
+    rec = st.replace(held(), version=HISTORY_LIMIT, history_json="[{broken")
+    with pytest.raises(StoreCorrupt, match=r"'k'.*history"):
+        st.mark_unknown(rec, now=NOW, reason="x", by=None)
+    assert st.misplaced(rec) is None
+    assert st.misplaced(st.replace(rec, attempts="2")) == ("attempts", "2")
+    assert st.misplaced(st.replace(rec, created_at=5)) is None  # JSON keeps 5.0 as 5

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from json.encoder import encode_basestring as _quote
 from typing import Any
 
+from onceonly.errors import StoreCorrupt
+
 __all__ = [
     "ALLOWED",
     "HISTORY_LIMIT",
@@ -22,6 +24,7 @@ __all__ = [
     "IllegalTransition",
     "Record",
     "State",
+    "misplaced",
     "new_record",
     "transition",
 ]
@@ -113,16 +116,19 @@ class Record:
 
     @property
     def result(self) -> Any:
-        return None if self.result_json is None else json.loads(self.result_json)
+        """The recorded result, decoded. Raises ``StoreCorrupt`` when the stored text is not JSON."""
+        return None if self.result_json is None else _decoded(self.key, "result", self.result_json)
 
     @property
     def args(self) -> dict[str, Any]:
-        loaded: dict[str, Any] = json.loads(self.args_json)
+        """The call's arguments, decoded. Raises ``StoreCorrupt`` when the stored text is not JSON."""
+        loaded: dict[str, Any] = _decoded(self.key, "args", self.args_json)
         return loaded
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        loaded: list[dict[str, Any]] = json.loads(self.history_json)
+        """The transitions, oldest first. Raises ``StoreCorrupt`` when the stored text is not JSON."""
+        loaded: list[dict[str, Any]] = _decoded(self.key, "history", self.history_json)
         return loaded
 
     def is_expired(self, now: float) -> bool:
@@ -155,6 +161,62 @@ class Record:
             "via": self.via,
             "conflicts": self.conflicts,
         }
+
+
+def _decoded(key: str, field: str, text: Any) -> Any:
+    """``text`` decoded from JSON, or ``StoreCorrupt`` naming the record and the field."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError) as exc:  # not JSON (JSONDecodeError), or not text at all
+        raise StoreCorrupt(
+            f"the record of {key!r} holds a {field} that is not JSON ({type(exc).__name__}: {exc}): something "
+            f"other than onceonly wrote it, or it was damaged. Nothing was changed: restore the stored {field}, "
+            "or delete the record if its operation may run again"
+        ) from None
+
+
+_NONE = type(None)
+_OPTIONAL_FLOAT = frozenset({float, _NONE})
+_OPTIONAL_TEXT = frozenset({str, _NONE})
+# The slow path's rule per field (a number may be an int where a float belongs: JSON keeps 5.0 as 5).
+_KINDS = (
+    ("scope", (str,)), ("tool", (str,)), ("fingerprint", (str,)), ("attempts", (int,)), ("fence", (int,)),
+    ("version", (int,)), ("lease_owner", (str, _NONE)), ("lease_until", (float, int, _NONE)),
+    ("next_attempt_at", (float, int, _NONE)), ("expires_at", (float, int, _NONE)), ("created_at", (float, int)),
+    ("updated_at", (float, int)), ("result_json", (str, _NONE)), ("error", (str, _NONE)), ("args_json", (str,)),
+    ("history_json", (str,)), ("via", (str, _NONE)), ("conflicts", (int,)),
+)  # fmt: skip
+
+
+def misplaced(rec: Record) -> tuple[str, Any] | None:
+    """The first field of ``rec`` that does not hold a value of its type, as (name, value); else None.
+
+    Stores whose fields take any type (SQLite's columns, the JSON of a Redis record) check each record
+    they decode, so that text where a number belongs is reported as ``StoreCorrupt`` naming the key,
+    not as a ``TypeError`` deep in the guard. The state is the store's own check.
+
+    .. versionadded:: 0.1
+    """
+    # The shape of nearly every record, in a few chained comparisons: this runs on every read.
+    if (
+        type(rec.attempts) is type(rec.fence) is type(rec.version) is type(rec.conflicts) is int
+        and type(rec.created_at) is type(rec.updated_at) is float
+        and type(rec.scope) is type(rec.tool) is type(rec.fingerprint) is type(rec.args_json) is str
+        and type(rec.history_json) is str
+        and type(rec.lease_until) in _OPTIONAL_FLOAT
+        and type(rec.next_attempt_at) in _OPTIONAL_FLOAT
+        and type(rec.expires_at) in _OPTIONAL_FLOAT
+        and type(rec.lease_owner) in _OPTIONAL_TEXT
+        and type(rec.result_json) in _OPTIONAL_TEXT
+        and type(rec.error) in _OPTIONAL_TEXT
+        and type(rec.via) in _OPTIONAL_TEXT
+    ):
+        return None
+    for name, kinds in _KINDS:
+        value = getattr(rec, name)
+        if type(value) not in kinds:
+            return name, value
+    return None
 
 
 #: Each state's JSON string, and null for "no state" (Enum.value is a descriptor call; this runs
@@ -212,11 +274,11 @@ def replace(rec: Record, **changes: Any) -> Record:
     return _replace(rec, changes)
 
 
-def _append(history_json: str, entry: str, version: int) -> str:
+def _append(history_json: str, entry: str, version: int, key: str) -> str:
     # String append keeps the hot path free of a decode; only long histories are decoded and trimmed.
     if version < HISTORY_LIMIT:
         return f"[{entry}]" if history_json == "[]" else f"{history_json[:-1]},{entry}]"
-    items = json.loads(history_json)
+    items = _decoded(key, "history", history_json)
     items.append(json.loads(entry))
     return json.dumps(items[-HISTORY_LIMIT:], separators=(",", ":"), ensure_ascii=False)
 
@@ -276,7 +338,7 @@ def transition(
         state=to,
         version=version,
         updated_at=now,
-        history_json=_append(rec.history_json, _entry(rec.state, to, now, reason, fence, by), version),
+        history_json=_append(rec.history_json, _entry(rec.state, to, now, reason, fence, by), version, rec.key),
         **changes,
     )
 
@@ -328,7 +390,7 @@ def confirm(rec: Record, *, result_json: str | None, now: float, ttl: float | No
     return Record(
         rec.key, rec.scope, rec.tool, rec.fingerprint, State.CONFIRMED, rec.attempts, rec.fence, version,
         None, None, None, None if ttl is None else now + ttl, rec.created_at, now, result_json, None,
-        rec.args_json, _append(rec.history_json, entry, version), via, rec.conflicts,
+        rec.args_json, _append(rec.history_json, entry, version, rec.key), via, rec.conflicts,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from onceonly.errors import StoreCorrupt
-from onceonly.states import HELD, Record, State
+from onceonly.states import HELD, Record, State, misplaced
 from onceonly.stores.base import Query
 
 #: The table's columns, in the order of the Record's fields (a row is a Record's arguments).
@@ -27,13 +27,26 @@ swap_fields = operator.attrgetter(*SWAP_FIELDS)
 
 
 def row_to_record(row: Sequence[Any]) -> Record:
-    """A row of ``COLUMNS`` as a Record."""
+    """A row of ``COLUMNS`` as a Record; ``StoreCorrupt`` for a state or a value that is not ours."""
     rec = Record(*row)  # the columns are the fields, in order
     try:
         rec.state = STATES[row[4]]  # a fresh object, not yet shared: set before anyone sees it
     except KeyError:
         raise bad_state(row[0], row[4]) from None
+    wrong = misplaced(rec)
+    if wrong is not None:
+        raise bad_value(rec.key, *wrong)
     return rec
+
+
+def bad_value(key: str, field: str, value: object) -> StoreCorrupt:
+    """The error for a field whose stored value is not of its type (text where a number belongs…)."""
+    column = COLUMN_OF.get(field, field)
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return StoreCorrupt(
+        f"the record of {key!r} has {shown} ({type(value).__name__}) in its {column} column ({field}), which "
+        "is not what onceonly writes there: something else wrote it. Nothing was changed: fix or delete that row"
+    )
 
 
 def bad_state(key: str | None, value: object) -> StoreCorrupt:

@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - the redis extra installs hiredis
     _pack_command = None  # type: ignore[assignment]
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
-from onceonly.states import HELD, Record, State
+from onceonly.states import HELD, Record, State, misplaced
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 
@@ -263,7 +263,7 @@ def _encode(r: Record) -> str:
 def _decode(key: str, d: bytes, a: bytes | None) -> Record:
     try:
         x = _loads(d)
-        return Record(
+        rec = Record(
             key, x[0], x[1], x[2], _STATES[x[3]], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13],
             x[14], "{}" if a is None else a.decode(), x[15], x[16], x[17],
         )  # fmt: skip
@@ -272,6 +272,16 @@ def _decode(key: str, d: bytes, a: bytes | None) -> Record:
             f"the Redis record of {key!r} is not an onceonly record of schema {SCHEMA_VERSION} ({exc!r}). "
             "Nothing was changed: check what else writes under this prefix, or use another prefix"
         ) from exc
+    wrong = misplaced(rec)
+    if wrong is not None:
+        field, value = wrong
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise StoreCorrupt(
+            f"the Redis record of {key!r} has {shown} ({type(value).__name__}) in its {field}, which is not what "
+            "onceonly writes there. Nothing was changed: check what else writes under this prefix, or fix or "
+            "delete the record"
+        )
+    return rec
 
 
 def _head(r: Record) -> str:
