@@ -13,6 +13,7 @@ import pytest
 
 from onceonly import Ledger, Outcome, State
 from onceonly import states as st
+from onceonly.drivers import drive
 from onceonly.guard import late_outcome
 from onceonly.states import Record
 from onceonly.stores import open_store
@@ -192,7 +193,7 @@ def test_a_late_outcome_of_an_attempt_on_a_lost_record_never_settles_the_new_one
     def t() -> int:
         return 1
 
-    call = t._call((), {}, None, 1)
+    call = t.spec.call((), {}, None, 1)
     call.created_at = ledger.clock() - 60  # the lost record's
     rec = st.new_record(
         key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
@@ -200,9 +201,9 @@ def test_a_late_outcome_of_an_attempt_on_a_lost_record_never_settles_the_new_one
     )  # fmt: skip
     unknown = st.mark_unknown(rec, now=ledger.clock(), reason="timed out", by="h:2:1")
     assert ledger.store.insert(unknown)
-    ledger._drive(late_outcome(call, 1, None, ValueError("refused")), t, call, (), {})
+    drive(ledger, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
     assert ledger.get(call.key) == unknown
-    ledger._drive(late_outcome(call, 1, 5), t, call, (), {})
+    drive(ledger, late_outcome(call, 1, 5), t.spec, call, (), {})
     after = ledger.get(call.key)
     assert after is not None
     assert (after.state, after.result, after.via, after.conflicts) == (State.CONFIRMED, 5, "late:1", 1)
