@@ -4,9 +4,10 @@ The floor of a store is what any exactly-once ledger pays there: two raw writes 
 a settle) doing the same work, with the same settings. Rounds interleave every contender, and the
 table gives medians of per-call times and of per-round ratios to the floor, so drift hits all alike.
 
-    python benchmarks/bench.py [--stores sqlite,redis,postgres,server] [--rounds 30] [--batch 200] [--json]
+    python benchmarks/bench.py [--stores sqlite,redis,postgres,server,langchain] [--rounds 30] [--batch 200] [--json]
 
-"server" is the ticket service's POST /tickets with and without the idempotency middleware.
+"server" is the ticket service's POST /tickets with and without the idempotency middleware; "langchain"
+a guarded LangChain tool's invoke next to the same tool unguarded (SQLite ledger).
 
 One module per store (bench_<store>.py) with ``bench(rounds, batch, workdir) -> rows``.
 """
@@ -43,7 +44,7 @@ def _unreachable() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stores", default="sqlite,redis,postgres,server")
+    parser.add_argument("--stores", default="sqlite,redis,postgres,server,langchain")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--json", action="store_true", help="also print all rows as JSON")

@@ -25,6 +25,8 @@ THROUGHPUT = ("--throughput", "2", "--seconds", "0.2", "--throughput-rounds", "1
 SQLITE_ROWS = ("floor: 2 raw writes", "guarded first call", "replay (from the store)")
 REDIS_ROWS = ("floor: 2 raw round trips", "same 2 SET below redis-py's client", "guarded first call", "replay")
 POSTGRES_ROWS = ("floor: 2 raw round trips", "same 2 statements below psycopg's cursor", "1 raw read")
+LANGCHAIN_ROWS = ("floor: the same tool unguarded", "guarded tool invoke, first call", "guarded tool invoke, replay",
+                  "@ledger.tool alone, first call (SQLite)", "adds")  # fmt: skip
 redis_mark, postgres_mark = pytest.mark.redis, pytest.mark.postgres
 
 
@@ -109,6 +111,7 @@ def _redis_keys(url: str, prefix: str) -> list[bytes]:
         pytest.param(("bench_postgres.py", "--indexes", *TINY), ("floor, primary key only",
                      "floor, + both indexes + watch trigger (as shipped)", "of which HOT"), id="postgres-indexes",
                      marks=postgres_mark),
+        pytest.param(("bench.py", "--stores", "langchain", *TINY), LANGCHAIN_ROWS, id="bench-langchain"),
         pytest.param(("bench.py", "--stores", "server", *TINY), ("no middleware (1 at a time)",
                      "middleware, store sqlite (8 in flight)", "middleware, transactional (in-process, no network)"),
                      id="bench-server"),

@@ -759,6 +759,11 @@ def test_the_langgraph_example_runs_offline() -> None:
         assert done.returncode == 0, done.stderr
         assert sorted(p.name for p in Path(tmp).iterdir()) == [], "the example left files behind"
     out = done.stdout
+    assert "paused: file an urgent ticket 'Printer on fire'? (tickets so far: 0)" in out
+    told = [line for line in out.splitlines() if line.startswith("  tool  [call_")]
+    assert len(told) == 3
+    assert told[0].startswith("  tool  [call_1, success]: already done at ") and '"id": 1' in told[0]
+    assert told[1].startswith("  tool  [call_2, success]: ") and '"id": 1' in told[1]
+    assert "ledger: confirmed via probe, attempts 1" in out  # the pause was no attempt
     assert "tickets created: 1" in out
-    assert "already done at" in out
     assert "emails sent: 1" in out

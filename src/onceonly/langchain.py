@@ -23,14 +23,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
 import logging
+import re
 import threading
 import typing
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -90,6 +92,7 @@ _TOLD = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
 _NS_SEP, _NS_END = "|", ":"
 #: The longest scope used as it is; a longer one (or one with whitespace) is hashed.
 _MAX_SCOPE = 100
+_WHITESPACE = re.compile(r"\s")
 
 _TOOL_CALL_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_tool_call_id", default=None)
 
@@ -114,15 +117,19 @@ def thread_scope(config: RunnableConfig | None) -> str | None:
     thread = configurable.get("thread_id")
     if thread is None or thread == "":
         return None
-    parts = [str(thread)]
-    ns = configurable.get("checkpoint_ns") or ""
+    return _scope_of(str(thread), str(configurable.get("checkpoint_ns") or ""))
+
+
+@functools.lru_cache(maxsize=1024)  # a conversation asks again and again, and the ns repeats within a step
+def _scope_of(thread: str, ns: str) -> str:
+    parts = [thread]
     if ns:
-        segments = str(ns).split(_NS_SEP)
+        segments = ns.split(_NS_SEP)
         if _NS_END in segments[-1]:
             segments.pop()  # the running node's task: a new id every step
         parts += [segment.split(_NS_END, 1)[0] for segment in segments]
     scope = _NS_SEP.join(parts)
-    if len(scope) <= _MAX_SCOPE and scope.isprintable() and not any(ch.isspace() for ch in scope):
+    if len(scope) <= _MAX_SCOPE and scope.isprintable() and _WHITESPACE.search(scope) is None:
         return scope
     return "thread-" + hashlib.sha256(scope.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
@@ -314,6 +321,14 @@ def _body(spec: _Spec, asynchronous: bool) -> Callable[..., Any]:
     return fn
 
 
+def _field_names(schema: Any) -> list[str]:
+    """The fields of a pydantic model class (v2, or v1 as LangChain still accepts)."""
+    fields = getattr(schema, "model_fields", None)
+    if fields is None:
+        fields = getattr(schema, "__fields__", {})
+    return list(fields)
+
+
 def _takes(method: Callable[..., Any]) -> tuple[bool, str | None]:
     """Whether a tool's ``_run``/``_arun`` takes ``run_manager``, and its ``RunnableConfig`` parameter."""
     try:
@@ -352,8 +367,8 @@ class _Spec:
             names = list(props)
             self.injected_names: frozenset[str] = frozenset(inner._injected_args_keys)
         else:
-            names = list(visible.model_fields)
-            full = set(schema.model_fields) if schema is not None and not isinstance(schema, dict) else set()
+            names = _field_names(visible)
+            full = set(_field_names(schema)) if schema is not None and not isinstance(schema, dict) else set()
             self.injected_names = frozenset(full - set(names)) | frozenset(inner._injected_args_keys)
         # A tool that takes the ledger's key gets it from the ledger, never from the model.
         self.takes_key = _KEY in names
@@ -409,14 +424,9 @@ class _Spec:
             extras["run_manager"] = run_manager
         return _Invocation(self, args, model_args, injected, extras, _TOOL_CALL_ID.get())
 
-    @contextlib.contextmanager
-    def scoped(self, config: RunnableConfig | None) -> Iterator[None]:
+    def scoped(self, config: RunnableConfig | None) -> contextlib.AbstractContextManager[Any]:
         scope = self.scope(config)
-        if scope is None:
-            yield
-            return
-        with self.ledger.task(scope):
-            yield
+        return contextlib.nullcontext() if scope is None else self.ledger.task(scope)
 
     # --- what the caller gets ---------------------------------------------------------------------
 
@@ -529,7 +539,7 @@ class GuardedTool(BaseTool):
         return getattr(self.inner, "coroutine", None)
 
     @property
-    def _injected_args_keys(self) -> frozenset[str]:  # type: ignore[override]
+    def _injected_args_keys(self) -> frozenset[str]:
         # LangChain passes injected arguments (ToolRuntime, InjectedToolArg...) to the tool's _run only
         # when it knows them: they are the original's.
         keys: frozenset[str] = self.inner._injected_args_keys
@@ -604,9 +614,15 @@ def _without_key(schema: Any) -> Any:
         return schema
     kept = {n: (f.annotation, f) for n, f in fields.items() if n != _KEY}
     # The fields keep their metadata, so InjectedToolArg & co. stay injected (LangChain reads them).
-    return create_model(
-        schema.__name__, __config__=ConfigDict(arbitrary_types_allowed=True), __doc__=schema.__doc__, **kept
-    )
+    make: Any = create_model  # the fields are built at run time: no overload can see them
+    return make(schema.__name__, __config__=ConfigDict(arbitrary_types_allowed=True), __doc__=schema.__doc__, **kept)
+
+
+# LangChain reads these two signatures' annotations on every call (to pass the config and the run
+# manager): real objects, not the strings that `from __future__ import annotations` leaves, which
+# typing.get_type_hints would compile again each time (most of what a guarded call added).
+GuardedTool._run.__annotations__ = {"config": RunnableConfig, "run_manager": CallbackManagerForToolRun | None}
+GuardedTool._arun.__annotations__ = {"config": RunnableConfig, "run_manager": AsyncCallbackManagerForToolRun | None}
 
 
 # --- guard(), guard_tools() -------------------------------------------------------------------------
@@ -716,7 +732,7 @@ def guard_tools(tools: Sequence[Any], ledger: Ledger, **policy: Any) -> list[Any
 # --- the middleware ---------------------------------------------------------------------------------
 
 
-class OnceOnlyMiddleware(AgentMiddleware):  # type: ignore[type-arg]
+class OnceOnlyMiddleware(AgentMiddleware):
     """Guards every tool call of a ``langchain.agents.create_agent`` agent with one ledger.
 
     ``create_agent(model, tools, middleware=[OnceOnlyMiddleware(ledger)], checkpointer=saver)``. Each
