@@ -423,6 +423,31 @@ def test_a_sibling_of_an_interrupted_call_runs_once(
     assert ("email #1 to ada" in email.content) is guarded
 
 
+def test_a_side_effect_before_an_interrupt_is_its_own_guarded_step(ledger: Ledger, effects: Effects) -> None:
+    """The resumed tool runs from the top, so what it did before ``interrupt()`` would happen twice;
+    as a ``@ledger.tool`` function of its own, called inside, it is scoped to the same conversation
+    and the resumed run replays it."""
+
+    @ledger.tool(name="hold_seat")
+    def hold_seat(flight: str) -> str:
+        return f"hold #{effects.add('hold', flight)}"
+
+    @tool
+    def book(flight: str) -> str:
+        """Book a flight after approval."""
+        hold = hold_seat(flight)
+        answer = interrupt(f"book {flight} with {hold}?")
+        return f"booking #{effects.add('booking', flight)} with {hold}: {answer}"
+
+    model = scripted(calls(("book", {"flight": "LH400"}, "c1")), "done")
+    agent = create_agent(model, [guard(book, ledger)], checkpointer=InMemorySaver())
+    agent.invoke({"messages": [("user", "book LH400")]}, thread("t1"))
+    agent.invoke(Command(resume="yes"), thread("t1"))
+    assert (effects.count("hold"), effects.count("booking")) == (1, 1)
+    assert model.told(1)[0].content == "booking #1 with hold #1: yes"
+    assert sorted(r.scope for r in ledger.list()) == ["t1", "t1"]
+
+
 def test_a_create_agent_middleware_pauses_and_resumes_once(ledger: Ledger, effects: Effects) -> None:
     """``OnceOnlyMiddleware`` on ``create_agent``: the interrupting tool pauses unrecorded, its resume
     runs it once; the email sent in the same message is not sent again."""
@@ -743,6 +768,33 @@ def test_the_middleware_guards_async_tools(ledger: Ledger, effects: Effects) -> 
     asyncio.run(agent.ainvoke({"messages": [("user", "go")]}, thread("t1")))
     assert effects.count("charge") == 1
     assert model.told(2)[0].content.startswith("already done at ")
+
+
+# --- the docs and the example -------------------------------------------------------------------
+
+
+def _doc_snippets() -> tuple[str, list[str]]:
+    """docs/langchain.md: its set-up block, and every Python block after it."""
+    text = (ROOT / "docs" / "langchain.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    setup = next(i for i, b in enumerate(blocks) if b.startswith("import onceonly"))
+    return blocks[setup], blocks[setup + 1 :]
+
+
+@pytest.mark.parametrize("index", range(len(_doc_snippets()[1])))
+def test_the_docs_snippets_run_and_print_what_they_say(index: int, tmp_path: Path) -> None:
+    """Each snippet of docs/langchain.md runs after its set-up block, in a directory of its own, and
+    prints, line by line, what its ``# -> …`` comments say."""
+    setup, snippets = _doc_snippets()
+    snippet = snippets[index]
+    (tmp_path / "snippet.py").write_text(setup + "\n" + snippet, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "snippet.py"], check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    expected = [line.split("# -> ", 1)[1] for line in snippet.splitlines() if "# -> " in line]
+    assert expected, "a snippet says what it prints"
+    assert done.stdout.splitlines() == expected
 
 
 # --- the example ------------------------------------------------------------------------------------
