@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
@@ -700,6 +701,59 @@ def test_a_conflict_is_told_with_the_earlier_result(ledger: Ledger, effects: Eff
     assert told.status == "error" and "onceonly resolve" not in told.content
     assert "Printer on fire" in told.content and '"id"' in told.content and "$langchain" not in told.content
     assert effects.count("ticket") == 1
+
+
+def test_in_progress_and_exhausted_are_told_as_errors(ledger: Ledger, effects: Effects) -> None:
+    """The same call twice in one message, the first still running (``wait=0``): the second is told
+    it is in progress. A call whose one attempt failed: asked again, the model is told the attempts
+    are spent. Both as error messages, in the model's words."""
+
+    @tool
+    def slow(n: int) -> str:
+        """Take a while."""
+        time.sleep(0.5)
+        return f"slow #{effects.add('slow', n)}"
+
+    @tool
+    def flaky(n: int) -> str:
+        """Fail."""
+        effects.add("flaky", n)
+        raise ToolException("upstream refused")
+
+    flaky.handle_tool_error = True
+    tools = [guard(slow, ledger, wait=0.0), guard(flaky, ledger, retry=onceonly.Retry(attempts=1))]
+    model = scripted(
+        calls(("slow", {"n": 1}, "a"), ("slow", {"n": 1}, "b"), ("flaky", {"n": 1}, "c")),
+        calls(("flaky", {"n": 1}, "d")),
+        "done",
+    )
+    graph = react_graph(model, tools, InMemorySaver())
+    graph.invoke({"messages": [("user", "go")]}, thread("t1"))
+    first = {m.tool_call_id: m for m in model.told(1)}
+    statuses = sorted((first["a"].status, first["b"].status))
+    assert statuses == ["error", "success"] and effects.count("slow") == 1
+    busy = first["a"] if first["a"].status == "error" else first["b"]
+    assert "onceonly" not in busy.content and "progress" in busy.content
+    assert (first["c"].status, first["c"].content) == ("error", "upstream refused")
+    (spent,) = model.told(2)
+    assert spent.status == "error" and "onceonly resolve" not in spent.content
+    assert effects.count("flaky") == 1
+
+
+def test_an_async_only_tool_called_sync_records_nothing(ledger: Ledger) -> None:
+    """A tool with only an async implementation, invoked sync: LangChain's own NotImplementedError,
+    and no record (nothing was attempted)."""
+
+    @tool
+    async def fetch(url: str) -> str:
+        """Fetch."""
+        return url
+
+    guarded = guard(fetch, ledger)
+    with pytest.raises(NotImplementedError, match="async"):
+        guarded.invoke({"url": "x"})
+    assert ledger.list() == []
+    assert asyncio.run(guarded.ainvoke({"url": "x"})) == "x"
 
 
 def test_guarding_a_tool_again_returns_the_same_guarded_tool(ledger: Ledger) -> None:
