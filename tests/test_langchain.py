@@ -26,7 +26,7 @@ from langchain.agents import create_agent
 from langchain.tools import ToolRuntime
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
-from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException, tool
+from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool, ToolException, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
@@ -37,7 +37,7 @@ from langgraph.types import Command, RetryPolicy, interrupt
 from pydantic import Field
 
 import onceonly
-from onceonly import Ledger, State
+from onceonly import Ledger, OutcomeUnknown, State
 from onceonly.langchain import GuardedTool, OnceOnlyMiddleware, guard, guard_tools, thread_scope
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +112,11 @@ def calls(*specs: tuple[str, dict[str, Any], str]) -> AIMessage:
 
 def scripted(*turns: AIMessage | str) -> Scripted:
     return Scripted(messages=iter([t if isinstance(t, AIMessage) else AIMessage(t) for t in turns]))
+
+
+def is_replay(text: object, result: str) -> bool:
+    """A replay as ``onceonly.tell_model`` words it for the model: done before, not repeated, its result."""
+    return isinstance(text, str) and "already done at " in text and "not repeated" in text and text.endswith(result)
 
 
 def thread(name: str) -> dict[str, Any]:
@@ -222,9 +227,9 @@ def test_an_interrupt_inside_a_guarded_tool_pauses_without_an_attempt(ledger: Le
 def test_a_replay_and_an_unknown_reach_the_model_in_its_own_words(
     ledger: Ledger, effects: Effects, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A re-planned call is told "already done …, not repeated" with the result; a lost answer under
-    ``on_unknown="review"`` is told "outcome unknown … do not issue it again" as an error message; the
-    graph runs to its end, and the operator's ``onceonly resolve`` goes to the log only."""
+    """A re-planned call is told it was already done and not repeated, with the result; a lost answer
+    under ``on_unknown="review"`` is told the outcome is unknown and not to issue it again, as an error
+    message; the graph runs to its end, and the operator's ``onceonly resolve`` goes to the log only."""
     lose = {"refund"}
 
     @tool
@@ -251,9 +256,10 @@ def test_a_replay_and_an_unknown_reach_the_model_in_its_own_words(
         agent.invoke({"messages": [("user", "charge 5, refund 2")]}, thread("t1"))
     replayed, unknown = model.told(2)
     assert replayed.tool_call_id == "c3" and replayed.status == "success"
-    assert replayed.content.startswith("already done at ") and 'result: "charged 5"' in replayed.content
+    assert is_replay(replayed.content, "charged 5")
     assert unknown.tool_call_id == "c4" and unknown.status == "error"
-    assert "outcome unknown" in unknown.content and "do not issue it again" in unknown.content
+    assert unknown.content == onceonly.tell_model(OutcomeUnknown("lost", key="k"))
+    assert "Do not issue it again" in unknown.content
     assert all("onceonly resolve" not in str(m.content) for turn in model.seen for m in turn)
     assert "onceonly resolve" in caplog.text
     assert (effects.count("charge"), effects.count("refund")) == (1, 1)
@@ -296,8 +302,7 @@ def _assert_one_charge_and_told(model: Scripted, effects: Effects) -> None:
     (second,) = model.told(2)  # the re-plan: a new id, the same arguments
     assert first.tool_call_id == "c1" and second.tool_call_id == "c2"
     for message in (first, second):
-        assert message.content.startswith("already done at ")
-        assert 'not repeated; result: "charge of 5 found"' in message.content
+        assert is_replay(message.content, "charge of 5 found")
 
 
 def test_a_lost_answer_and_a_replan_charge_once_sync(ledger: Ledger, effects: Effects, tmp_path: Path) -> None:
@@ -368,7 +373,7 @@ def test_a_node_retried_by_langgraph_charges_once(ledger: Ledger, effects: Effec
     charged, reserved = model.told(1)
     assert reserved.content == "reserved A1"
     if guarded:  # the model never read the first run's answer; it is told the charge happened before
-        assert charged.content.startswith("already done at ") and '"charge #1"' in charged.content
+        assert is_replay(charged.content, "charge #1")
     else:
         assert charged.content == "charge #2"
 
@@ -489,7 +494,7 @@ def test_the_same_call_runs_once_per_thread(ledger: Ledger, effects: Effects) ->
         agent.invoke({"messages": [("user", "charge 5")]}, thread(name))
     assert effects.count("charge") == 2
     assert sorted(r.scope for r in ledger.list()) == ["alice", "bob"]
-    assert model.told(5)[0].content.startswith("already done at ")
+    assert is_replay(model.told(5)[0].content, "charge #1")
 
 
 def test_a_subgraphs_calls_are_scoped_by_thread_and_subgraph(ledger: Ledger, effects: Effects) -> None:
@@ -548,7 +553,7 @@ def test_calls_outside_a_graph_use_the_ledgers_scope(ledger: Ledger, effects: Ef
     with ledger.task("job-7"):
         assert guarded.invoke({"amount": 5}) == {"n": 2, "amount": 5}
     message = guarded.invoke({"type": "tool_call", "name": "charge", "args": {"amount": 5}, "id": "x"})
-    assert isinstance(message, ToolMessage) and message.content.startswith("already done at ")
+    assert isinstance(message, ToolMessage) and is_replay(message.content, '{"amount":5,"n":1}')
     assert sorted(r.scope for r in ledger.list()) == ["default", "job-7"]
 
 
@@ -592,8 +597,7 @@ def test_a_replayed_command_answers_the_new_call(ledger: Ledger, effects: Effect
     assert isinstance(first, Command) and isinstance(again, Command)
     assert first.update["messages"][0].tool_call_id == "c1"  # type: ignore[index]
     (message,) = again.update["messages"]  # type: ignore[index]
-    assert message.tool_call_id == "c2" and message.content.startswith("already done at ")
-    assert '"noted #1"' in message.content
+    assert message.tool_call_id == "c2" and is_replay(message.content, "noted #1")
     assert again.update["facts"] == ["blue"]  # type: ignore[index]
     assert effects.count("fact") == 1
 
@@ -619,7 +623,7 @@ def test_injected_arguments_stay_out_of_the_key(ledger: Ledger, effects: Effects
     agent.invoke({"messages": [("user", "note hi")]}, thread("t1"))
     assert seen == [(2, "c1", "c1")]
     assert effects.count("note") == 1
-    assert model.told(2)[0].content.startswith("already done at ")
+    assert is_replay(model.told(2)[0].content, "note #1")
 
 
 # --- errors: below the framework's error handling ----------------------------------------------------
@@ -780,6 +784,56 @@ def test_guarding_a_tool_again_returns_the_same_guarded_tool(ledger: Ledger) -> 
         guard(refund, ledger)
 
 
+def test_a_tool_made_again_is_the_same_operation_and_another_under_its_name_is_refused(
+    ledger: Ledger, effects: Effects
+) -> None:
+    """A tool is the operation the model sees (name, description, arguments) under the guard's
+    settings: the same tool made again (a factory per request, an MCP adapter per session) shares
+    records; another tool under the same name is refused by the ledger, naming ``name=``."""
+
+    def make() -> BaseTool:
+        @tool
+        def charge(amount: int) -> str:
+            """Charge a card."""
+            return f"charge #{effects.add('charge', amount)}"
+
+        return charge
+
+    first, second = guard(make(), ledger), guard(make(), ledger)
+    assert first is not second
+    call = {"type": "tool_call", "name": "charge", "args": {"amount": 5}, "id": "c1"}
+    assert first.invoke(call, thread("t1")).content == "charge #1"
+    assert is_replay(second.invoke({**call, "id": "c2"}, thread("t1")).content, "charge #1")
+
+    @tool("charge")
+    def other_charge(amount: int, currency: str) -> str:
+        """Charge in a currency."""
+        return "no"
+
+    with pytest.raises(ValueError, match="name="):
+        guard(other_charge, ledger)
+    assert guard(other_charge, ledger, name="charge-in-currency").name == "charge"
+
+
+def test_a_tool_with_sync_and_async_code_is_one_operation(ledger: Ledger, effects: Effects) -> None:
+    """A ``StructuredTool`` with both a function and a coroutine: ``invoke`` runs the one, ``ainvoke``
+    the other, and the two share the records (one key, one definition in the ledger)."""
+
+    def charge(amount: int) -> str:
+        return f"sync charge #{effects.add('charge', amount)}"
+
+    async def acharge(amount: int) -> str:
+        return f"async charge #{effects.add('charge', amount)}"
+
+    both = StructuredTool.from_function(func=charge, coroutine=acharge, name="charge", description="Charge.")
+    guarded = guard(both, ledger)
+    assert guarded.invoke({"amount": 1}) == "sync charge #1"
+    assert asyncio.run(guarded.ainvoke({"amount": 1})) == "sync charge #1"
+    assert asyncio.run(guarded.ainvoke({"amount": 2})) == "async charge #2"
+    assert guarded.invoke({"amount": 2}) == "async charge #2"
+    assert list(ledger.tools) == ["charge"]
+
+
 def test_the_middleware_guards_only_the_tools_named(ledger: Ledger, effects: Effects) -> None:
     """``OnceOnlyMiddleware(tools=...)`` guards those; the others run each time; the model's schemas
     are the originals'."""
@@ -821,7 +875,7 @@ def test_the_middleware_guards_async_tools(ledger: Ledger, effects: Effects) -> 
     agent = create_agent(model, [charge], middleware=[OnceOnlyMiddleware(ledger)], checkpointer=InMemorySaver())
     asyncio.run(agent.ainvoke({"messages": [("user", "go")]}, thread("t1")))
     assert effects.count("charge") == 1
-    assert model.told(2)[0].content.startswith("already done at ")
+    assert is_replay(model.told(2)[0].content, "charge #1")
 
 
 # --- the docs and the example -------------------------------------------------------------------
@@ -831,7 +885,7 @@ def _doc_snippets() -> tuple[str, list[str]]:
     """docs/langchain.md: its set-up block, and every Python block after it."""
     text = (ROOT / "docs" / "langchain.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    setup = next(i for i, b in enumerate(blocks) if b.startswith("import onceonly"))
+    setup = next(i for i, b in enumerate(blocks) if b.startswith("import re\n\nimport onceonly"))
     return blocks[setup], blocks[setup + 1 :]
 
 
@@ -868,8 +922,10 @@ def test_the_langgraph_example_runs_offline() -> None:
     assert "paused: file an urgent ticket 'Printer on fire'? (tickets so far: 0)" in out
     told = [line for line in out.splitlines() if line.startswith("  tool  [call_")]
     assert len(told) == 3
-    assert told[0].startswith("  tool  [call_1, success]: already done at ") and '"id": 1' in told[0]
-    assert told[1].startswith("  tool  [call_2, success]: ") and '"id": 1' in told[1]
+    ticket = '{"filed":true,"id":1,"title":"Printer on fire"}'
+    assert told[0].startswith("  tool  [call_1, success]: ") and is_replay(told[0], ticket)
+    assert told[1].startswith("  tool  [call_2, success]: ") and "with other details" in told[1]
+    assert told[1].endswith(ticket)
     assert "ledger: confirmed via probe, attempts 1" in out  # the pause was no attempt
     assert "tickets created: 1" in out
     assert "emails sent: 1" in out

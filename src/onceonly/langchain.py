@@ -54,6 +54,8 @@ from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeU
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json
 from onceonly.policy import Verdict
+from onceonly.tell import tell_model
+from onceonly.tools import ToolSpec, make_tool, same_definition
 
 if TYPE_CHECKING:
     from langchain.agents.middleware import AgentMiddleware
@@ -284,28 +286,58 @@ class _Invocation:
         return stored
 
 
-def _body(spec: _Spec, asynchronous: bool) -> Callable[..., Any]:
+class _Definition:
+    """What makes two guarded LangChain tools one operation in the ledger: the tool as the model sees it
+    (name, description, argument schema) and the guard's settings.
+
+    The ledger refuses a second function under a registered name unless it is the same definition, and
+    tells that from the functions' closures (``onceonly.tools.same_definition``). The guarded body's only
+    closure value is this, so the same tool guarded again, or made again (a factory per request, an MCP
+    adapter per session), is the same operation, and another tool under the same name is refused.
+    """
+
+    __slots__ = ("settings", "shown")
+
+    def __init__(self, shown: str, settings: dict[str, Any]) -> None:
+        self.shown = shown
+        self.settings = settings
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Definition) or self.shown != other.shown:
+            return False
+        mine, theirs = self.settings, other.settings
+        return mine.keys() == theirs.keys() and all(_same_setting(mine[k], theirs[k]) for k in mine)
+
+    def __hash__(self) -> int:
+        return hash(self.shown)
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    if callable(a) and callable(b) and not isinstance(a, type):
+        return same_definition(a, b)  # a probe or key function made again by the same factory is the same
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _body(definition: _Definition, asynchronous: bool, spec: _Spec) -> Callable[..., Any]:
     """The function the ledger guards: the model's arguments are its parameters (so ``key=``,
-    ``ignore=`` and ``normalize=`` name them), the invocation its hidden one."""
-    inner = spec.inner
+    ``ignore=`` and ``normalize=`` name them); the invocation, its hidden one, says what to run."""
     if asynchronous:
-        ainner = inner._arun
 
         async def body(**kwargs: Any) -> Any:
+            assert definition is not None  # the closure's one value: what the ledger compares
             call: _Invocation = kwargs.pop(_CALL)
-            if call.args:  # a single string input, as LangChain passes it on
-                return call.keep(await ainner(*call.args, **call.injected, **spec.aextras(call)))
-            return call.keep(await ainner(**kwargs, **call.injected, **spec.aextras(call)))
+            return call.keep(await call.spec.arun_inner(call, kwargs))
 
         fn: Callable[..., Any] = body
     else:
-        sinner = inner._run
 
         def sbody(**kwargs: Any) -> Any:
+            assert definition is not None
             call: _Invocation = kwargs.pop(_CALL)
-            if call.args:
-                return call.keep(sinner(*call.args, **call.injected, **spec.extras(call)))
-            return call.keep(sinner(**kwargs, **call.injected, **spec.extras(call)))
+            return call.keep(call.spec.run_inner(call, kwargs))
 
         fn = sbody
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in spec.named]
@@ -315,10 +347,19 @@ def _body(spec: _Spec, asynchronous: bool) -> Callable[..., Any]:
         params.append(inspect.Parameter("arguments", inspect.Parameter.VAR_KEYWORD))
     params.append(inspect.Parameter(_CALL, inspect.Parameter.KEYWORD_ONLY, default=None))
     fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    fn.__name__ = fn.__qualname__ = inner.name
+    fn.__name__ = fn.__qualname__ = spec.inner.name
     fn.__module__ = __name__
-    fn.__doc__ = inner.description
+    fn.__doc__ = spec.inner.description
     return fn
+
+
+def _model_view(tool: BaseTool) -> str:
+    """The tool as a model is shown it: name, description, argument schema (canonical JSON)."""
+    schema: Any = tool.tool_call_schema
+    if not isinstance(schema, dict):  # a pydantic model class (v2, or v1's schema())
+        schema = (getattr(schema, "model_json_schema", None) or schema.schema)()
+    shown = schema
+    return canonical_json({"name": tool.name, "description": tool.description, "schema": shown}, path="tool")
 
 
 def _field_names(schema: Any) -> list[str]:
@@ -386,10 +427,38 @@ class _Spec:
             self.has_async = inner.coroutine is not None
         else:
             self.has_async = type(inner)._arun is not BaseTool._arun
+        probe = policy.get("probe")
+        if probe is not None and inspect.iscoroutinefunction(probe):
+            self.has_sync = False  # an async probe is awaited: the sync path has none to run
+        if not (self.has_sync or self.has_async):
+            raise TypeError(f"tool {inner.name!r}: an async probe needs an async tool (a coroutine) to guard")
+        definition = _Definition(_model_view(inner), dict(policy))
         ignore = (*policy.pop("ignore", ()), _CALL)
-        make = ledger.tool(name=name, ignore=ignore, **policy)
-        self.sync_fn: Any = make(_body(self, asynchronous=False)) if self.has_sync else None
-        self.async_fn: Any = make(_body(self, asynchronous=True)) if self.has_async else None
+        # One operation, one registered function: the sync body when there is one, else the async one.
+        # The other is its twin over the same settings and name, made without registering again.
+        first = ledger.tool(name=name, ignore=ignore, **policy)(_body(definition, not self.has_sync, self))
+        self.sync_fn: Any = first if self.has_sync else None
+        self.async_fn: Any = None if self.has_sync else first
+        if self.has_sync and self.has_async:
+            made = first.spec
+            twin = ToolSpec(
+                ledger, _body(definition, True, self), name=made.name, key=made.key_fields, ignore=ignore,
+                normalize=made.normalize, policy=made.policy, probe=made.probe, timeout=made.timeout,
+                readonly=made.readonly, decode=None, passthrough=made.passthrough,
+            )  # fmt: skip
+            self.async_fn = make_tool(twin)
+
+    def run_inner(self, call: _Invocation, kwargs: dict[str, Any]) -> Any:
+        """Run the original tool's ``_run`` with this call's arguments (the ledger decided it runs)."""
+        if call.args:  # a single string input, as LangChain passes it on
+            return self.inner._run(*call.args, **call.injected, **self.extras(call))
+        return self.inner._run(**kwargs, **call.injected, **self.extras(call))
+
+    async def arun_inner(self, call: _Invocation, kwargs: dict[str, Any]) -> Any:
+        """The same with the original's ``_arun``."""
+        if call.args:
+            return await self.inner._arun(*call.args, **call.injected, **self.aextras(call))
+        return await self.inner._arun(**kwargs, **call.injected, **self.aextras(call))
 
     def extras(self, call: _Invocation) -> dict[str, Any]:
         out = {}
@@ -452,7 +521,7 @@ class _Spec:
         if self.tell_model and out.replayed:
 
             def told(shown: Any) -> Any:
-                return _tell(dataclasses.replace(out, result=shown))
+                return tell_model(dataclasses.replace(out, result=shown))
 
         if isinstance(content, ToolOutputMixin) or (
             isinstance(content, list) and content and all(isinstance(c, ToolOutputMixin) for c in content)
@@ -475,16 +544,9 @@ class _Spec:
         if call.tool_call_id is None:  # code called the tool: it handles the error itself
             raise err
         message = ToolMessage(
-            content=_tell(_for_model(err)), tool_call_id=call.tool_call_id, name=self.inner.name, status="error"
+            content=tell_model(_for_model(err)), tool_call_id=call.tool_call_id, name=self.inner.name, status="error"
         )
         return (message, None) if self.with_artifact else message
-
-
-def _tell(what: Any) -> str:
-    from onceonly import tell_model
-
-    text: str = tell_model(what)
-    return text
 
 
 def _for_model(err: Exception) -> Exception:
@@ -659,8 +721,9 @@ def guard(
             (made a tool with LangChain's ``@tool``: it needs a docstring).
         ledger: the ledger the calls go through.
         name: the tool's name in the ledger's keys; default the tool's name.
-        tell_model: a replay reaches the model as ``onceonly.tell_model(outcome)`` ("already done at
-            ..., not repeated; result: ..."); ``False``: exactly as the original result read.
+        tell_model: a replay reaches the model as ``onceonly.tell_model(outcome)`` ("This action was
+            already done at ... and was not repeated. Its result: ..."); ``False``: exactly as the
+            original result read.
         scope: ``config -> scope | None`` (default ``thread_scope``: ``thread_id`` and subgraph).
         policy: the keyword arguments of ``@ledger.tool`` (``key=``, ``normalize=``, ``on_conflict=``,
             ``on_unknown=``, ``probe=``, ``retry=``, ``timeout=``...), naming the tool's arguments.
@@ -669,6 +732,10 @@ def guard(
     becomes a ``ToolMessage(status="error")`` with ``onceonly.tell_model``'s text; the operator's
     instructions go to the ``onceonly.langchain`` log. Called by code (no tool-call id), the error is
     raised.
+
+    A tool is the operation the model sees (name, description, arguments) under these settings: the
+    same tool guarded again, or made again (a factory per request, an MCP adapter per session), shares
+    its records; another tool under a name this ledger has is refused (pass ``name=``).
 
     .. versionadded:: 0.1
     """
