@@ -878,6 +878,19 @@ def test_the_middleware_guards_async_tools(ledger: Ledger, effects: Effects) -> 
     assert is_replay(model.told(2)[0].content, "charge #1")
 
 
+# --- imported lazily ---------------------------------------------------------------------------------
+
+
+def test_the_integration_is_imported_only_when_asked_for_and_names_its_extra() -> None:
+    """``import onceonly`` loads no LangChain or LangGraph; ``import onceonly.langchain`` without them
+    is an ImportError that names the extra to install."""
+    light = "import sys, onceonly; print([m for m in ('langchain_core', 'langgraph', 'langchain') if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout == "[]\n"
+    missing = "import sys; sys.modules['langchain_core'] = None; import onceonly.langchain"
+    done = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and 'pip install "onceonly[langchain]"' in done.stderr
+
+
 # --- the docs and the example -------------------------------------------------------------------
 
 
