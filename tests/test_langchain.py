@@ -578,6 +578,17 @@ def test_tell_model_false_replays_exactly_what_the_model_read(ledger: Ledger, ef
     assert (again.content, again.artifact, again.tool_call_id) == (first.content, first.artifact, "c2")
     assert effects.count("lookup") == 1
 
+    @tool
+    def rows(table: str) -> list[dict[str, Any]]:
+        """Read rows."""
+        return [{"z": effects.add("rows", table), "a": "é"}]
+
+    guarded_rows = guard(rows, ledger, tell_model=False)
+    first = guarded_rows.invoke({"type": "tool_call", "name": "rows", "args": {"table": "t"}, "id": "c3"}, cfg)
+    again = guarded_rows.invoke({"type": "tool_call", "name": "rows", "args": {"table": "t"}, "id": "c4"}, cfg)
+    assert first.content == again.content == '[{"z": 1, "a": "é"}]'
+    assert guarded_rows.invoke({"table": "t"}) == [{"a": "é", "z": 2}]  # code, another scope: a run
+
 
 def test_a_replayed_command_answers_the_new_call(ledger: Ledger, effects: Effects) -> None:
     """A tool that returns a ``Command`` with its own ToolMessage (``InjectedToolCallId``): the replay

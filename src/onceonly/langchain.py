@@ -280,10 +280,19 @@ class _Invocation:
         if isinstance(response, str):
             return response  # the common case, stored as the text itself
         stored: dict[str, Any] = {_TAG: "output", "response": _freeze(response), "tool_call_id": self.tool_call_id}
-        content = response[0] if self.spec.with_artifact and isinstance(response, tuple) else response
-        if not isinstance(content, ToolOutputMixin | list | str):
-            stored["shown"] = _shown(content)  # the model read exactly this text: a replay reads it too
+        content = response
+        if self.spec.with_artifact and isinstance(response, tuple):
+            stored["pair"] = True  # (content, artifact)
+            content = response[0]
+        if not (isinstance(content, str | ToolOutputMixin) or _all_outputs(content)):
+            # The model read this text (a dict in the tool's own key order): a replay reads it too.
+            stored["shown"] = _shown(content)
         return stored
+
+
+def _all_outputs(value: Any) -> bool:
+    """A list of messages and ``Command``s: what a tool returns to answer its call itself."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, ToolOutputMixin) for v in value)
 
 
 class _Definition:
@@ -327,7 +336,7 @@ def _body(definition: _Definition, asynchronous: bool, spec: _Spec) -> Callable[
     if asynchronous:
 
         async def body(**kwargs: Any) -> Any:
-            assert definition is not None  # the closure's one value: what the ledger compares
+            _ = definition  # keeps it in the closure (its one value): what the ledger compares
             call: _Invocation = kwargs.pop(_CALL)
             return call.keep(await call.spec.arun_inner(call, kwargs))
 
@@ -335,7 +344,7 @@ def _body(definition: _Definition, asynchronous: bool, spec: _Spec) -> Callable[
     else:
 
         def sbody(**kwargs: Any) -> Any:
-            assert definition is not None
+            _ = definition
             call: _Invocation = kwargs.pop(_CALL)
             return call.keep(call.spec.run_inner(call, kwargs))
 
@@ -358,8 +367,7 @@ def _model_view(tool: BaseTool) -> str:
     schema: Any = tool.tool_call_schema
     if not isinstance(schema, dict):  # a pydantic model class (v2, or v1's schema())
         schema = (getattr(schema, "model_json_schema", None) or schema.schema)()
-    shown = schema
-    return canonical_json({"name": tool.name, "description": tool.description, "schema": shown}, path="tool")
+    return canonical_json({"name": tool.name, "description": tool.description, "schema": schema}, path="tool")
 
 
 def _field_names(schema: Any) -> list[str]:
@@ -392,13 +400,13 @@ class _Spec:
         inner: BaseTool,
         ledger: Ledger,
         name: str,
-        tell_model: bool,
+        tell: bool,
         scope: Callable[[RunnableConfig | None], str | None],
         policy: dict[str, Any],
     ) -> None:
         self.inner = inner
         self.ledger = ledger
-        self.tell_model = tell_model
+        self.tell_model = tell
         self.scope = scope
         self.with_artifact = inner.response_format == "content_and_artifact"
         schema = inner.args_schema
@@ -419,7 +427,6 @@ class _Spec:
         # A JSON schema does not stop the model sending more; a name that is not an identifier cannot
         # be a parameter: then the whole of what the model sent is the operation.
         self.open_ended = isinstance(visible, dict) or not identifiers
-        self.visible = frozenset(names)
         self.run_manager, self.config = _takes(inner._run)
         self.arun_manager, self.aconfig = _takes(inner._arun)
         self.has_sync = not (isinstance(inner, StructuredTool) and inner.func is None)
@@ -507,30 +514,25 @@ class _Spec:
         stored = out.result
         tagged = isinstance(stored, dict) and stored.get(_TAG) == "output"
         response = _thaw(stored["response"]) if tagged else stored
-        if self.with_artifact:
-            if tagged and isinstance(response, list) and len(response) == 2:
-                content, artifact = response
-            else:  # recorded by a probe or a person: the content only
-                content, artifact = response, None
-        else:
+        if tagged and stored.get("pair"):
+            content, artifact = response
+        else:  # the content only (a probe's answer, a person's resolution included)
             content, artifact = response, None
         new_id = call.tool_call_id
         if new_id is None:  # code called the tool, not a model: the recorded value as it was
             return (content, artifact) if self.with_artifact else content
-        told: Callable[[Any], Any] | None = None
+        notice: Callable[[Any], Any] | None = None
         if self.tell_model and out.replayed:
 
-            def told(shown: Any) -> Any:
-                return tell_model(dataclasses.replace(out, result=shown))
+            def notice(result: Any) -> Any:
+                return tell_model(dataclasses.replace(out, result=result))
 
-        if isinstance(content, ToolOutputMixin) or (
-            isinstance(content, list) and content and all(isinstance(c, ToolOutputMixin) for c in content)
-        ):
+        if isinstance(content, ToolOutputMixin) or _all_outputs(content):
             old_id = stored.get("tool_call_id") if tagged else None
-            message = _retarget(content, old_id, new_id, told)
+            message = _retarget(content, old_id, new_id, notice)
             return (message, artifact) if self.with_artifact else message
-        if told is not None:
-            shown = told(content)
+        if notice is not None:
+            shown = notice(content)
         elif tagged and "shown" in stored:
             shown = stored["shown"]
         else:
@@ -558,7 +560,7 @@ def _for_model(err: Exception) -> Exception:
     if not (isinstance(stored, dict) and stored.get(_TAG) == "output"):
         return err
     content = _thaw(stored["response"])
-    if isinstance(content, list) and len(content) == 2 and "shown" not in stored:
+    if stored.get("pair"):
         content = content[0]  # (content, artifact): the model read the content
     shown = dataclasses.replace(record, result_json=canonical_json(_freeze(content), path="result"))
     return KeyConflict(str(err), key=err.key, record=shown, fingerprint=err.fingerprint)
@@ -682,7 +684,7 @@ def _without_key(schema: Any) -> Any:
 
 # LangChain reads these two signatures' annotations on every call (to pass the config and the run
 # manager): real objects, not the strings that `from __future__ import annotations` leaves, which
-# typing.get_type_hints would compile again each time (most of what a guarded call added).
+# typing.get_type_hints would compile again on every call.
 GuardedTool._run.__annotations__ = {"config": RunnableConfig, "run_manager": CallbackManagerForToolRun | None}
 GuardedTool._arun.__annotations__ = {"config": RunnableConfig, "run_manager": AsyncCallbackManagerForToolRun | None}
 
