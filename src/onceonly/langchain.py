@@ -111,7 +111,7 @@ def thread_scope(config: RunnableConfig | None) -> str | None:
     ids, as LangGraph itself stores a subgraph's own history. ``None`` outside a graph (no thread):
     the ledger's scope applies, or the ``ledger.task(...)`` around the call.
 
-    A thread id longer than 100 characters, or with whitespace, is hashed.
+    A scope longer than 100 characters, or with whitespace in the thread id, is hashed.
 
     .. versionadded:: 0.1
     """
