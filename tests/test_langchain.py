@@ -874,6 +874,25 @@ def test_the_middleware_guards_only_the_tools_named(ledger: Ledger, effects: Eff
     ]
 
 
+def test_the_middleware_shows_the_model_no_idempotency_key(ledger: Ledger, effects: Effects) -> None:
+    """A tool that takes ``idempotency_key``, given to ``create_agent`` as it is: the middleware shows
+    the model its schema without the key, and the tool gets the ledger's key (not the model's)."""
+    keys: list[str] = []
+
+    @tool
+    def refund(amount: int, idempotency_key: str) -> str:
+        """Refund."""
+        keys.append(idempotency_key)
+        return f"refund #{effects.add('refund', amount)}"
+
+    model = scripted(calls(("refund", {"amount": 2, "idempotency_key": "mine"}, "a")), "done")
+    agent = create_agent(model, [refund], middleware=[OnceOnlyMiddleware(ledger)], checkpointer=InMemorySaver())
+    agent.invoke({"messages": [("user", "refund 2")]}, thread("t1"))
+    (shown,) = model.bound
+    assert "idempotency_key" not in str(convert_to_openai_tool(shown))
+    assert keys == [ledger.list()[0].key]
+
+
 def test_the_middleware_guards_async_tools(ledger: Ledger, effects: Effects) -> None:
     """``awrap_tool_call``: an async agent, an async tool, a re-plan replays."""
 

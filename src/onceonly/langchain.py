@@ -58,7 +58,7 @@ from onceonly.tell import tell_model
 from onceonly.tools import ToolSpec, make_tool, same_definition
 
 if TYPE_CHECKING:
-    from langchain.agents.middleware import AgentMiddleware
+    from langchain.agents.middleware import AgentMiddleware, ModelRequest
     from langgraph.prebuilt.tool_node import ToolCallRequest
     from langgraph.types import Command, Send
 
@@ -370,6 +370,12 @@ def _model_view(tool: BaseTool) -> str:
     return canonical_json({"name": tool.name, "description": tool.description, "schema": schema}, path="tool")
 
 
+def _model_names(tool: BaseTool) -> list[str]:
+    """The names of the arguments a model is asked for."""
+    schema = tool.tool_call_schema
+    return list(schema.get("properties") or {}) if isinstance(schema, dict) else _field_names(schema)
+
+
 def _field_names(schema: Any) -> list[str]:
     """The fields of a pydantic model class (v2, or v1 as LangChain still accepts)."""
     fields = getattr(schema, "model_fields", None)
@@ -411,12 +417,10 @@ class _Spec:
         self.with_artifact = inner.response_format == "content_and_artifact"
         schema = inner.args_schema
         visible = inner.tool_call_schema
+        names = _model_names(inner)
         if isinstance(visible, dict):
-            props = visible.get("properties") or {}
-            names = list(props)
             self.injected_names: frozenset[str] = frozenset(inner._injected_args_keys)
         else:
-            names = _field_names(visible)
             full = set(_field_names(schema)) if schema is not None and not isinstance(schema, dict) else set()
             self.injected_names = frozenset(full - set(names)) | frozenset(inner._injected_args_keys)
         # A tool that takes the ledger's key gets it from the ledger, never from the model.
@@ -806,7 +810,8 @@ class OnceOnlyMiddleware(AgentMiddleware):
 
     ``create_agent(model, tools, middleware=[OnceOnlyMiddleware(ledger)], checkpointer=saver)``. Each
     call runs the tool through ``guard(tool, ledger, **policy)``, so the same rules hold: below the
-    error handling, keyed by conversation and arguments, the model told of a replay. Also a
+    error handling, keyed by conversation and arguments, the model told of a replay; a tool that takes
+    ``idempotency_key`` is shown to the model without it (``wrap_model_call``). Also a
     ``ToolNode`` wrapper: ``ToolNode(tools, wrap_tool_call=mw.wrap_tool_call, awrap_tool_call=mw.awrap_tool_call)``.
 
     Args:
@@ -832,18 +837,41 @@ class OnceOnlyMiddleware(AgentMiddleware):
         self.only = frozenset(tools) if tools is not None else None
         self._settings: dict[str, Any] = {"tell_model": tell_model, "scope": scope, **policy}
         self._guarded: dict[int, tuple[BaseTool, GuardedTool]] = {}
+        self._takes_key: dict[int, tuple[Any, bool]] = {}
         self._lock = threading.Lock()
 
-    def _tool(self, request: ToolCallRequest) -> ToolCallRequest:
-        tool = request.tool
-        if tool is None or isinstance(tool, GuardedTool) or (self.only is not None and tool.name not in self.only):
-            return request
+    def _guarded_for(self, tool: Any) -> GuardedTool | None:
+        """The guarded tool that runs ``tool``'s calls; ``None`` for one this middleware leaves alone."""
+        if not isinstance(tool, BaseTool) or isinstance(tool, GuardedTool):
+            return None
+        if self.only is not None and tool.name not in self.only:
+            return None
         found = self._guarded.get(id(tool))
         if found is None or found[0] is not tool:
             with self._lock:
                 found = (tool, guard(tool, self.ledger, **self._settings))
                 self._guarded[id(tool)] = found  # holds the tool: its id stays its own
-        return request.override(tool=found[1])
+        return found[1]
+
+    def _tool(self, request: ToolCallRequest) -> ToolCallRequest:
+        guarded = self._guarded_for(request.tool)
+        return request if guarded is None else request.override(tool=guarded)
+
+    def _model_request(self, request: ModelRequest) -> ModelRequest:
+        # A tool that takes idempotency_key gets it from the ledger: the model is shown the guarded
+        # tool's schema, without it. Any other tool is shown as it is (the request is left alone).
+        if not any(self._hides_key(t) for t in request.tools):
+            return request
+        shown = [(self._guarded_for(t) or t) if self._hides_key(t) else t for t in request.tools]
+        return request.override(tools=shown)
+
+    def _hides_key(self, tool: Any) -> bool:
+        known = self._takes_key.get(id(tool))
+        if known is None or known[0] is not tool:
+            takes = isinstance(tool, BaseTool) and not isinstance(tool, GuardedTool) and _KEY in _model_names(tool)
+            takes = takes and (self.only is None or tool.name in self.only)
+            known = self._takes_key[id(tool)] = (tool, takes)
+        return known[1]
 
     def wrap_tool_call(self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Any]) -> Any:
         """Run the call through the guarded tool."""
@@ -852,3 +880,11 @@ class OnceOnlyMiddleware(AgentMiddleware):
     async def awrap_tool_call(self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Any]) -> Any:
         """Run the call through the guarded tool, async."""
         return await handler(self._tool(request))
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]) -> Any:
+        """Show the model no ``idempotency_key`` among a tool's arguments."""
+        return handler(self._model_request(request))
+
+    async def awrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]) -> Any:
+        """Show the model no ``idempotency_key`` among a tool's arguments, async."""
+        return await handler(self._model_request(request))
