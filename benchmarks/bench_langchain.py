@@ -3,10 +3,10 @@
     python benchmarks/bench.py --stores langchain          # or: python benchmarks/bench_langchain.py
 
 Each call is what a ``ToolNode`` sends: a tool call (name, arguments, id) with a config that names the
-thread, and a ``ToolMessage`` back. The floor is the same LangChain tool without onceonly; next to it,
-the same guard without LangChain (``@ledger.tool`` on the tool's function, a first call on the same
-SQLite file): what the guard costs by itself. The goal is that guarding a LangChain tool adds no more
-than that: ``added / SQLite first call`` near 1.0 means no extra framework round trips.
+thread, and a ``ToolMessage`` back. The floor is the same LangChain tool without onceonly. The goal's
+bound is that floor plus the guard by itself (``@ledger.tool`` on the tool's function, a first call on
+the same SQLite file), measured as one contender that does both: a guarded first call at most that
+bound (``guarded / bound`` <= 1) adds no more than the SQLite first-call cost, no framework round trip.
 """
 
 from __future__ import annotations
@@ -51,30 +51,29 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     def replay(i: int) -> None:
         guarded.invoke(call(done[i % len(done)]), CONFIG)
 
-    def sqlite_first(i: int) -> None:
+    def bound(i: int) -> None:
+        # Measured as one contender, not as the sum of two: what the two cost when they run together.
+        unguarded(i)
         with ledger.task("bench-thread"):
             plain(i)
 
     for i in range(-50, 0):  # warm the connection, LangChain's caches; seed the replays
         first(i)
-        sqlite_first(i - 1000)
-        unguarded(i)
+        bound(i - 1000)
     contenders = [
         Contender("floor: the same tool unguarded, invoke", unguarded),
         Contender("guarded tool invoke, first call", first),
         Contender("guarded tool invoke, replay", replay),
-        Contender("@ledger.tool alone, first call (SQLite)", sqlite_first),
+        Contender("bound: unguarded + @ledger.tool", bound),
     ]
     interleave(contenders, rounds, batch)
     ledger.close()
     rows = report("langchain", contenders)
-    floor, guarded_first, _, alone = contenders
-    # Per round, like the table: what guarding added to invoke, over what the guard costs by itself.
-    added = [(g - f) / a for g, f, a in zip(guarded_first.per_call, floor.per_call, alone.per_call, strict=True)]
-    print(f"langchain: guarded first call adds {statistics.median(added):.2f}x the SQLite first-call cost")
-    rows.append(
-        {"store": "langchain", "what": "added / SQLite first call", "x_floor": round(statistics.median(added), 2)}
-    )
+    _, guarded_first, _, limit = contenders
+    # Per round, like the table: the median of the per-round ratios.
+    ratio = statistics.median(g / b for g, b in zip(guarded_first.per_call, limit.per_call, strict=True))
+    print(f"langchain: guarded first call / bound = {ratio:.2f} (goal: <= 1)")
+    rows.append({"store": "langchain", "what": "guarded first call / bound", "x_floor": round(ratio, 2)})
     return rows
 
 

@@ -26,7 +26,7 @@ SQLITE_ROWS = ("floor: 2 raw writes", "guarded first call", "replay (from the st
 REDIS_ROWS = ("floor: 2 raw round trips", "same 2 SET below redis-py's client", "guarded first call", "replay")
 POSTGRES_ROWS = ("floor: 2 raw round trips", "same 2 statements below psycopg's cursor", "1 raw read")
 LANGCHAIN_ROWS = ("floor: the same tool unguarded", "guarded tool invoke, first call", "guarded tool invoke, replay",
-                  "@ledger.tool alone, first call (SQLite)", "adds")  # fmt: skip
+                  "bound: unguarded + @ledger.tool", "guarded first call / bound")  # fmt: skip
 redis_mark, postgres_mark = pytest.mark.redis, pytest.mark.postgres
 
 
