@@ -26,7 +26,7 @@ from langchain.agents import create_agent
 from langchain.tools import ToolRuntime
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
-from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool, ToolException, tool
+from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool, Tool, ToolException, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
@@ -824,6 +824,45 @@ def test_a_tool_made_again_is_the_same_operation_and_another_under_its_name_is_r
     with pytest.raises(ValueError, match="name="):
         guard(other_charge, ledger)
     assert guard(other_charge, ledger, name="charge-in-currency").name == "charge"
+
+
+def test_tools_of_every_kind_keep_their_schema_and_run_once(ledger: Ledger, effects: Effects) -> None:
+    """A ``BaseTool`` subclass with no schema of its own, a single-input ``Tool``, and a JSON-schema
+    tool with only a coroutine (what an MCP adapter makes): each shows the model the original's schema,
+    gets its input as the original would, and runs once per call."""
+
+    class Search(BaseTool):
+        name: str = "search"
+        description: str = "Search the web."
+
+        def _run(self, query: str, limit: int = 3) -> str:
+            return f"search #{effects.add('search', query)}"
+
+    legacy = Tool(name="echo", description="Echo.", func=lambda text: f"echo #{effects.add('echo', text)}")
+
+    async def create_issue(**arguments: Any) -> str:
+        return f"issue #{effects.add('issue', arguments['title'])}"
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    mcp_like = StructuredTool(name="create_issue", description="Issue.", args_schema=schema, coroutine=create_issue)
+    search, echo, issue = guard(Search(), ledger), guard(legacy, ledger), guard(mcp_like, ledger, key=("title",))
+    for guarded, original in ((search, Search()), (echo, legacy), (issue, mcp_like)):
+        shown, meant = (convert_to_openai_tool(t)["function"]["parameters"] for t in (guarded, original))
+        assert shown["properties"].keys() == meant["properties"].keys()
+    cfg = thread("t1")
+
+    def ask(tool_: BaseTool, args: dict[str, Any], id_: str) -> Any:
+        return asyncio.run(tool_.ainvoke({"type": "tool_call", "name": tool_.name, "args": args, "id": id_}, cfg))
+
+    assert ask(search, {"query": "q"}, "a").content == "search #1"
+    again = search.invoke({"type": "tool_call", "name": "search", "args": {"query": "q", "limit": 3}, "id": "b"}, cfg)
+    assert is_replay(again.content, "search #1")
+    assert ask(echo, {"__arg1": "hi"}, "c").content == "echo #1"
+    assert echo.invoke("hi") == "echo #2"  # code, the ledger's scope: another operation
+    assert ask(issue, {"title": "Bug"}, "d").content == "issue #1"
+    conflict = ask(issue, {"title": "Bug", "labels": ["x"]}, "e")  # keyed on the title, more arguments sent
+    assert conflict.status == "error" and "with other details" in conflict.content and "issue #1" in conflict.content
+    assert (effects.count("search"), effects.count("echo"), effects.count("issue")) == (1, 2, 1)
 
 
 def test_a_tool_with_sync_and_async_code_is_one_operation(ledger: Ledger, effects: Effects) -> None:

@@ -41,7 +41,7 @@ try:
     from langchain_core.messages.tool import ToolOutputMixin
     from langchain_core.runnables import RunnableConfig
     from langchain_core.runnables.config import run_in_executor
-    from langchain_core.tools import BaseTool, StructuredTool
+    from langchain_core.tools import BaseTool, StructuredTool, Tool
     from langchain_core.tools import tool as _as_tool
     from pydantic import ConfigDict, PrivateAttr, SkipValidation, create_model
 except ImportError as exc:  # pragma: no cover - the extra is missing
@@ -349,12 +349,14 @@ def _body(definition: _Definition, asynchronous: bool, spec: _Spec) -> Callable[
             return call.keep(call.spec.run_inner(call, kwargs))
 
         fn = sbody
-    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in spec.named]
+    # An argument the model left out has its default (the schema's, else None) in the key, as it does
+    # in the call: the same call with and without a default spelled out is one operation.
+    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=spec.defaults.get(n)) for n in spec.named]
     if spec.takes_key:  # the ledger passes its key here, as to any function that declares it
         params.append(inspect.Parameter(_KEY, inspect.Parameter.KEYWORD_ONLY))
+    params.append(inspect.Parameter(_CALL, inspect.Parameter.KEYWORD_ONLY, default=None))
     if spec.open_ended:  # a JSON-schema tool takes what the model sends: all of it is the operation
         params.append(inspect.Parameter("arguments", inspect.Parameter.VAR_KEYWORD))
-    params.append(inspect.Parameter(_CALL, inspect.Parameter.KEYWORD_ONLY, default=None))
     fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     fn.__name__ = fn.__qualname__ = spec.inner.name
     fn.__module__ = __name__
@@ -374,6 +376,15 @@ def _model_names(tool: BaseTool) -> list[str]:
     """The names of the arguments a model is asked for."""
     schema = tool.tool_call_schema
     return list(schema.get("properties") or {}) if isinstance(schema, dict) else _field_names(schema)
+
+
+def _defaults(schema: Any) -> dict[str, Any]:
+    """The defaults a tool's schema declares (pydantic fields, or a JSON schema's ``default``)."""
+    if isinstance(schema, dict):
+        props = schema.get("properties") or {}
+        return {n: p["default"] for n, p in props.items() if isinstance(p, dict) and "default" in p}
+    fields = getattr(schema, "model_fields", None) or {}
+    return {n: f.get_default(call_default_factory=True) for n, f in fields.items() if not f.is_required()}
 
 
 def _field_names(schema: Any) -> list[str]:
@@ -404,6 +415,7 @@ class _Spec:
     def __init__(
         self,
         inner: BaseTool,
+        shown: BaseTool,
         ledger: Ledger,
         name: str,
         tell: bool,
@@ -415,16 +427,19 @@ class _Spec:
         self.tell_model = tell
         self.scope = scope
         self.with_artifact = inner.response_format == "content_and_artifact"
-        schema = inner.args_schema
-        visible = inner.tool_call_schema
-        names = _model_names(inner)
+        # The arguments are the ones the model is shown (the guarded tool's schema); the rest of the
+        # input schema is injected.
+        schema = shown.args_schema
+        visible = shown.tool_call_schema
+        names = _model_names(shown)
         if isinstance(visible, dict):
             self.injected_names: frozenset[str] = frozenset(inner._injected_args_keys)
         else:
             full = set(_field_names(schema)) if schema is not None and not isinstance(schema, dict) else set()
             self.injected_names = frozenset(full - set(names)) | frozenset(inner._injected_args_keys)
+        self.defaults = _defaults(visible)
         # A tool that takes the ledger's key gets it from the ledger, never from the model.
-        self.takes_key = _KEY in names
+        self.takes_key = _KEY in _model_names(inner)
         names = [n for n in names if n != _KEY]
         identifiers = all(n.isidentifier() and n != _CALL for n in names)
         self.named = names if identifiers else []
@@ -443,7 +458,7 @@ class _Spec:
             self.has_sync = False  # an async probe is awaited: the sync path has none to run
         if not (self.has_sync or self.has_async):
             raise TypeError(f"tool {inner.name!r}: an async probe needs an async tool (a coroutine) to guard")
-        definition = _Definition(_model_view(inner), dict(policy))
+        definition = _Definition(_model_view(shown), dict(policy))
         ignore = (*policy.pop("ignore", ()), _CALL)
         # One operation, one registered function: the sync body when there is one, else the async one.
         # The other is its twin over the same settings and name, made without registering again.
@@ -613,6 +628,17 @@ class GuardedTool(BaseTool):
         keys: frozenset[str] = self.inner._injected_args_keys
         return keys
 
+    def _to_args_and_kwargs(
+        self, tool_input: str | dict[str, Any], tool_call_id: str | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # The original parses, validates and injects its own input (a single-input Tool passes it on
+        # positionally): its _run gets what it would get unguarded.
+        if self._spec.takes_key and isinstance(tool_input, dict):
+            # Shown without idempotency_key, so not sent: a stand-in passes validation, and the ledger's
+            # key replaces it before the tool runs.
+            tool_input = {**tool_input, _KEY: "onceonly"}
+        return self.inner._to_args_and_kwargs(tool_input, tool_call_id)
+
     def run(self, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
         token = _TOOL_CALL_ID.set(kwargs.get("tool_call_id"))
         try:
@@ -667,6 +693,20 @@ class GuardedTool(BaseTool):
         except _TOLD as err:
             return spec.told(err, call)
         return spec.respond(out, call)
+
+
+def _input_schema(tool: BaseTool) -> Any:
+    """The tool's input schema, for the guarded tool to show: its own, else the one LangChain derives."""
+    if tool.args_schema is not None:
+        return tool.args_schema
+    if isinstance(tool, Tool):
+        # A single-input Tool: LangChain shows the model one string argument (__arg1) and passes it on.
+        return {
+            "type": "object",
+            "properties": {"__arg1": {"title": "__arg1", "type": "string"}},
+            "required": ["__arg1"],
+        }
+    return tool.get_input_schema()  # from the tool's _run: the original's, not the guarded tool's
 
 
 def _without_key(schema: Any) -> Any:
@@ -775,7 +815,7 @@ def guard(
         inner=tool,
         name=tool.name,
         description=tool.description,
-        args_schema=_without_key(tool.args_schema),
+        args_schema=_without_key(_input_schema(tool)),
         return_direct=tool.return_direct,
         verbose=tool.verbose,
         callbacks=tool.callbacks,
@@ -786,7 +826,7 @@ def guard(
         response_format=tool.response_format,
         extras=tool.extras,
     )
-    made._spec = _Spec(tool, ledger, name or tool.name, tell_model, scope, dict(policy))
+    made._spec = _Spec(tool, made, ledger, name or tool.name, tell_model, scope, dict(policy))
     if signature is not None:
         with _made_lock:
             _made.setdefault(ledger, {})[(id(tool), *signature)] = (weakref.ref(tool), made)
