@@ -133,3 +133,40 @@ def fixture_serve(store_url: str) -> Iterator[Callable[..., Served]]:
         served.server.stop()
     for store in stores:
         store.close()
+
+
+async def asgi_call(
+    app: Any, method: str, path: str = "/", headers: tuple[tuple[bytes, bytes], ...] = (), body: bytes = b""
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request straight through an ASGI app, as a server would make it (the method as given,
+    unchanged): its status, headers (lower-case names, the last of each) and body."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": list(headers),
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays until the response is sent
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    got = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", ())}
+    return start["status"], got, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

@@ -17,7 +17,7 @@ from onceonly.server import client_hash, store_key
 from onceonly.server._http import fingerprint_start
 from onceonly.states import State
 
-from .conftest import Served
+from .conftest import Served, asgi_call
 
 Serve = Callable[..., Served]
 K = {"Idempotency-Key": "key-1"}
@@ -481,3 +481,41 @@ def test_retry_after_may_be_an_integral_float(sqlite_url: str) -> None:
     from onceonly.server import IdempotencyMiddleware
 
     assert IdempotencyMiddleware(Starlette(), store=sqlite_url, retry_after=2.0).retry_after == 2  # type: ignore[arg-type]
+
+
+def test_lower_case_method_is_guarded_like_upper_case(store_url: str) -> None:
+    """A server may pass ``post`` as the method and an app may take it as POST (Django's ASGI handler
+    upper-cases it): the middleware compares methods without case, so ``post`` needs a key, runs
+    once per key, and is the same operation as ``POST`` with that key."""
+    from onceonly.server import IdempotencyMiddleware
+
+    runs: list[str] = []
+
+    async def django_like(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        runs.append(scope["method"].upper())
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": f"run {len(runs)}".encode()})
+
+    middleware = IdempotencyMiddleware(django_like, store=store_url)
+    key = ((b"idempotency-key", b"lower-1"),)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        try:
+            return [
+                await asgi_call(middleware, "post", "/o", key, b"x"),
+                await asgi_call(middleware, "post", "/o", key, b"x"),
+                await asgi_call(middleware, "POST", "/o", key, b"x"),
+                await asgi_call(middleware, "Post", "/o", (), b"x"),
+                await asgi_call(middleware, "patch", "/o", (), b"x"),
+            ]
+        finally:
+            await middleware.aclose()
+
+    first, again, upper, keyless, keyless_patch = asyncio.run(scenario())
+    assert first[0] == 201 and first[2] == b"run 1"
+    assert again[1]["idempotent-replayed"] == "true" and again[2] == b"run 1"
+    assert upper[1]["idempotent-replayed"] == "true" and upper[2] == b"run 1"
+    assert keyless[0] == keyless_patch[0] == 400
+    assert keyless[1]["content-type"] == "application/problem+json"
+    assert runs == ["POST"]

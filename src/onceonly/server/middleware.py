@@ -201,7 +201,8 @@ class IdempotencyMiddleware:
         if scope["type"] == "lifespan" and self._owns_store:
             await self.app(scope, self._closing_at_shutdown(receive), send)
             return
-        if scope["type"] != "http" or scope["method"] not in self.methods:
+        # Without case: a server may pass "post", and an app may take it as POST (Django does).
+        if scope["type"] != "http" or scope["method"].upper() not in self.methods:
             await self.app(scope, receive, send)
             return
         try:
@@ -248,7 +249,9 @@ class IdempotencyMiddleware:
             await self._run_stored(scope, body, receive, send, ctx)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
-        digest = fingerprint_start(scope["method"], scope.get("root_path", "") + scope["path"], scope["query_string"])
+        digest = fingerprint_start(
+            scope["method"].upper(), scope.get("root_path", "") + scope["path"], scope["query_string"]
+        )
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -404,7 +407,7 @@ class IdempotencyMiddleware:
         now = self.clock()
         owner = f"{_HOST}:{os.getpid()}:{next(_owner_counter)}"
         args_json = canonical_json(
-            {"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode("latin-1")}
+            {"method": scope["method"].upper(), "path": scope["path"], "query": scope["query_string"].decode("latin-1")}
         )
         fresh = st.new_record(
             key=ctx.store_key,
