@@ -24,7 +24,7 @@ from onceonly.server._http import Message
 from onceonly.stores import open_store
 from tests._settling import Fault, FlakyStore
 
-from .conftest import Served, make_app
+from .conftest import Served, asgi_call, make_app
 
 K = {"Idempotency-Key": "key-1"}
 KEY = store_key("http", client_hash(""), "key-1")
@@ -250,3 +250,68 @@ def test_completion_that_landed_unseen_is_not_reported_as_taken_over(
     assert first.status_code == again.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
     assert runs["pay"] == 1
+
+
+def test_body_before_response_start_stores_nothing_and_releases_the_key(store_url: str) -> None:
+    """An app that sends its body before ``http.response.start`` breaks the ASGI protocol: nothing is
+    stored (no "status 0" response replayed for the ttl), the key is released, and every try gets
+    the server's 500 and runs again instead of a broken replay."""
+    from onceonly.tickets import serve_in_thread
+
+    runs: list[int] = []
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        runs.append(1)
+        await send({"type": "http.response.body", "body": b"too early"})
+
+    store = open_store(store_url)
+    try:
+        with (
+            serve_in_thread(IdempotencyMiddleware(broken, store=store)) as server,
+            httpx.Client(base_url=server.url, timeout=10) as c,
+        ):
+            first = c.post("/o", headers=K)
+            assert store.get(KEY) is None
+            again = c.post("/o", headers=K)
+    finally:
+        store.close()
+    assert first.status_code == again.status_code == 500
+    assert "idempotent-replayed" not in again.headers
+    assert runs == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        pytest.param([{"type": "http.response.start", "status": 0}], id="status-0"),
+        pytest.param([{"type": "http.response.start", "status": "201"}], id="status-text"),
+        pytest.param(
+            [{"type": "http.response.start", "status": 201}, {"type": "http.response.start", "status": 200}],
+            id="two-starts",
+        ),
+    ],
+)
+def test_response_no_server_can_send_is_not_stored(sqlite_url: str, messages: list[Message]) -> None:
+    """A start with a status that is no HTTP status, or a second start, is a protocol error too: the
+    application gets an error, the key is released, nothing is stored."""
+    runs: list[int] = []
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        runs.append(1)
+        for message in messages:
+            await send(message)
+        await send({"type": "http.response.body", "body": b"x"})
+
+    store = open_store(sqlite_url)
+    middleware = IdempotencyMiddleware(broken, store=store)
+    try:
+        with pytest.raises(RuntimeError, match="ASGI protocol error"):
+            asyncio.run(asgi_call(middleware, "POST", "/o", ((b"idempotency-key", b"key-1"),)))
+        assert store.get(KEY) is None
+    finally:
+        store.close()
+    assert runs == [1]

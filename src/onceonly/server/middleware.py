@@ -343,10 +343,16 @@ class IdempotencyMiddleware:
             nonlocal status, headers, chunks, size, finished, gone
             kind = message["type"]
             if kind == "http.response.start":
+                if status:
+                    await refuse("a second http.response.start")
+                if not _is_status(message.get("status")):
+                    await refuse(f"http.response.start with status {message.get('status')!r}")
                 status, headers = message["status"], message.get("headers", ())
                 if status in self.release_statuses:
                     unheard.set()
             elif kind == "http.response.body":
+                if not status:
+                    await refuse("http.response.body before http.response.start")
                 chunk = message.get("body", b"")
                 if chunks is not None:
                     size += len(chunk)
@@ -389,6 +395,19 @@ class IdempotencyMiddleware:
                 log.debug("onceonly.server: the client of %s left; the response is still stored", ctx.store_key)
             if finished:
                 unheard.set()
+
+        async def refuse(what: str) -> None:
+            # A response the server cannot send is no response to keep: release the key and fail the
+            # application here, so the server answers 500 (or drops the connection) and a retry runs.
+            nonlocal finished
+            unheard.set()
+            if not finished:
+                finished = True
+                await self._release(held, f"ASGI protocol error: {what}")
+            raise RuntimeError(
+                f"ASGI protocol error: the application sent {what}; IdempotencyMiddleware stored nothing "
+                f"and released the key {ctx.key!r}"
+            )
 
         # Every way out stores or releases the key, and both stop the renewal timer and beats first.
         try:
@@ -648,6 +667,11 @@ class IdempotencyMiddleware:
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
         )
+
+
+def _is_status(value: object) -> bool:
+    """Whether an ``http.response.start`` status is one a server can send (100-599, an int)."""
+    return type(value) is int and 100 <= value <= 599
 
 
 def _is_ours(current: Record | None, held: Record) -> bool:
