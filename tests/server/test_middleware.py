@@ -4,6 +4,7 @@ for each store. The counting app's ``runs`` is the side effect that must happen 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -519,3 +520,73 @@ def test_lower_case_method_is_guarded_like_upper_case(store_url: str) -> None:
     assert keyless[0] == keyless_patch[0] == 400
     assert keyless[1]["content-type"] == "application/problem+json"
     assert runs == ["POST"]
+
+
+def test_corrupt_record_is_500_naming_the_key_state(sqlite_url: str) -> None:
+    """A record the store cannot read (here a state that is not one of onceonly's) is no outage to wait
+    out: a 500 problem document that names the key and its state, without Retry-After, and the
+    handler does not run."""
+    import sqlite3
+
+    from onceonly.server import IdempotencyMiddleware
+
+    store = onceonly.open_store(sqlite_url)
+    runs: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+
+    middleware = IdempotencyMiddleware(app, store=store)
+    header = ((b"idempotency-key", b"key-1"),)
+    try:
+        _plant_store(store, _key_of("key-1"))
+        with sqlite3.connect(sqlite_url.removeprefix("sqlite:///")) as raw:
+            raw.execute("UPDATE onceonly_records SET state = 'bogus'")
+        status, headers, body = asyncio.run(asgi_call(middleware, "POST", "/echo", header, b"a"))
+    finally:
+        store.close()
+    assert status == 500 and headers["content-type"] == "application/problem+json"
+    assert "retry-after" not in headers
+    doc = json.loads(body)
+    assert doc["status"] == 500 and doc["key"] == "key-1" and doc["state"] == "unreadable"
+    assert "was not run" in str(doc["detail"])
+    assert runs == []
+
+
+def _plant_store(store: Any, key: str) -> None:
+    rec = st.new_record(
+        key=key, scope="http:x", tool="http", fingerprint="f", args_json="{}", state=State.IN_FLIGHT,
+        owner="other-host:1:1", now=time.time(), lease_seconds=30,
+    )  # fmt: skip
+    assert store.insert(rec)
+
+
+def test_completed_key_whose_response_is_unreadable_is_500(store_url: str) -> None:
+    """A completed record whose result is not a stored response is a 500 that names the key's state
+    (completed), without Retry-After; the handler does not run again."""
+    from onceonly.server import IdempotencyMiddleware
+
+    store = onceonly.open_store(store_url)
+    runs: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+
+    digest = fingerprint_start("POST", "/echo", b"")
+    digest.update(b"a")
+    now = time.time()
+    held = st.new_record(
+        key=_key_of("key-1"), scope="http:x", tool="http", fingerprint=digest.hexdigest(), args_json="{}",
+        state=State.IN_FLIGHT, owner="other-host:1:1", now=now, lease_seconds=30,
+    )  # fmt: skip
+    try:
+        assert store.insert(st.confirm(held, result_json='{"x": 1}', now=now, ttl=None, via="run", by=None))
+        status, headers, body = asyncio.run(
+            asgi_call(IdempotencyMiddleware(app, store=store), "POST", "/echo", ((b"idempotency-key", b"key-1"),), b"a")
+        )
+    finally:
+        store.close()
+    assert status == 500 and "retry-after" not in headers
+    doc = json.loads(body)
+    assert doc["key"] == "key-1" and doc["state"] == "completed"
+    assert runs == []

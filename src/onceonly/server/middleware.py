@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from onceonly import states as st
-from onceonly.errors import InProgress, KeyConflict, StoreError
+from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError
 from onceonly.guard import landed
 from onceonly.keys import canonical_json
 from onceonly.states import HELD, Record, State
@@ -308,6 +308,11 @@ class IdempotencyMiddleware:
     ) -> None:
         try:
             got = await self._claim(scope, ctx)
+        except StoreCorrupt:
+            # Not an outage to wait out: a Retry-After would make clients retry for ever.
+            log.exception("onceonly.server: the record of %s cannot be read", ctx.store_key)
+            await _send(send, self._unreadable(ctx, "unreadable", "the server's record of this key cannot be read"))
+            return
         except StoreError:
             log.exception("onceonly.server: the idempotency store failed on %s", ctx.store_key)
             await _send(
@@ -457,11 +462,8 @@ class IdempotencyMiddleware:
                     return StoredResponse.from_json(current.result_json or "").messages(replayed=True)
                 except ValueError:
                     log.exception("onceonly.server: %s holds no readable response", ctx.store_key)
-                    return problem_messages(
-                        500,
-                        "Stored response unreadable",
-                        "the key was completed but its stored response cannot be read; it was not run again",
-                        slug="stored-response-unreadable",
+                    return self._unreadable(
+                        ctx, "completed", "this key was completed but its stored response cannot be read"
                     )
             elif current.state in HELD and not current.lease_expired(now):
                 return self._in_flight(ctx)
@@ -656,6 +658,16 @@ class IdempotencyMiddleware:
             "use a new key for a new operation",
             slug="key-reused",
             extra={"key": ctx.key},
+        )
+
+    def _unreadable(self, ctx: IdempotencyContext, state: str, what: str) -> tuple[Message, Message]:
+        return problem_messages(
+            500,
+            "Idempotency record unreadable",
+            f"{what}, so the request was not run (again): a retry gets this answer until the server's "
+            "operator repairs or removes the record",
+            slug="record-unreadable",
+            extra={"key": ctx.key, "state": state},
         )
 
     def _in_flight(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
