@@ -136,10 +136,17 @@ def fixture_serve(store_url: str) -> Iterator[Callable[..., Served]]:
 
 
 async def asgi_call(
-    app: Any, method: str, path: str = "/", headers: tuple[tuple[bytes, bytes], ...] = (), body: bytes = b""
+    app: Any,
+    method: str,
+    path: str = "/",
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    body: bytes = b"",
+    *,
+    body_taken: asyncio.Event | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     """One HTTP request straight through an ASGI app, as a server would make it (the method as given,
-    unchanged): its status, headers (lower-case names, the last of each) and body."""
+    unchanged): its status, headers (lower-case names, the last of each) and body. ``body_taken`` is
+    set once the app has read the request body."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -159,6 +166,8 @@ async def asgi_call(
 
     async def receive() -> dict[str, Any]:
         if pending:
+            if body_taken is not None:
+                body_taken.set()
             return pending.pop()
         await asyncio.Event().wait()  # the client stays until the response is sent
         raise AssertionError("unreachable")

@@ -590,3 +590,20 @@ def test_completed_key_whose_response_is_unreadable_is_500(store_url: str) -> No
     doc = json.loads(body)
     assert doc["key"] == "key-1" and doc["state"] == "completed"
     assert runs == []
+
+
+def test_sqlite_with_an_fsync_per_commit_is_called_off_the_loop(sqlite_url: str) -> None:
+    """``store_calls="auto"`` calls SQLite on the loop only without an fsync per commit: with
+    ``synchronous=full`` each write waits for the disk, so it goes through the async face instead."""
+    from onceonly.server import IdempotencyMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    normal = IdempotencyMiddleware(app, store=sqlite_url)
+    full = IdempotencyMiddleware(app, store=sqlite_url + "?synchronous=full")
+    try:
+        assert (normal.store_calls, full.store_calls) == ("inline", "async")
+    finally:
+        asyncio.run(normal.aclose())
+        asyncio.run(full.aclose())

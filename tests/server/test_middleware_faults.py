@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -315,3 +317,60 @@ def test_response_no_server_can_send_is_not_stored(sqlite_url: str, messages: li
     finally:
         store.close()
     assert runs == [1]
+
+
+_HOLD_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+"""
+
+
+def test_sqlite_file_locked_by_another_process_does_not_block_the_event_loop(sqlite_url: str) -> None:
+    """While another process holds the SQLite file's write lock, a keyed POST waits for it off the event
+    loop: a keyless GET meanwhile is answered at once, and the POST runs (once) when the lock goes."""
+    store_path = sqlite_url.removeprefix("sqlite:///")
+    runs: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        runs.append(scope["method"])
+        await send({"type": "http.response.start", "status": 201 if scope["method"] == "POST" else 200})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    middleware = IdempotencyMiddleware(app, store=sqlite_url + "?timeout=10")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, store_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+
+    async def scenario() -> tuple[int, int, list[str], bool]:
+        try:
+            taken = asyncio.Event()
+            post = asyncio.ensure_future(
+                asgi_call(middleware, "POST", "/o", ((b"idempotency-key", b"key-1"),), b"x", body_taken=taken)
+            )
+            await asyncio.wait_for(taken.wait(), 60)  # the POST now claims its key: the file is locked
+            got, _, _ = await asyncio.wait_for(asgi_call(middleware, "GET", "/health"), 60)
+            post_waited = not post.done()
+            seen = list(runs)
+            holder.stdin.write("\n")  # let the lock go
+            holder.stdin.flush()
+            posted, _, _ = await asyncio.wait_for(post, 60)
+            return got, posted, seen, post_waited
+        finally:
+            await middleware.aclose()
+
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        got, posted, seen, post_waited = asyncio.run(scenario())
+    finally:
+        holder.stdin.close()
+        holder.stdout.close()
+        holder.wait(30)
+    assert got == 200 and seen == ["GET"]  # answered while the POST was still waiting for the lock
+    assert post_waited
+    assert posted == 201 and runs == ["GET", "POST"]

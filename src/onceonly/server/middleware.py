@@ -27,12 +27,14 @@ import logging
 import math
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
+from urllib.parse import quote, urlencode
 
 from onceonly import states as st
-from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError
+from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.guard import landed
 from onceonly.keys import canonical_json
 from onceonly.states import HELD, Record, State
@@ -126,12 +128,15 @@ class IdempotencyMiddleware:
             whole number, 1 or more.
         key_prefix: the first part of every key in the store.
         store_calls: how the event loop calls the store. ``"async"``: its async face (Redis,
-            PostgreSQL). ``"thread"``: its sync face in a worker thread. ``"inline"``: its sync face on
-            the loop, which blocks it for the call: right for SQLite, whose calls take tens of
-            microseconds where a thread hop costs hundreds under load, as long as one process
-            writes the file (with several worker processes on one file, use ``"thread"``, since a
-            locked file makes a call wait). ``"auto"``: inline for SQLite, else async if the store
-            has an async face, else thread.
+            PostgreSQL; SQLite's runs each call in a worker thread). ``"thread"``: its sync face in a
+            worker thread. ``"inline"``: for SQLite, its sync face on the loop through a connection
+            that never waits for a lock: a call that finds the file locked by another connection
+            (another process, an ``onceonly`` command) moves to a worker thread and waits there, so
+            the loop never stops for a lock, while the usual call costs tens of microseconds instead
+            of a thread hop's hundreds; for other stores, the sync call on the loop (which blocks it
+            for the round trip). ``"auto"``: inline for SQLite (async with ``synchronous=full``,
+            whose fsync per commit would hold the loop), else async if the store has an async face,
+            else thread.
         clock: seconds since the epoch (injectable for tests).
 
     .. versionadded:: 0.1
@@ -174,13 +179,14 @@ class IdempotencyMiddleware:
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
         if store_calls == "auto":
-            if isinstance(self.store, SQLiteStore):
-                store_calls = "inline"
+            if isinstance(self.store, SQLiteStore) and self.store.synchronous in ("NORMAL", "OFF"):
+                store_calls = "inline"  # without an fsync per commit, a write takes microseconds
             else:
                 store_calls = "async" if isinstance(self.store, AsyncStore) else "thread"
         if store_calls not in ("async", "thread", "inline"):
             raise ValueError(f"store_calls={store_calls!r}: use 'auto', 'async', 'thread' or 'inline'")
         self.store_calls = store_calls
+        self._nowait: SQLiteStore | None = None  # see _nowait_store
         self.transactional = transactional
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
@@ -198,7 +204,7 @@ class IdempotencyMiddleware:
     # --- the ASGI entry point -------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" and self._owns_store:
+        if scope["type"] == "lifespan" and self.store is not None:
             await self.app(scope, self._closing_at_shutdown(receive), send)
             return
         # Without case: a server may pass "post", and an app may take it as POST (Django does).
@@ -612,6 +618,9 @@ class IdempotencyMiddleware:
 
         Runs by itself at the application's lifespan shutdown, when the server sends lifespan events.
         """
+        nowait, self._nowait = self._nowait, None
+        if nowait is not None:
+            nowait.close()
         if not self._owns_store or self.store is None:
             return
         store, self.store = self.store, None
@@ -635,10 +644,31 @@ class IdempotencyMiddleware:
         store = self.store
         assert store is not None
         if self.store_calls == "inline":
-            return getattr(store, op)(*args)
+            if not isinstance(store, SQLiteStore):
+                return getattr(store, op)(*args)
+            try:
+                return getattr(self._nowait_store(store), op)(*args)
+            except StoreUnavailable as exc:
+                if not _is_locked(exc):
+                    raise
+            # Another connection holds the file's write lock: wait for it in a worker thread (up to the
+            # store's busy timeout), never on the loop. A refused statement wrote nothing: safe to redo.
+            return await asyncio.to_thread(getattr(store, op), *args)
         if self.store_calls == "async":
             return await getattr(store, "a" + op)(*args)
         return await asyncio.to_thread(getattr(store, op), *args)
+
+    def _nowait_store(self, store: SQLiteStore) -> SQLiteStore:
+        """The same SQLite file through connections whose busy timeout is 0, for calls on the loop: a
+        lock held elsewhere fails such a call at once instead of stopping the loop. A store that was
+        closed is returned as it is, so that its calls say so."""
+        if getattr(store, "_closed", False):
+            return store
+        nowait = self._nowait
+        if nowait is None:
+            query = urlencode({"timeout": "0", "synchronous": store.synchronous.lower()})
+            nowait = self._nowait = SQLiteStore(f"sqlite:///{quote(str(store.path.resolve()))}?{query}")
+        return nowait
 
     async def _swap_now(self, new: Record, old: Record) -> tuple[bool, Record | None]:
         """``onceonly.ledger.swap_now`` through ``_call``: on a failed write, re-read; it landed exactly
@@ -679,6 +709,15 @@ class IdempotencyMiddleware:
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
         )
+
+
+def _is_locked(exc: StoreUnavailable) -> bool:
+    """Whether a SQLite call failed only because another connection held the lock (it wrote nothing)."""
+    cause = exc.__cause__
+    if not isinstance(cause, sqlite3.OperationalError):
+        return False
+    message = str(cause).lower()
+    return "locked" in message or "busy" in message
 
 
 def _is_status(value: object) -> bool:
