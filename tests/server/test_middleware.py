@@ -14,7 +14,7 @@ import pytest
 
 import onceonly
 from onceonly import states as st
-from onceonly.server import client_hash, store_key
+from onceonly.server import DEFAULT_PROBLEM_DOCS, client_hash, store_key
 from onceonly.server._http import fingerprint_start
 from onceonly.states import State
 
@@ -29,7 +29,7 @@ def _problem(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.headers["content-type"] == "application/problem+json"
     doc: dict[str, object] = response.json()
     assert doc["status"] == status
-    assert str(doc["type"]).startswith("urn:onceonly:problem:")
+    assert str(doc["type"]).startswith(DEFAULT_PROBLEM_DOCS + "#")
     return doc
 
 
@@ -607,3 +607,55 @@ def test_sqlite_with_an_fsync_per_commit_is_called_off_the_loop(sqlite_url: str)
     finally:
         asyncio.run(normal.aclose())
         asyncio.run(full.aclose())
+
+
+def test_problems_link_to_their_documentation(serve: Serve) -> None:
+    """A 400 and a 422 carry a link to documentation, as the Idempotency-Key draft asks: ``type`` is an
+    https URL of the page that explains the rule, repeated in a ``Link: rel="describedby"`` header."""
+    s = serve()
+    with s.client() as c:
+        missing = c.post("/echo", content=b"a")
+        c.post("/echo", content=b"a", headers=K)
+        reused = c.post("/echo", content=b"b", headers=K)
+    assert DEFAULT_PROBLEM_DOCS.startswith("https://")
+    for response, slug in ((missing, "missing-key"), (reused, "key-reused")):
+        url = f"{DEFAULT_PROBLEM_DOCS}#{slug}"
+        assert _problem(response, response.status_code)["type"] == url
+        assert response.headers["link"] == f'<{url}>; rel="describedby"; type="text/html"'
+    assert (missing.status_code, reused.status_code) == (400, 422)
+
+
+def test_problem_documentation_is_configurable(serve: Serve) -> None:
+    """``problem_docs=`` points the links at the application's own documentation; ``None`` keeps
+    ``urn:`` types and no Link header."""
+    own = serve(problem_docs="https://api.example.com/docs/idempotency")
+    bare = serve(problem_docs=None)
+    with own.client() as c:
+        response = c.post("/echo")
+    assert response.json()["type"] == "https://api.example.com/docs/idempotency#missing-key"
+    assert response.headers["link"].startswith("<https://api.example.com/docs/idempotency#missing-key>")
+    with bare.client() as c:
+        response = c.post("/echo")
+    assert response.json()["type"] == "urn:onceonly:problem:missing-key"
+    assert "link" not in response.headers
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "ftp://x.example/docs",
+        "/docs/idempotency",
+        "https://x.example/a#b",
+        "https://x.example/a b",
+        "https://x.example/\u00e9",
+    ],
+)
+def test_problem_documentation_must_be_an_http_url(sqlite_url: str, value: str) -> None:
+    """The documentation link goes into a header and every problem's ``type``: an absolute http(s)
+    URL in ASCII without spaces or a fragment (each problem adds its own)."""
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    with pytest.raises(ValueError, match="problem_docs="):
+        IdempotencyMiddleware(Starlette(), store=sqlite_url, problem_docs=value)

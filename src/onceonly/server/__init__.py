@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from onceonly.server._http import (
     CONTEXT_KEY,
+    DEFAULT_PROBLEM_DOCS,
     DEFAULT_REPLAY_HEADERS,
     BadKey,
     IdempotencyContext,
@@ -29,6 +30,7 @@ from onceonly.server.transactional import IdempotencyTable, Slot
 
 __all__ = [
     "CONTEXT_KEY",
+    "DEFAULT_PROBLEM_DOCS",
     "DEFAULT_RELEASE_STATUSES",
     "DEFAULT_REPLAY_HEADERS",
     "BadKey",

@@ -17,6 +17,7 @@ from onceonly.keys import MAX_KEY_LENGTH, is_wire_key
 
 __all__ = [
     "CONTEXT_KEY",
+    "DEFAULT_PROBLEM_DOCS",
     "DEFAULT_REPLAY_HEADERS",
     "KEY_HEADERS",
     "BadKey",
@@ -37,6 +38,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The page that documents the middleware's answers: each problem's ``type`` is this URL plus
+#: ``#`` and the problem's name (``#missing-key``), as the Idempotency-Key draft asks for a link to
+#: documentation. ``IdempotencyMiddleware(problem_docs=...)`` points it at the application's own.
+DEFAULT_PROBLEM_DOCS = "https://onceonly.readthedocs.io/en/latest/server/"
 
 #: Where the middleware puts the request's ``IdempotencyContext`` in the ASGI scope.
 CONTEXT_KEY = "onceonly.idempotency"
@@ -285,6 +291,25 @@ class Replay(Exception):
         self.response = response
 
 
+def check_problem_docs(url: str | None) -> str | None:
+    """``url`` if it can be the documentation link of problems, else ``ValueError`` saying why."""
+    if url is None:
+        return None
+    if not (
+        isinstance(url, str)
+        and url.startswith(("https://", "http://"))
+        and url.isascii()
+        and url.isprintable()
+        and not any(c in url for c in ' #<>"')
+    ):
+        raise ValueError(
+            f"problem_docs={url!r}: give the absolute http(s) URL of the page that documents your "
+            "idempotency rules, in ASCII, without spaces or a #fragment (each problem adds its own, such "
+            "as #missing-key), or None for urn: problem types without a link"
+        )
+    return url
+
+
 def problem_messages(
     status: int,
     title: str,
@@ -293,24 +318,20 @@ def problem_messages(
     slug: str,
     headers: Sequence[tuple[bytes, bytes]] = (),
     extra: dict[str, Any] | None = None,
+    docs: str | None = DEFAULT_PROBLEM_DOCS,
 ) -> tuple[Message, Message]:
-    """An ``application/problem+json`` response (RFC 9457), as two ASGI messages."""
-    doc: dict[str, Any] = {
-        "type": f"urn:onceonly:problem:{slug}",
-        "title": title,
-        "status": status,
-        "detail": detail,
-    }
+    """An ``application/problem+json`` response (RFC 9457), as two ASGI messages.
+
+    With ``docs`` (an http(s) URL, see ``check_problem_docs``) the ``type`` is ``docs#slug`` and a
+    ``Link: <docs#slug>; rel="describedby"`` header repeats it; without, ``urn:onceonly:problem:slug``.
+    """
+    kind = f"{docs}#{slug}" if docs else f"urn:onceonly:problem:{slug}"
+    doc: dict[str, Any] = {"type": kind, "title": title, "status": status, "detail": detail}
     if extra:
         doc.update(extra)
     body = json.dumps(doc, ensure_ascii=False).encode("utf-8")
-    start = {
-        "type": "http.response.start",
-        "status": status,
-        "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode("ascii")),
-            *headers,
-        ],
-    }
+    head = [(b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode("ascii"))]
+    if docs:
+        head.append((b"link", f'<{kind}>; rel="describedby"; type="text/html"'.encode("ascii")))
+    start = {"type": "http.response.start", "status": status, "headers": [*head, *headers]}
     return start, {"type": "http.response.body", "body": body, "more_body": False}

@@ -29,7 +29,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
@@ -44,6 +44,7 @@ from onceonly.stores.sqlite import SQLiteStore
 
 from ._http import (
     CONTEXT_KEY,
+    DEFAULT_PROBLEM_DOCS,
     DEFAULT_REPLAY_HEADERS,
     ASGIApp,
     BadKey,
@@ -55,6 +56,7 @@ from ._http import (
     Send,
     StoredResponse,
     authorization_identity,
+    check_problem_docs,
     client_hash,
     fingerprint_start,
     problem_messages,
@@ -127,6 +129,11 @@ class IdempotencyMiddleware:
         retry_after: seconds sent in ``Retry-After`` with a 409 (and a 503 when the store is down): a
             whole number, 1 or more.
         key_prefix: the first part of every key in the store.
+        problem_docs: the http(s) URL of the page that documents these rules for your clients: each
+            problem the middleware answers has ``type`` ``problem_docs#name`` (``#missing-key``,
+            ``#key-reused``…) and a ``Link: <…>; rel="describedby"`` header. The default is the page
+            of onceonly's documentation that explains them; ``None``: ``urn:onceonly:problem:name``
+            and no Link header.
         store_calls: how the event loop calls the store. ``"async"``: its async face (Redis,
             PostgreSQL; SQLite's runs each call in a worker thread). ``"thread"``: its sync face in a
             worker thread. ``"inline"``: for SQLite, its sync face on the loop through a connection
@@ -159,6 +166,7 @@ class IdempotencyMiddleware:
         release_statuses: Iterable[int] = DEFAULT_RELEASE_STATUSES,
         retry_after: int = 1,
         key_prefix: str = "http",
+        problem_docs: str | None = DEFAULT_PROBLEM_DOCS,
         store_calls: Literal["auto", "async", "thread", "inline"] = "auto",
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -175,6 +183,7 @@ class IdempotencyMiddleware:
             )
         if not (math.isfinite(retry_after) and retry_after >= 1 and int(retry_after) == retry_after):
             raise ValueError(f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more")
+        docs = check_problem_docs(problem_docs)
         self.app = app
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
@@ -199,6 +208,7 @@ class IdempotencyMiddleware:
         self.release_statuses = frozenset(release_statuses)
         self.retry_after = int(retry_after)
         self.key_prefix = key_prefix
+        self.problem_docs = docs
         self.clock = clock
 
     # --- the ASGI entry point -------------------------------------------------------------------
@@ -214,13 +224,13 @@ class IdempotencyMiddleware:
         try:
             key = request_key(scope)
         except BadKey as exc:
-            await _send(send, problem_messages(400, "Invalid Idempotency-Key", str(exc), slug="invalid-key"))
+            await _send(send, self._problem(400, "Invalid Idempotency-Key", str(exc), slug="invalid-key"))
             return
         if key is None:
             if self.require_key:
                 await _send(
                     send,
-                    problem_messages(
+                    self._problem(
                         400,
                         "Idempotency-Key is missing",
                         f"{scope['method']} {scope['path']} runs once per key: send an Idempotency-Key header "
@@ -236,7 +246,7 @@ class IdempotencyMiddleware:
         except _TooLarge:
             await _send(
                 send,
-                problem_messages(
+                self._problem(
                     413,
                     "Request body too large",
                     f"the body passes {self.max_request_body} bytes, the most this server fingerprints",
@@ -323,7 +333,7 @@ class IdempotencyMiddleware:
             log.exception("onceonly.server: the idempotency store failed on %s", ctx.store_key)
             await _send(
                 send,
-                problem_messages(
+                self._problem(
                     503,
                     "Idempotency store unavailable",
                     "the server could not record the key, so the request was not run: retry later with the same key",
@@ -680,8 +690,20 @@ class IdempotencyMiddleware:
             return landed(new, current), current
         return (True, new) if ok else (False, await self._call("get", new.key))
 
+    def _problem(
+        self,
+        status: int,
+        title: str,
+        detail: str,
+        *,
+        slug: str,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[Message, Message]:
+        return problem_messages(status, title, detail, slug=slug, headers=headers, extra=extra, docs=self.problem_docs)
+
     def _conflict(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
-        return problem_messages(
+        return self._problem(
             422,
             "Idempotency-Key reused",
             "this key was already used with another request (method, path, query or body differ): "
@@ -691,7 +713,7 @@ class IdempotencyMiddleware:
         )
 
     def _unreadable(self, ctx: IdempotencyContext, state: str, what: str) -> tuple[Message, Message]:
-        return problem_messages(
+        return self._problem(
             500,
             "Idempotency record unreadable",
             f"{what}, so the request was not run (again): a retry gets this answer until the server's "
@@ -701,7 +723,7 @@ class IdempotencyMiddleware:
         )
 
     def _in_flight(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
-        return problem_messages(
+        return self._problem(
             409,
             "Request in progress",
             "a request with this key is still being processed: retry after Retry-After seconds with the same key",
