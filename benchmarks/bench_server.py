@@ -128,7 +128,7 @@ async def _in_process(workdir: Path, n: int = 2000) -> dict[str, float]:
     store = open_store(f"sqlite:///{workdir / 'inproc-keys.db'}")
     variants = {
         "no middleware": app,
-        "middleware, transactional": IdempotencyMiddleware(app, transactional=True),
+        "middleware, transactional": IdempotencyMiddleware(app, transactional=True, client_secret="b" * 32),
         "middleware, store sqlite": IdempotencyMiddleware(app, store=store),
     }
 

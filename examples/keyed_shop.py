@@ -32,7 +32,9 @@ def api_key(scope: MutableMapping[str, Any]) -> str:
 def create_app(db: sqlite3.Connection, keys: IdempotencyTable) -> FastAPI:
     """The shop: ``POST /orders`` writes the order and its key's response in one transaction."""
     app = FastAPI()
-    app.add_middleware(IdempotencyMiddleware, transactional=True, client_identity=api_key)
+    # The key of the client hash, kept in the shop's database: every server process agrees on it.
+    secret = keys.client_secret(db)
+    app.add_middleware(IdempotencyMiddleware, transactional=True, client_identity=api_key, client_secret=secret)
 
     @app.post("/orders", status_code=201)
     async def create_order(request: Request) -> Response:
@@ -73,7 +75,7 @@ def main() -> None:
         print(db.execute("SELECT id, idempotency_key FROM orders").fetchall())  # [(1, 'order-1'), (2, 'order-1')]
 
         # Outside a request: the stored response of alice's key, and the clean-up of expired rows.
-        stored = keys.get(db, store_key("http", client_hash("alice"), "order-1"))
+        stored = keys.get(db, store_key("http", client_hash("alice", keys.client_secret(db)), "order-1"))
         assert stored is not None
         print(stored.status, stored.body)  # 201 b'{"id": 1, "sku": "A1"}'
         print(keys.purge(db))  # 0: nothing has expired (ttl 24 h)

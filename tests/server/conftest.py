@@ -21,6 +21,9 @@ from onceonly.server import IdempotencyMiddleware
 from onceonly.stores import Store, open_store
 from onceonly.tickets import RunningServer, serve_in_thread
 
+#: The client secret the suite's servers hash client identities with, so that tests can name keys.
+CLIENT_SECRET = b"test-client-secret-0123456789abc"
+
 
 @dataclass
 class Served:
@@ -121,6 +124,7 @@ def fixture_serve(store_url: str) -> Iterator[Callable[..., Served]]:
         gate, entered = threading.Event(), threading.Event()
         store = open_store(store_url)
         stores.append(store)
+        kwargs.setdefault("client_secret", CLIENT_SECRET)
         app = IdempotencyMiddleware(make_app(runs, gate, entered), store=store, **kwargs)
         server = serve_in_thread(app)
         served = Served(server.url, runs, store, gate, entered, server)

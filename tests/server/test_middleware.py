@@ -4,6 +4,7 @@ for each store. The counting app's ``runs`` is the side effect that must happen 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from onceonly.server import DEFAULT_PROBLEM_DOCS, client_hash, store_key
 from onceonly.server._http import fingerprint_start
 from onceonly.states import State
 
-from .conftest import Served, asgi_call
+from .conftest import CLIENT_SECRET, Served, asgi_call
 
 Serve = Callable[..., Served]
 K = {"Idempotency-Key": "key-1"}
@@ -34,7 +35,7 @@ def _problem(response: httpx.Response, status: int) -> dict[str, object]:
 
 
 def _key_of(key: str, authorization: str = "") -> str:
-    return store_key("http", client_hash(authorization), key)
+    return store_key("http", client_hash(authorization, CLIENT_SECRET), key)
 
 
 def test_missing_key_is_400(serve: Serve) -> None:
@@ -536,7 +537,7 @@ def test_corrupt_record_is_500_naming_the_key_state(sqlite_url: str) -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         runs.append(1)
 
-    middleware = IdempotencyMiddleware(app, store=store)
+    middleware = IdempotencyMiddleware(app, store=store, client_secret=CLIENT_SECRET)
     header = ((b"idempotency-key", b"key-1"),)
     try:
         _plant_store(store, _key_of("key-1"))
@@ -582,7 +583,13 @@ def test_completed_key_whose_response_is_unreadable_is_500(store_url: str) -> No
     try:
         assert store.insert(st.confirm(held, result_json='{"x": 1}', now=now, ttl=None, via="run", by=None))
         status, headers, body = asyncio.run(
-            asgi_call(IdempotencyMiddleware(app, store=store), "POST", "/echo", ((b"idempotency-key", b"key-1"),), b"a")
+            asgi_call(
+                IdempotencyMiddleware(app, store=store, client_secret=CLIENT_SECRET),
+                "POST",
+                "/echo",
+                ((b"idempotency-key", b"key-1"),),
+                b"a",
+            )
         )
     finally:
         store.close()
@@ -659,3 +666,89 @@ def test_problem_documentation_must_be_an_http_url(sqlite_url: str, value: str) 
 
     with pytest.raises(ValueError, match="problem_docs="):
         IdempotencyMiddleware(Starlette(), store=sqlite_url, problem_docs=value)
+
+
+def test_client_hash_is_keyed() -> None:
+    """The client part of a key is an HMAC of the identity: without the secret, a stored or logged
+    hash of an ``Authorization`` header cannot be matched against guessed credentials."""
+    basic = "Basic dXNlcjpwYXNzd29yZA=="
+    one, other = client_hash(basic, b"s" * 32), client_hash(basic, b"t" * 32)
+    assert one != other and len(one) == 32
+    assert one != hashlib.sha256(basic.encode()).hexdigest()[:32]
+    with pytest.raises(ValueError, match="16 bytes"):
+        client_hash(basic, b"short")
+
+
+def test_servers_on_one_store_agree_on_the_generated_client_secret(store_url: str) -> None:
+    """Without ``client_secret=``, the store mode generates one and keeps it in the store: servers that
+    start together (here two middlewares, each with its own memory) agree on it, so a key sent to one
+    is replayed by the other, and the hash in the store is keyed with the stored secret."""
+    from onceonly.server import IdempotencyMiddleware
+
+    runs: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        runs.append(1)
+        await send({"type": "http.response.start", "status": 201})
+        await send({"type": "http.response.body", "body": f"run {len(runs)}".encode()})
+
+    servers = [IdempotencyMiddleware(app, store=store_url) for _ in range(2)]
+    auth = ((b"authorization", b"Basic dXNlcjpwYXNzd29yZA=="),)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        try:
+            firsts = await asyncio.gather(
+                *(
+                    asgi_call(s, "POST", "/o", (*auth, (b"idempotency-key", f"k-{i}".encode())))
+                    for i, s in enumerate(servers)
+                )
+            )
+            crossed = [
+                await asgi_call(s, "POST", "/o", (*auth, (b"idempotency-key", f"k-{1 - i}".encode())))
+                for i, s in enumerate(servers)
+            ]
+            return [*firsts, *crossed]
+        finally:
+            for s in servers:
+                await s.aclose()
+
+    first_a, first_b, crossed_a, crossed_b = asyncio.run(scenario())
+    assert first_a[0] == first_b[0] == 201 and runs == [1, 1]
+    assert crossed_a[1]["idempotent-replayed"] == crossed_b[1]["idempotent-replayed"] == "true"
+    assert (crossed_a[2], crossed_b[2]) == (first_b[2], first_a[2])
+    store = onceonly.open_store(store_url)
+    try:
+        meta = store.get("http:meta:client-secret")
+        assert meta is not None and meta.state is State.CONFIRMED and meta.expires_at is None
+        secret = bytes.fromhex(json.loads(meta.result_json or "")["client_secret"])
+        client = client_hash("Basic dXNlcjpwYXNzd29yZA==", secret)
+        assert store.get(store_key("http", client, "k-0")) is not None
+        assert client != hashlib.sha256(b"Basic dXNlcjpwYXNzd29yZA==").hexdigest()[:32]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("secret", [b"", b"x" * 15, "short", 42])
+def test_client_secret_must_be_16_bytes_or_more(sqlite_url: str, secret: Any) -> None:
+    """A client secret is bytes or text of 16 bytes or more: a short one would not keep hashes secret."""
+    from onceonly.server import IdempotencyMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    with pytest.raises((ValueError, TypeError), match="client_secret="):
+        IdempotencyMiddleware(app, store=sqlite_url, client_secret=secret)
+
+
+def test_transactional_mode_needs_a_client_secret() -> None:
+    """The transactional mode keeps no store where a generated secret could be shared between server
+    processes, so it asks for one and says where to keep it."""
+    from onceonly.server import IdempotencyMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    with pytest.raises(ValueError, match=r"client_secret=.*IdempotencyTable\.client_secret"):
+        IdempotencyMiddleware(app, transactional=True)
+    assert IdempotencyMiddleware(app, transactional=True, client_secret="a" * 16).transactional

@@ -26,10 +26,10 @@ from onceonly.server._http import Message
 from onceonly.stores import open_store
 from tests._settling import Fault, FlakyStore
 
-from .conftest import Served, asgi_call, make_app
+from .conftest import CLIENT_SECRET, Served, asgi_call, make_app
 
 K = {"Idempotency-Key": "key-1"}
-KEY = store_key("http", client_hash(""), "key-1")
+KEY = store_key("http", client_hash("", CLIENT_SECRET), "key-1")
 
 
 def _retry_until_settled(s: Served, path: str) -> httpx.Response:
@@ -145,7 +145,10 @@ def test_send_raising_oserror_stops_a_stream_that_will_not_be_stored(store_url: 
 
     store = open_store(store_url)
     app = IdempotencyMiddleware(
-        Starlette(routes=[Route("/endless", endless, methods=["POST"])]), store=store, max_stored_body=2000
+        Starlette(routes=[Route("/endless", endless, methods=["POST"])]),
+        store=store,
+        max_stored_body=2000,
+        client_secret=CLIENT_SECRET,
     )
 
     async def scenario() -> None:
@@ -175,7 +178,11 @@ def _run_twice(
     """Two requests with key-1 through the middleware on ``store``, the second ``pause`` s after the first
     (by default past its lease: an unstored claim would run again then)."""
     app = IdempotencyMiddleware(
-        _flaky_app(runs, seconds=seconds), store=store, processing_timeout=0.6, store_calls="thread"
+        _flaky_app(runs, seconds=seconds),
+        store=store,
+        processing_timeout=0.6,
+        store_calls="thread",
+        client_secret=CLIENT_SECRET,
     )
 
     async def scenario() -> list[httpx.Response]:
@@ -272,7 +279,7 @@ def test_body_before_response_start_stores_nothing_and_releases_the_key(store_ur
     store = open_store(store_url)
     try:
         with (
-            serve_in_thread(IdempotencyMiddleware(broken, store=store)) as server,
+            serve_in_thread(IdempotencyMiddleware(broken, store=store, client_secret=CLIENT_SECRET)) as server,
             httpx.Client(base_url=server.url, timeout=10) as c,
         ):
             first = c.post("/o", headers=K)
@@ -309,7 +316,7 @@ def test_response_no_server_can_send_is_not_stored(sqlite_url: str, messages: li
         await send({"type": "http.response.body", "body": b"x"})
 
     store = open_store(sqlite_url)
-    middleware = IdempotencyMiddleware(broken, store=store)
+    middleware = IdempotencyMiddleware(broken, store=store, client_secret=CLIENT_SECRET)
     try:
         with pytest.raises(RuntimeError, match="ASGI protocol error"):
             asyncio.run(asgi_call(middleware, "POST", "/o", ((b"idempotency-key", b"key-1"),)))

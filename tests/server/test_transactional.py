@@ -19,6 +19,7 @@ from onceonly.server import DEFAULT_REPLAY_HEADERS, IdempotencyTable, Replay, St
 from onceonly.server.transactional import _convert
 
 FP = "f" * 64
+SECRET = b"test-client-secret-0123456789abc"
 
 
 class Db:
@@ -377,8 +378,10 @@ def test_transactional_middleware_wrapped_outside_logs_where_it_belongs(
         return Response("made", status_code=201, media_type="text/plain")
 
     inside = Starlette(routes=[Route("/o", order, methods=["POST"])])
-    inside.add_middleware(IdempotencyMiddleware, transactional=True)
-    outside = IdempotencyMiddleware(Starlette(routes=[Route("/o", order, methods=["POST"])]), transactional=True)
+    inside.add_middleware(IdempotencyMiddleware, transactional=True, client_secret=SECRET)
+    outside = IdempotencyMiddleware(
+        Starlette(routes=[Route("/o", order, methods=["POST"])]), transactional=True, client_secret=SECRET
+    )
 
     def twice(app: Any, key: str) -> list[Any]:
         import asyncio
@@ -448,3 +451,20 @@ def test_postgres_snapshot_isolation_waiter_gets_in_progress(postgres_database_u
         t1.join(10)
         with pytest.raises(Replay):
             table.begin(waiter, "k1", FP)
+
+
+def test_client_secret_is_made_once_and_kept_in_the_table(db: Db) -> None:
+    """``client_secret(tx)`` makes a random secret on first use and keeps it in the table: every later
+    call, from any connection (any server process), gets the same one, and purge keeps it."""
+    table = _table(db)
+    with db.transaction() as tx:
+        first = table.client_secret(tx)
+    with db.transaction() as tx:
+        again = table.client_secret(tx)
+        assert table.purge(tx, before=time.time() + 10 * 365 * 86400) == 0
+    with db.transaction() as tx:
+        assert table.client_secret(tx) == first
+    assert again == first and len(first) == 32
+    other = _table(db, ttl=None)
+    with db.transaction() as tx:
+        assert other.client_secret(tx) == first  # the same table, read by another instance

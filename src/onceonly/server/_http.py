@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -156,9 +157,38 @@ def authorization_identity(scope: Scope) -> str:
     return ""
 
 
-def client_hash(identity: str) -> str:
-    """The 128-bit hex digest of a client identity: what the store and the logs see."""
-    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+#: The shortest client secret: 128 bits.
+MIN_CLIENT_SECRET = 16
+
+
+def check_client_secret(secret: object) -> bytes:
+    """``secret`` as bytes if it can key the client hash (bytes or text, 16 bytes or more), else an error."""
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8", "surrogatepass")
+    if not isinstance(secret, bytes | bytearray):
+        raise TypeError(f"client_secret={type(secret).__name__}: give bytes or text, 16 bytes or more")
+    if len(secret) < MIN_CLIENT_SECRET:
+        raise ValueError(
+            f"client_secret= has {len(secret)} bytes: give {MIN_CLIENT_SECRET} bytes or more (such as "
+            "secrets.token_hex(32)), the same in every server process"
+        )
+    return bytes(secret)
+
+
+def client_hash(identity: str, secret: bytes) -> str:
+    """The 128-bit hex digest of a client identity, keyed by ``secret`` (HMAC-SHA256): what the store
+    and the logs see. Without the secret a digest cannot be matched against guessed credentials.
+
+    ``secret`` is the middleware's ``client_secret`` (16 bytes or more).
+
+    .. versionadded:: 0.1
+    """
+    return keyed_client_hash(check_client_secret(secret), identity)
+
+
+def keyed_client_hash(secret: bytes, identity: str) -> str:
+    """``client_hash`` for a secret already checked (the middleware's per-request path)."""
+    return hmac.new(secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
 
 
 def store_key(prefix: str, client: str, key: str) -> str:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import os
+import secrets
 import socket
 import sqlite3
 import time
@@ -56,9 +58,10 @@ from ._http import (
     Send,
     StoredResponse,
     authorization_identity,
+    check_client_secret,
     check_problem_docs,
-    client_hash,
     fingerprint_start,
+    keyed_client_hash,
     problem_messages,
     request_key,
     store_key,
@@ -73,6 +76,8 @@ log = logging.getLogger("onceonly.server")
 DEFAULT_RELEASE_STATUSES: frozenset[int] = frozenset({408, 429, *range(500, 600)})
 
 _TOOL = "http"
+#: Where the store mode keeps the client secret it made, after ``key_prefix:``.
+_SECRET_KEY = "meta:client-secret"
 #: Pauses between tries to store a response after the store failed the write (and the re-read shows
 #: the claim still ours): about 0.8 s in all, enough for a blip, short enough to hold the last chunk.
 _COMPLETE_DELAYS = (0.05, 0.2, 0.5)
@@ -117,6 +122,11 @@ class IdempotencyMiddleware:
             request runs as if there were no middleware.
         client_identity: ``scope -> str``: who is asking. Keys are scoped by its hash, so one client
             can never replay another's response. Default: the ``Authorization`` header.
+        client_secret: the key of that hash (HMAC-SHA256; bytes or text, 16 bytes or more), the same
+            in every server process, so that a stored or logged hash cannot be matched against
+            guessed credentials. Store mode without it: made on first use and kept in the store (the
+            record ``KEY_PREFIX:meta:client-secret``). Transactional mode needs it: keep one in your
+            database with ``IdempotencyTable.client_secret(conn)``, or give one from your configuration.
         processing_timeout: seconds a claim holds. While the application runs, the claim is renewed
             every third of it, so only a server that stopped (crash, kill, lost store) lets a claim
             go stale; a retry after that runs the request again (see docs/server.md).
@@ -158,6 +168,7 @@ class IdempotencyMiddleware:
         methods: Iterable[str] = ("POST", "PATCH"),
         require_key: bool = True,
         client_identity: Callable[[Scope], str] = authorization_identity,
+        client_secret: bytes | str | None = None,
         processing_timeout: float = 30.0,
         ttl: float = 86400.0,
         max_stored_body: int = 1 << 20,
@@ -184,6 +195,14 @@ class IdempotencyMiddleware:
         if not (math.isfinite(retry_after) and retry_after >= 1 and int(retry_after) == retry_after):
             raise ValueError(f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more")
         docs = check_problem_docs(problem_docs)
+        secret = None if client_secret is None else check_client_secret(client_secret)
+        if transactional and secret is None:
+            raise ValueError(
+                "IdempotencyMiddleware(transactional=True) needs client_secret=: the key of the hash that scopes "
+                "idempotency keys per client, the same in every server process. Keep one in your database with "
+                "client_secret=IdempotencyTable.client_secret(conn), or give one from your configuration "
+                "(16 bytes or more, such as secrets.token_hex(32))"
+            )
         self.app = app
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
@@ -200,6 +219,7 @@ class IdempotencyMiddleware:
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
         self.client_identity = client_identity
+        self._secret = secret  # store mode without client_secret=: read from the store on first use
         self.processing_timeout = float(processing_timeout)
         self.ttl = float(ttl)
         self.max_stored_body = int(max_stored_body)
@@ -256,13 +276,25 @@ class IdempotencyMiddleware:
             return
         except _Disconnected:
             return  # the client left before sending its body: nothing was claimed, nothing to answer
-        client = client_hash(self.client_identity(scope))
-        ctx = IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
-        scope[CONTEXT_KEY] = ctx
-        if self.transactional:
-            await self._run_transactional(scope, _replaying(body, receive), send, ctx)
+        identity = self.client_identity(scope)
+        if self._secret is not None:
+            ctx = self._context(self._secret, identity, key, digest)
+            scope[CONTEXT_KEY] = ctx
+            if self.transactional:
+                await self._run_transactional(scope, _replaying(body, receive), send, ctx)
+                return
         else:
-            await self._run_stored(scope, body, receive, send, ctx)
+            try:
+                ctx = self._context(await self._stored_secret(), identity, key, digest)
+            except StoreError as exc:
+                await _send(send, self._store_failed(exc, f"{self.key_prefix}:{_SECRET_KEY}", key))
+                return
+            scope[CONTEXT_KEY] = ctx
+        await self._run_stored(scope, body, receive, send, ctx)
+
+    def _context(self, secret: bytes, identity: str, key: str, digest: str) -> IdempotencyContext:
+        client = keyed_client_hash(secret, identity)
+        return IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
         digest = fingerprint_start(
@@ -324,23 +356,8 @@ class IdempotencyMiddleware:
     ) -> None:
         try:
             got = await self._claim(scope, ctx)
-        except StoreCorrupt:
-            # Not an outage to wait out: a Retry-After would make clients retry for ever.
-            log.exception("onceonly.server: the record of %s cannot be read", ctx.store_key)
-            await _send(send, self._unreadable(ctx, "unreadable", "the server's record of this key cannot be read"))
-            return
-        except StoreError:
-            log.exception("onceonly.server: the idempotency store failed on %s", ctx.store_key)
-            await _send(
-                send,
-                self._problem(
-                    503,
-                    "Idempotency store unavailable",
-                    "the server could not record the key, so the request was not run: retry later with the same key",
-                    slug="store-unavailable",
-                    headers=[(b"retry-after", str(self.retry_after).encode())],
-                ),
-            )
+        except StoreError as exc:
+            await _send(send, self._store_failed(exc, ctx.store_key, ctx.key))
             return
         if not isinstance(got, _Held):
             await _send(send, got)
@@ -479,7 +496,7 @@ class IdempotencyMiddleware:
                 except ValueError:
                     log.exception("onceonly.server: %s holds no readable response", ctx.store_key)
                     return self._unreadable(
-                        ctx, "completed", "this key was completed but its stored response cannot be read"
+                        ctx.key, "completed", "this key was completed but its stored response cannot be read"
                     )
             elif current.state in HELD and not current.lease_expired(now):
                 return self._in_flight(ctx)
@@ -506,6 +523,31 @@ class IdempotencyMiddleware:
             if await self._call("swap", new, current):
                 return _Held(new)
         return self._in_flight(ctx)
+
+    async def _stored_secret(self) -> bytes:
+        """The client secret kept in the store, made on first use: one conditional write, so that
+        servers starting together keep the first one written and all hash clients alike."""
+        key = f"{self.key_prefix}:{_SECRET_KEY}"
+        now = self.clock()
+        owner = f"{_HOST}:{os.getpid()}:{next(_owner_counter)}"
+        made = st.new_record(
+            key=key, scope=f"{self.key_prefix}:meta", tool=_TOOL, fingerprint="client-secret", args_json="{}",
+            state=State.IN_FLIGHT, owner=owner, now=now, lease_seconds=0.0, reason="client secret",
+        )  # fmt: skip
+        made = st.confirm(
+            made, result_json=json.dumps({"client_secret": secrets.token_hex(32)}), now=now, ttl=None,
+            via="made", by=owner,
+        )  # fmt: skip
+        kept = await self._call("claim", made) or made
+        try:
+            secret = check_client_secret(bytes.fromhex(json.loads(kept.result_json or "")["client_secret"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreCorrupt(
+                f"{key} holds no client secret of IdempotencyMiddleware ({exc}): it was written by something "
+                "else. Nothing was changed: delete that record (a new secret is then made) or pass client_secret="
+            ) from exc
+        self._secret = secret
+        return secret
 
     async def _complete(self, held: _Held, stored: StoredResponse) -> None:
         await self._stop_beats(held)
@@ -712,14 +754,28 @@ class IdempotencyMiddleware:
             extra={"key": ctx.key},
         )
 
-    def _unreadable(self, ctx: IdempotencyContext, state: str, what: str) -> tuple[Message, Message]:
+    def _store_failed(self, exc: StoreError, where: str, key: str) -> tuple[Message, Message]:
+        if isinstance(exc, StoreCorrupt):
+            # Not an outage to wait out: a Retry-After would make clients retry for ever.
+            log.exception("onceonly.server: the record %s cannot be read", where)
+            return self._unreadable(key, "unreadable", "the server's record of this key cannot be read")
+        log.exception("onceonly.server: the idempotency store failed on %s", where)
+        return self._problem(
+            503,
+            "Idempotency store unavailable",
+            "the server could not record the key, so the request was not run: retry later with the same key",
+            slug="store-unavailable",
+            headers=[(b"retry-after", str(self.retry_after).encode())],
+        )
+
+    def _unreadable(self, key: str, state: str, what: str) -> tuple[Message, Message]:
         return self._problem(
             500,
             "Idempotency record unreadable",
             f"{what}, so the request was not run (again): a retry gets this answer until the server's "
             "operator repairs or removes the record",
             slug="record-unreadable",
-            extra={"key": ctx.key, "state": state},
+            extra={"key": key, "state": state},
         )
 
     def _in_flight(self, ctx: IdempotencyContext) -> tuple[Message, Message]:

@@ -20,15 +20,17 @@ completed row and replays it. A lock that times out is reported as ``InProgress`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+import secrets
 import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from onceonly.errors import InProgress, KeyConflict
+from onceonly.errors import InProgress, KeyConflict, StoreCorrupt
 
 from ._http import IdempotencyContext, Replay, StoredResponse, idempotency_context
 
@@ -36,6 +38,7 @@ __all__ = ["IdempotencyTable", "Slot"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
 _PLACEHOLDER = re.compile(r":([a-z_]+)")
+_SECRET_KEY = "onceonly:meta:client-secret"
 Executor = Callable[[str, Mapping[str, Any]], tuple[int, list[Any]]]
 
 
@@ -81,11 +84,40 @@ class IdempotencyTable:
                 "WHERE key = :key AND status = 'processing'"
             ),
             "purge": f"DELETE FROM {t} WHERE expires_at IS NOT NULL AND expires_at <= :now",
+            # The client secret: a row that never expires, under a key no client key can take (theirs
+            # are PREFIX:<32 hex digits>:...).
+            "insert_secret": (
+                f"INSERT INTO {t} (key, fingerprint, status, response, created_at, expires_at) "
+                "VALUES (:key, 'client-secret', 'secret', :secret, :now, NULL) ON CONFLICT (key) DO NOTHING"
+            ),
         }
 
     def create(self, tx: Any) -> None:
         """Create the table if it does not exist (commit it yourself where DDL is transactional)."""
         _executor(tx)(self._sql["create"], {})
+
+    def client_secret(self, tx: Any) -> bytes:
+        """The secret that keys the client hash (``IdempotencyMiddleware(client_secret=...)``), kept in
+        this table: made on first use inside ``tx`` (commit it), then the same for every caller, so all
+        server processes on the database agree. Whoever reads the table reads it: give the middleware
+        a secret from your configuration instead to keep hashes opaque to database readers too.
+
+        .. versionadded:: 0.1
+        """
+        run = _executor(tx)
+        params = {"key": _SECRET_KEY, "secret": secrets.token_hex(32), "now": self.clock()}
+        run(self._sql["insert_secret"], params)
+        _, rows = run(self._sql["select"], params)
+        found: bytes | None = None
+        if rows and rows[0][1] == "secret":
+            with contextlib.suppress(TypeError, ValueError):
+                found = bytes.fromhex(rows[0][2])
+        if found is None or len(found) < 16:
+            raise StoreCorrupt(
+                f"{self.name} holds no readable client secret under {_SECRET_KEY!r}: something else wrote that "
+                "row. Delete it (a new secret is then made) or give the middleware a client_secret= of yours"
+            )
+        return found
 
     def begin(self, tx: Any, key: str, fingerprint: str) -> Slot:
         """Take ``key`` inside the caller's transaction ``tx``, before the business write.

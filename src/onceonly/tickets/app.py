@@ -140,6 +140,8 @@ class TicketDB:
                 if statement.strip():
                     conn.execute(statement)
             self.table.create(conn)
+            #: The key of the client hash, kept beside the keys: every process on this file agrees.
+            self.client_secret = self.table.client_secret(conn)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -304,7 +306,7 @@ def create_app(
             client, key = ctx.client, ctx.key
         else:
             # Idempotency off: no middleware read the key, but the ticket still records it for the lookup.
-            client, key = client_hash(authorization_identity(request.scope)), _sent_key(request)
+            client, key = client_hash(authorization_identity(request.scope), db.client_secret), _sent_key(request)
         conn = db.conn()
         # One writer at a time in this process: SQLite allows one anyway, and its busy handler would
         # make the others sleep in steps of milliseconds instead of queueing behind a lock.
@@ -349,7 +351,7 @@ def create_app(
         summary="The ticket this client created with an idempotency key",
     )
     def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=MAX_KEY_LENGTH)], request: Request) -> Any:
-        client = client_hash(authorization_identity(request.scope))
+        client = client_hash(authorization_identity(request.scope), db.client_secret)
         found = db.by_key(client, key)
         if found is None:
             return _problem(404, "No such ticket", f"no ticket of this client has the key {key!r}", "not-found")
@@ -386,6 +388,7 @@ def create_app(
             transactional=transactional,
             processing_timeout=processing_timeout,
             ttl=ttl,
+            client_secret=db.client_secret,
         )
     app.add_middleware(FaultMiddleware, injector=injector)
     return app
