@@ -172,3 +172,36 @@ def test_admin_endpoint_sets_and_reports_faults(tickets: Start) -> None:
     no_admin = tickets(admin=False)
     with client(no_admin) as c:
         assert c.get("/admin/faults").status_code == 404
+
+
+@pytest.mark.parametrize("mode", ["transactional"], indirect=True)
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        pytest.param("POST", "/tickets", b'{"session_id": NaN, "title": "t"}', id="nan"),
+        pytest.param("POST", "/tickets", b'{"session_id": "s", "title": Infinity}', id="infinity"),
+        pytest.param("POST", "/tickets", b'{"session_id": "s", "title": "t", "body": 1e400}', id="1e400"),
+        pytest.param("POST", "/tickets", b'{"session_id": "\\ud800", "title": "t"}', id="lone-surrogate"),
+        pytest.param("POST", "/tickets", b'{"session_id": "s", "title": "t", "\\udfff": 1}', id="surrogate-name"),
+        pytest.param("POST", "/tickets", b'{"session_id": "s"', id="not-json"),
+        pytest.param("POST", "/tickets", b'{"title": "t"}', id="missing-field"),
+        pytest.param("PUT", "/admin/faults", b'{"lost": NaN}', id="faults-nan"),
+        pytest.param("PUT", "/admin/faults", b'{"seed": 1e400}', id="faults-1e400"),
+    ],
+)
+def test_invalid_json_is_a_422_problem(tickets: Start, method: str, path: str, body: bytes) -> None:
+    """A body the API cannot take, even one holding NaN, Infinity, a number past a double or a lone
+    surrogate (which the input echo of FastAPI's own answer cannot encode), is a 422
+    application/problem+json that says which field is wrong; nothing is created."""
+    server = tickets()
+    headers = {"content-type": "application/json", **_key("k-invalid")}
+    with client(server) as c:
+        response = c.request(method, path, content=body, headers=headers)
+        faults = c.get("/admin/faults").json()["faults"]
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    doc = response.json()
+    assert doc["status"] == 422 and doc["title"] == "Invalid request" and doc["detail"]
+    assert doc["errors"] and all({"loc", "msg", "type"} <= set(e) for e in doc["errors"])
+    assert "input" not in response.text
+    assert ticket_count(server) == 0 and faults["lost"] == 0.0

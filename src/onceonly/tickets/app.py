@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,6 +97,20 @@ class Problem(BaseModel):
     detail: str
 
 
+class FieldError(BaseModel):
+    """One thing wrong with a request: where (``["body", "title"]``), what, and its kind."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class InvalidRequest(Problem):
+    """A request the API cannot take (422), as ``application/problem+json``, with what was wrong."""
+
+    errors: list[FieldError]
+
+
 class FaultState(BaseModel):
     faults: Faults
     injected: dict[str, int]
@@ -104,6 +119,32 @@ class FaultState(BaseModel):
 
 _PROBLEM_CONTENT: dict[str, Any] = {"content": {"application/problem+json": {"schema": Problem.model_json_schema()}}}
 _PROBLEM: dict[str, Any] = {"description": "A problem (RFC 9457)", **_PROBLEM_CONTENT}
+
+
+def _inlined(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema with its ``$defs`` put in place: a ``#/$defs/…`` reference inside an
+    OpenAPI response would point at the root of the whole document."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    result: dict[str, Any] = walk(schema)
+    return result
+
+
+_INVALID: dict[str, Any] = {
+    "description": "A request the API cannot take: its path, query or body (problem+json, with errors)",
+    "content": {"application/problem+json": {"schema": _inlined(InvalidRequest)}},
+}
 
 
 class InjectedFailure(Exception):
@@ -200,9 +241,45 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def _problem(status: int, title: str, detail: str, slug: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"type": f"urn:onceonly:problem:{slug}", "title": title, "status": status, "detail": detail}
+def _problem(
+    status: int,
+    title: str,
+    detail: str,
+    slug: str,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
+    body = {"type": f"urn:onceonly:problem:{slug}", "title": title, "status": status, "detail": detail, **(extra or {})}
     return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
+
+
+def _invalid(exc: RequestValidationError) -> JSONResponse:
+    """422 problem+json for a request that failed validation. FastAPI's own answer echoes each bad
+    input, which cannot always be encoded (NaN, Infinity, a lone surrogate): this one names where
+    and what, never the input."""
+    errors = [
+        {
+            "loc": [p if isinstance(p, int) else _printable(p) for p in e.get("loc", ())],
+            "msg": _printable(_message(e)),
+            "type": _printable(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    where = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in errors[:3])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return _problem(422, "Invalid request", f"{where}{more}", "invalid-request", extra={"errors": errors})
+
+
+def _message(error: Any) -> str:
+    """An error's message, with the JSON parser's reason when the body is not JSON."""
+    reason = (error.get("ctx") or {}).get("error")
+    msg = str(error.get("msg", ""))
+    return f"{msg}: {reason}" if error.get("type") == "json_invalid" and isinstance(reason, str) else msg
+
+
+def _printable(value: object) -> str:
+    """``value`` as text that encodes as UTF-8: a lone surrogate becomes its escape (``\\ud800``)."""
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # --- the application ------------------------------------------------------------------------------
@@ -259,6 +336,10 @@ def create_app(
     app.state.faults = injector
     app.state.idempotency = "transactional" if transactional else ("store" if idempotency else "off")
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _invalid(exc)
+
     @app.exception_handler(InjectedFailure)
     async def injected_failure(request: Request, exc: InjectedFailure) -> JSONResponse:
         return _problem(503, "Injected failure", str(exc), "injected-failure", {"Retry-After": "1"})
@@ -287,10 +368,11 @@ def create_app(
             409: _PROBLEM,
             413: _PROBLEM,
             422: {
-                "description": "Invalid body (application/json), or the key was used with another body",
+                "description": "An invalid body (with errors), or the key was used with another body",
                 "content": {
-                    **_PROBLEM_CONTENT["content"],
-                    "application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}},
+                    "application/problem+json": {
+                        "schema": {"anyOf": [_inlined(InvalidRequest), Problem.model_json_schema()]}
+                    }
                 },
             },
             503: _PROBLEM,
@@ -337,7 +419,12 @@ def create_app(
             os._exit(CRASH_EXIT_CODE)
         return Response(body, status_code=201, headers=headers)
 
-    @app.get("/tickets", response_model=TicketList, summary="Find tickets by business key (for probes)")
+    @app.get(
+        "/tickets",
+        response_model=TicketList,
+        responses={422: _INVALID},
+        summary="Find tickets by business key (for probes)",
+    )
     def find_tickets(
         session_id: Annotated[str, Query(min_length=1, max_length=200)],
         title: Annotated[str | None, Query(max_length=500)] = None,
@@ -347,7 +434,7 @@ def create_app(
     @app.get(
         "/tickets/by-idempotency-key/{key}",
         response_model=Ticket,
-        responses={404: _PROBLEM},
+        responses={404: _PROBLEM, 422: _INVALID},
         summary="The ticket this client created with an idempotency key",
     )
     def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=MAX_KEY_LENGTH)], request: Request) -> Any:
@@ -357,7 +444,9 @@ def create_app(
             return _problem(404, "No such ticket", f"no ticket of this client has the key {key!r}", "not-found")
         return found
 
-    @app.get("/tickets/{ticket_id}", response_model=Ticket, responses={404: _PROBLEM}, summary="One ticket")
+    @app.get(
+        "/tickets/{ticket_id}", response_model=Ticket, responses={404: _PROBLEM, 422: _INVALID}, summary="One ticket"
+    )
     def get_ticket(ticket_id: Annotated[int, PathParam(ge=1, le=_MAX_ID)]) -> Any:
         found = db.get(ticket_id)
         if found is None:
@@ -374,7 +463,12 @@ def create_app(
         def get_faults() -> dict[str, Any]:
             return injector.snapshot()
 
-        @app.put("/admin/faults", response_model=FaultState, summary="Set the faults (restarts the RNG)")
+        @app.put(
+            "/admin/faults",
+            response_model=FaultState,
+            responses={422: _INVALID},
+            summary="Set the faults (restarts the RNG)",
+        )
         def put_faults(settings: Faults) -> Any:
             # FastAPI validated the body as Faults (its __post_init__ included): a bad setting was a 422.
             injector.configure(settings)
