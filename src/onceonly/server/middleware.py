@@ -186,8 +186,10 @@ class IdempotencyMiddleware:
                 "IdempotencyMiddleware needs either store= (a Store or a URL such as sqlite:///idem.db) "
                 "or transactional=True (the application stores responses with IdempotencyTable), not both"
             )
-        if processing_timeout <= 0:
+        if not (math.isfinite(processing_timeout) and processing_timeout > 0):
             raise ValueError(f"processing_timeout={processing_timeout}: give a positive number of seconds")
+        if not (math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"ttl={ttl}: give a positive number of seconds a completed response is replayed")
         if not isinstance(retry_after, int | float):
             raise TypeError(
                 f"retry_after={retry_after!r}: Retry-After is a whole number of seconds, 1 or more: give an int"

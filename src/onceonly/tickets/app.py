@@ -15,12 +15,14 @@ instead (the store mode), and with ``idempotency=False`` there is none: every PO
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import os
 import sqlite3
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,6 +41,7 @@ from onceonly.server import (
     idempotency_context,
 )
 from onceonly.server._http import BadKey, request_key
+from onceonly.stores import open_store
 from onceonly.stores.base import Store
 from onceonly.tickets.faults import CRASH_EXIT_CODE, FAULT_KEY, FaultInjector, FaultMiddleware, Faults
 
@@ -320,11 +323,29 @@ def create_app(
     if seed is not None:
         faults = dataclasses.replace(faults, seed=seed)
     transactional = idempotency and store is None
-    table = IdempotencyTable(ttl=ttl)
-    db = TicketDB(db_path, table)
+    # Opened now, not by the middleware at the first request: a bad URL or an unreachable store
+    # fails here, before anything is served. A store opened here is closed at shutdown.
+    opened = open_store(store) if isinstance(store, str) and idempotency else None
+    try:
+        table = IdempotencyTable(ttl=ttl)
+        db = TicketDB(db_path, table)
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        raise
     injector = FaultInjector(faults)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if opened is not None:
+            closer = getattr(opened, "aclose", None)
+            if closer is not None:
+                await closer()  # the async face's connections belong to this loop
+            opened.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="onceonly tickets",
         version="0.1.0",
         description=(
@@ -476,14 +497,21 @@ def create_app(
 
     # Outermost first: the faults see the finished answer; the idempotency middleware sees the app.
     if idempotency:
-        app.add_middleware(
-            IdempotencyMiddleware,
-            store=store,
-            transactional=transactional,
-            processing_timeout=processing_timeout,
-            ttl=ttl,
-            client_secret=db.client_secret,
-        )
+        settings: dict[str, Any] = {
+            "store": opened or store,
+            "transactional": transactional,
+            "processing_timeout": processing_timeout,
+            "ttl": ttl,
+            "client_secret": db.client_secret,
+        }
+        try:
+            IdempotencyMiddleware(app, **settings)  # checks the settings now: Starlette builds it at the first request
+        except BaseException:
+            db.close()
+            if opened is not None:
+                opened.close()
+            raise
+        app.add_middleware(IdempotencyMiddleware, **settings)
     app.add_middleware(FaultMiddleware, injector=injector)
     return app
 

@@ -6,6 +6,8 @@ starts fast and works without the ``server`` extra.
 
 from __future__ import annotations
 
+import math
+import sqlite3
 import sys
 
 import click
@@ -15,9 +17,17 @@ from onceonly.stores import redact_url
 __all__ = ["COMMANDS", "tickets"]
 
 
+def _seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value}: give a positive number of seconds")
+    return value
+
+
 @click.command("tickets")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port; 0 picks a free one (printed).")
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port; 0 picks a free one (printed)."
+)
 @click.option("--db", default=".onceonly/tickets.db", show_default=True, help="The SQLite file of the tickets.")
 @click.option("--no-idempotency", is_flag=True, help="No idempotency middleware: every POST creates a ticket.")
 @click.option(
@@ -37,7 +47,14 @@ __all__ = ["COMMANDS", "tickets"]
 )
 @click.option("--seed", default=None, type=int, help="Seed of the fault RNG (reproducible faults).")
 @click.option("--delay-seconds", default=3.0, show_default=True, type=float, help="How long 'delay' holds an answer.")
-@click.option("--processing-timeout", default=30.0, show_default=True, type=float, help="Store mode: claim lease (s).")
+@click.option(
+    "--processing-timeout",
+    default=30.0,
+    show_default=True,
+    type=float,
+    callback=_seconds,
+    help="Store mode: claim lease (s).",
+)
 @click.option("--no-admin", is_flag=True, help="Do not serve /admin/faults.")
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
@@ -64,10 +81,17 @@ def tickets(
         raise click.ClickException(
             f"onceonly tickets needs the server extra: pip install 'onceonly[server]' ({exc})"
         ) from exc
+    from onceonly.errors import StoreError
+
     if no_idempotency and store:
         raise click.UsageError("--no-idempotency and --idempotency-store exclude each other")
     try:
         parsed = Faults.parse(faults, seed=seed, delay_seconds=delay_seconds)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    # Everything is opened and checked here, before "serving": a store or file the service cannot
+    # use must stop the command, not answer 500 to every request.
+    try:
         app = create_app(
             db,
             idempotency=not no_idempotency,
@@ -76,8 +100,17 @@ def tickets(
             admin=not no_admin,
             processing_timeout=processing_timeout,
         )
+    except StoreError as exc:
+        raise click.ClickException(f"cannot open the store of --idempotency-store: {exc}") from exc
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        if store:  # the other settings were checked above: what is left is the store's URL
+            raise click.BadParameter(str(exc), param_hint="'--idempotency-store'") from exc
+        raise click.UsageError(str(exc)) from exc
+    except (OSError, sqlite3.Error) as exc:
+        raise click.ClickException(
+            f"cannot open the ticket database {db!r}: {exc}: give the path of a SQLite file (or of a new one) "
+            "that this user may write"
+        ) from exc
     mode = "off" if no_idempotency else ("store " + redact_url(store) if store else "transactional")
     injected = ", ".join(f"{k}={v:g}" for k, v in parsed.to_dict().items() if k not in ("seed", "delay_seconds") and v)
 
