@@ -752,3 +752,15 @@ def test_transactional_mode_needs_a_client_secret() -> None:
     with pytest.raises(ValueError, match=r"client_secret=.*IdempotencyTable\.client_secret"):
         IdempotencyMiddleware(app, transactional=True)
     assert IdempotencyMiddleware(app, transactional=True, client_secret="a" * 16).transactional
+
+
+@pytest.mark.parametrize("name", ["processing_timeout", "ttl"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
+def test_seconds_must_be_positive_and_finite(sqlite_url: str, name: str, value: float) -> None:
+    """A lease or a ttl of NaN or infinity is refused at construction, like zero or a negative one."""
+    from starlette.applications import Starlette
+
+    from onceonly.server import IdempotencyMiddleware
+
+    with pytest.raises(ValueError, match=f"{name}="):
+        IdempotencyMiddleware(Starlette(), store=sqlite_url, **{name: value})

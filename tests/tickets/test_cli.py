@@ -79,3 +79,19 @@ def test_bad_database_file_is_an_error(tmp_path: Path) -> None:
         assert result.exit_code == 1, result.output
         assert isinstance(result.exception, SystemExit)
         assert f"cannot open the ticket database {str(db)!r}" in result.output
+
+
+def test_store_opened_from_a_url_is_closed_at_shutdown(tmp_path: Path) -> None:
+    """``create_app(store=URL)`` opens the store at once (a bad one fails there) and closes it when the
+    server shuts down."""
+    from onceonly import StoreUnavailable
+    from onceonly.tickets import create_app, serve_in_thread
+
+    with pytest.raises(ValueError, match="no onceonly store"):
+        create_app(tmp_path / "t.db", store="bogus://x")
+    with serve_in_thread(create_app(tmp_path / "t.db", store=f"sqlite:///{tmp_path / 'keys.db'}")) as server:
+        store = server.app.state.store  # type: ignore[attr-defined]
+        assert store.get("x") is None
+    with pytest.raises(StoreUnavailable):
+        store.get("x")
+    server.app.state.db.close()  # type: ignore[attr-defined]

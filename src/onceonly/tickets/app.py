@@ -313,7 +313,9 @@ def create_app(
         processing_timeout: the store mode's claim lease (seconds); see ``IdempotencyMiddleware``.
         ttl: seconds a completed key is replayed.
 
-    The app's ``state`` holds ``db`` (``TicketDB``) and ``faults`` (``FaultInjector``).
+    The app's ``state`` holds ``db`` (``TicketDB``), ``faults`` (``FaultInjector``) and ``store``
+    (the store mode's ``Store``: one opened here from a URL is closed at the lifespan shutdown). A
+    store that cannot be opened, or a setting the middleware refuses, raises here.
 
     .. versionadded:: 0.1
     """
@@ -354,6 +356,7 @@ def create_app(
         ),
     )
     app.state.db = db
+    app.state.store = opened or store
     app.state.faults = injector
     app.state.idempotency = "transactional" if transactional else ("store" if idempotency else "off")
 
