@@ -188,7 +188,7 @@ def client_hash(identity: str, secret: bytes) -> str:
 
 def keyed_client_hash(secret: bytes, identity: str) -> str:
     """``client_hash`` for a secret already checked (the middleware's per-request path)."""
-    return hmac.new(secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+    return hmac.digest(secret, identity.encode("utf-8", "surrogatepass"), "sha256").hex()[:32]
 
 
 def store_key(prefix: str, client: str, key: str) -> str:

@@ -668,7 +668,8 @@ class IdempotencyMiddleware:
     # --- closing -------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Close the store, if the middleware opened it from a URL (a ``Store`` you passed is yours).
+        """Close the store, if the middleware opened it from a URL (a ``Store`` you passed is yours),
+        and the SQLite connections the middleware opened for itself (see ``store_calls``).
 
         Runs by itself at the application's lifespan shutdown, when the server sends lifespan events.
         """
