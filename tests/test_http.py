@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -288,10 +289,37 @@ def test_422_problem_is_a_key_conflict(tickets: RunningServer) -> None:
 
 
 def test_422_validation_error_is_not_a_key_conflict(tickets: RunningServer) -> None:
-    """A 422 that is not a problem document (FastAPI's body validation) is a definite failure."""
+    """A 422 about the request's content (the ticket service's body validation, a problem document
+    too) is a definite failure, not a key conflict."""
     with Client(tickets.url) as c, pytest.raises(httpx.HTTPStatusError) as caught:
         c.post("/tickets", json={"title": "no session"})
     assert caught.value.response.status_code == 422
+    assert caught.value.response.headers["content-type"] == "application/problem+json"
+
+
+@pytest.mark.parametrize(
+    ("doc", "conflict"),
+    [
+        pytest.param(
+            {"type": "https://developer.example.com/idempotency", "title": "Idempotency-Key is already used"},
+            True,
+            id="the-drafts-example",
+        ),
+        pytest.param({"type": "urn:x:key-reused", "title": "Reused"}, True, id="key-reused-type"),
+        pytest.param({"type": "about:blank", "title": "Invalid request"}, False, id="validation"),
+        pytest.param(["not", "an", "object"], False, id="not-an-object"),
+    ],
+)
+def test_only_a_422_problem_about_the_key_is_a_key_conflict(
+    scripted: tuple[Scripted, str], doc: object, conflict: bool
+) -> None:
+    """A 422 problem+json is a KeyConflict when its type or title speaks of the idempotency key (as
+    the draft's and onceonly's do); any other 422 is a definite failure."""
+    app, url = scripted
+    app.then(422, json.dumps(doc).encode(), content_type="application/problem+json")
+    expected: type[Exception] = onceonly.KeyConflict if conflict else httpx.HTTPStatusError
+    with Client(url, sleep=Sleeps()) as c, pytest.raises(expected):
+        c.post("/x", json={}, idempotency_key="k-1")
 
 
 def test_503_is_retried_after_retry_after(scripted: tuple[Scripted, str]) -> None:

@@ -6,7 +6,7 @@ One logical call (``client.post(...)``) gets one key, sent as ``Idempotency-Key`
     attempt ──2xx/3xx──────────────▶ the response
        │  ├─409 (in progress)──────▶ wait Retry-After (at least a growing floor), same key, again,
        │  │                           for up to ``wait`` seconds of the clock
-       │  ├─422 problem+json───────▶ KeyConflict (the key was used with another request)
+       │  ├─422 problem on the key─▶ KeyConflict (the key was used with another request)
        │  ├─408/429/503────────────▶ not executed: backoff (at least Retry-After), same key, again
        │  ├─500/502/504, other 5xx─▶ unknown: re-send with the same key (the server replays or runs once)
        │  └─other 4xx──────────────▶ a definite failure: httpx.HTTPStatusError
@@ -283,7 +283,7 @@ class _BaseClient(Generic[_H, _R]):
             call.waited += seconds
             call.attempt -= 1  # nothing ran: a 409 is a wait, not a spent attempt
             return seconds
-        if call.key is not None and status == 422 and _is_problem(response):
+        if call.key is not None and status == 422 and _is_key_problem(response):
             raise KeyConflict(
                 f"the server refused key {call.key!r}: it was used with another request "
                 f"({_detail(response)}). Use a new key for a new operation",
@@ -319,6 +319,22 @@ class _BaseClient(Generic[_H, _R]):
 def _is_problem(response: httpx.Response) -> bool:
     value: str = response.headers.get("content-type", "")
     return value.split(";", maxsplit=1)[0].strip().lower() == "application/problem+json"
+
+
+def _is_key_problem(response: httpx.Response) -> bool:
+    """A 422 problem document about the key (onceonly's ``#key-reused``, the draft's "Idempotency-Key
+    is already used"); one about the request's content (a field missing) is the server refusing the
+    request, not the key."""
+    if not _is_problem(response):
+        return False
+    try:
+        doc = response.json()
+    except ValueError:
+        return False
+    if not isinstance(doc, dict):
+        return False
+    named = f"{doc.get('type', '')} {doc.get('title', '')}".lower()
+    return "idempot" in named or "key-reused" in named
 
 
 def _detail(response: httpx.Response) -> str:
