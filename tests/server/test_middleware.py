@@ -764,3 +764,15 @@ def test_seconds_must_be_positive_and_finite(sqlite_url: str, name: str, value: 
 
     with pytest.raises(ValueError, match=f"{name}="):
         IdempotencyMiddleware(Starlette(), store=sqlite_url, **{name: value})
+
+
+@pytest.mark.parametrize("size", [16, 64, 65, 200])
+def test_client_hash_is_hmac_sha256(size: int) -> None:
+    """The client hash is exactly HMAC-SHA256 (RFC 2104) of the identity, cut to 128 bits, for keys
+    shorter and longer than SHA-256's block."""
+    import hmac
+
+    secret = bytes(range(size % 256)) * (size // 256) + bytes(range(size % 256))
+    for identity in ("", "Bearer abc", "caf\u00e9 \udc80"):
+        expected = hmac.new(secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+        assert client_hash(identity, secret) == expected

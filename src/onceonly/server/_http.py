@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import json
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -183,12 +182,32 @@ def client_hash(identity: str, secret: bytes) -> str:
 
     .. versionadded:: 0.1
     """
-    return keyed_client_hash(check_client_secret(secret), identity)
+    return ClientHasher(check_client_secret(secret))(identity)
 
 
-def keyed_client_hash(secret: bytes, identity: str) -> str:
-    """``client_hash`` for a secret already checked (the middleware's per-request path)."""
-    return hmac.digest(secret, identity.encode("utf-8", "surrogatepass"), "sha256").hex()[:32]
+# HMAC's key pads (RFC 2104) as translation tables, as the hmac module builds them.
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+class ClientHasher:
+    """``client_hash`` with one secret, for every request: HMAC-SHA256 from the two SHA-256 states the
+    key sets up, copied per call. The same digest as ``hmac.new``, in about half its time, since
+    the key's work is done once rather than per request."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, secret: bytes) -> None:
+        key = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\0")
+        self._inner = hashlib.sha256(key.translate(_IPAD))
+        self._outer = hashlib.sha256(key.translate(_OPAD))
+
+    def __call__(self, identity: str) -> str:
+        inner = self._inner.copy()
+        inner.update(identity.encode("utf-8", "surrogatepass"))
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()[:32]
 
 
 def store_key(prefix: str, client: str, key: str) -> str:

@@ -50,6 +50,7 @@ from ._http import (
     DEFAULT_REPLAY_HEADERS,
     ASGIApp,
     BadKey,
+    ClientHasher,
     IdempotencyContext,
     Message,
     Receive,
@@ -61,7 +62,6 @@ from ._http import (
     check_client_secret,
     check_problem_docs,
     fingerprint_start,
-    keyed_client_hash,
     problem_messages,
     request_key,
     store_key,
@@ -221,7 +221,8 @@ class IdempotencyMiddleware:
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
         self.client_identity = client_identity
-        self._secret = secret  # store mode without client_secret=: read from the store on first use
+        # Store mode without client_secret=: read from the store on first use.
+        self._hasher = None if secret is None else ClientHasher(secret)
         self.processing_timeout = float(processing_timeout)
         self.ttl = float(ttl)
         self.max_stored_body = int(max_stored_body)
@@ -278,25 +279,20 @@ class IdempotencyMiddleware:
             return
         except _Disconnected:
             return  # the client left before sending its body: nothing was claimed, nothing to answer
-        identity = self.client_identity(scope)
-        if self._secret is not None:
-            ctx = self._context(self._secret, identity, key, digest)
-            scope[CONTEXT_KEY] = ctx
-            if self.transactional:
-                await self._run_transactional(scope, _replaying(body, receive), send, ctx)
-                return
-        else:
+        hasher = self._hasher
+        if hasher is None:
             try:
-                ctx = self._context(await self._stored_secret(), identity, key, digest)
+                hasher = await self._stored_secret()
             except StoreError as exc:
                 await _send(send, self._store_failed(exc, f"{self.key_prefix}:{_SECRET_KEY}", key))
                 return
-            scope[CONTEXT_KEY] = ctx
-        await self._run_stored(scope, body, receive, send, ctx)
-
-    def _context(self, secret: bytes, identity: str, key: str, digest: str) -> IdempotencyContext:
-        client = keyed_client_hash(secret, identity)
-        return IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
+        client = hasher(self.client_identity(scope))
+        ctx = IdempotencyContext(key, client, store_key(self.key_prefix, client, key), digest)
+        scope[CONTEXT_KEY] = ctx
+        if self.transactional:
+            await self._run_transactional(scope, _replaying(body, receive), send, ctx)
+        else:
+            await self._run_stored(scope, body, receive, send, ctx)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
         digest = fingerprint_start(
@@ -526,7 +522,7 @@ class IdempotencyMiddleware:
                 return _Held(new)
         return self._in_flight(ctx)
 
-    async def _stored_secret(self) -> bytes:
+    async def _stored_secret(self) -> ClientHasher:
         """The client secret kept in the store, made on first use: one conditional write, so that
         servers starting together keep the first one written and all hash clients alike."""
         key = f"{self.key_prefix}:{_SECRET_KEY}"
@@ -548,8 +544,8 @@ class IdempotencyMiddleware:
                 f"{key} holds no client secret of IdempotencyMiddleware ({exc}): it was written by something "
                 "else. Nothing was changed: delete that record (a new secret is then made) or pass client_secret="
             ) from exc
-        self._secret = secret
-        return secret
+        hasher = self._hasher = ClientHasher(secret)
+        return hasher
 
     async def _complete(self, held: _Held, stored: StoredResponse) -> None:
         await self._stop_beats(held)
