@@ -236,7 +236,7 @@ class IdempotencyContext:
 
     Attributes:
         key: the key as the client sent it, unquoted.
-        client: the hash of the client's identity.
+        client: the keyed hash of the client's identity (``client_hash``).
         store_key: the key under which this client's key is kept (``http:CLIENT:k:KEY``).
         fingerprint: SHA-256 of method, path, query and body.
 
