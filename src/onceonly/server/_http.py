@@ -39,10 +39,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: The page that documents the middleware's answers: each problem's ``type`` is this URL plus
-#: ``#`` and the problem's name (``#missing-key``), as the Idempotency-Key draft asks for a link to
-#: documentation. ``IdempotencyMiddleware(problem_docs=...)`` points it at the application's own.
-DEFAULT_PROBLEM_DOCS = "https://onceonly.readthedocs.io/en/latest/server/"
+#: The page that documents the middleware's answers, if any: each problem's ``type`` is then this URL
+#: plus ``#`` and the problem's name (``#missing-key``), as the Idempotency-Key draft asks for a link to
+#: documentation. onceonly publishes no such page of its own, so none is assumed: an application passes
+#: ``IdempotencyMiddleware(problem_docs="https://…")``, the page where its API documents them.
+DEFAULT_PROBLEM_DOCS: str | None = None
 
 #: Where the middleware puts the request's ``IdempotencyContext`` in the ASGI scope.
 CONTEXT_KEY = "onceonly.idempotency"

@@ -141,9 +141,9 @@ class IdempotencyMiddleware:
         key_prefix: the first part of every key in the store.
         problem_docs: the http(s) URL of the page that documents these rules for your clients: each
             problem the middleware answers has ``type`` ``problem_docs#name`` (``#missing-key``,
-            ``#key-reused``…) and a ``Link: <…>; rel="describedby"`` header. The default is the page
-            of onceonly's documentation that explains them; ``None``: ``urn:onceonly:problem:name``
-            and no Link header.
+            ``#key-reused``…) and a ``Link: <…>; rel="describedby"`` header, as the Idempotency-Key
+            draft asks. Default ``None``: ``urn:onceonly:problem:name`` types and no Link header
+            (docs/server.md's "Problem types" is written to be published as that page).
         store_calls: how the event loop calls the store. ``"async"``: its async face (Redis,
             PostgreSQL; SQLite's runs each call in a worker thread). ``"thread"``: its sync face in a
             worker thread. ``"inline"``: for SQLite, its sync face on the loop through a connection
