@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["Classification", "Retry", "Verdict", "classify", "retry_after_seconds"]
 
@@ -159,9 +159,15 @@ def _response_status(exc: BaseException) -> tuple[int, str | None] | None:
 
 
 def _classify_httpx(exc: BaseException) -> Classification | None:
-    httpx = sys.modules.get("httpx")
-    if httpx is None or not isinstance(exc, httpx.HTTPError):
-        return None
+    # httpx2 (the fork the openai 3.x SDK and mcp 2.x use) has the same classes under its own name.
+    for name in ("httpx", "httpx2"):
+        httpx = sys.modules.get(name)
+        if httpx is not None and isinstance(exc, httpx.HTTPError):
+            return _classify_httpx_error(httpx, exc)
+    return None
+
+
+def _classify_httpx_error(httpx: Any, exc: BaseException) -> Classification:
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return Classification(Verdict.NOT_SENT, None, type(exc).__name__)
     if isinstance(exc, httpx.HTTPStatusError):
@@ -248,10 +254,25 @@ def classify(exc: BaseException, override: Classifier | None = None) -> Classifi
     """Classify a failed attempt. ``override`` (the tool's ``classify=``) is asked first; ``None`` defers.
 
     An exception group the override leaves is classified member by member (each asked of the override
-    too), and takes the most cautious verdict: unknown, then failed, then the retryable ones.
+    too), and takes the most cautious verdict: unknown, then failed, then the retryable ones. An error
+    that reads as a definite failure only because nothing here knows it, raised from another (``raise
+    ... from err``), takes its cause's verdict when that one says more.
 
     .. versionadded:: 0.1
     """
+    got = _stated(exc, override)
+    if got is not None:
+        return got
+    if isinstance(exc, BaseExceptionGroup):
+        return _classify_group(exc, override)
+    got = _by_type(exc)
+    if got.verdict is Verdict.FAILED and exc.__cause__ is not None:
+        return _classify_cause(exc, override) or got
+    return got
+
+
+def _stated(exc: BaseException, override: Classifier | None) -> Classification | None:
+    """What the tool's ``classify=`` says of ``exc``, else what ``exc`` says of itself (``onceonly_verdict``)."""
     if override is not None:
         got = override(exc)
         if got is not None:
@@ -259,10 +280,73 @@ def classify(exc: BaseException, override: Classifier | None = None) -> Classifi
     explicit = getattr(exc, "onceonly_verdict", None)
     if isinstance(explicit, Verdict):
         return Classification(explicit, getattr(exc, "retry_after", None), type(exc).__name__)
-    if isinstance(exc, BaseExceptionGroup):
-        return _classify_group(exc, override)
+    return None
+
+
+def _by_type(exc: BaseException) -> Classification:
     for library in (_classify_httpx, _classify_requests, _classify_aiohttp):
         got = library(exc)
         if got is not None:
             return got
     return _classify_builtin(exc)
+
+
+def _classify_cause(exc: BaseException, override: Classifier | None) -> Classification | None:
+    """What the causes of ``exc`` say, the nearest first, when one says more than "failed".
+
+    SDKs wrap the HTTP client's errors in their own (the openai SDK: ``raise APIConnectionError(...)
+    from err``): a reset answer wrapped so may have arrived all the same. Only the explicit cause
+    counts (``raise ... from``), not an error met while handling another; a group is not looked into.
+    """
+    seen = {id(exc)}
+    cause = exc.__cause__
+    while cause is not None and id(cause) not in seen and not isinstance(cause, BaseExceptionGroup):
+        seen.add(id(cause))  # a cause chain can be made to loop
+        stated = _stated(cause, override)
+        got = stated or _by_type(cause)
+        if got.verdict is not Verdict.FAILED:
+            return Classification(got.verdict, got.retry_after, f"{type(exc).__name__} from {got.reason}")
+        if stated is not None:
+            return None  # a definite failure by someone's word ends the search
+        cause = cause.__cause__
+    return None
+
+
+#: What a server means by 409 to a request with an idempotency key.
+ConflictMeaning = Literal["in_progress", "exists"]
+
+
+def check_conflict_means(value: object) -> ConflictMeaning:
+    """``value`` if it is a ``ConflictMeaning``; else ``ValueError`` saying what each one means."""
+    if value == "in_progress" or value == "exists":  # noqa: PLR1714 (narrows the Literal for mypy)
+        return value
+    raise ValueError(
+        f"conflict_means={value!r}: give 'in_progress' (the IETF draft: a request with this key is still "
+        "running; ask again later) or 'exists' (the key was used already: the operation happened)"
+    )
+
+
+def conflict_classifier(conflict_means: ConflictMeaning) -> Classifier:
+    """A tool's ``classify=`` hook for a tool that sends the key itself, to a server whose 409 says
+    something about the key: ``@ledger.tool(classify=conflict_classifier("exists"), ...)``.
+
+    ``"exists"`` (the key was used already: some servers answer so instead of replaying): the operation
+    happened, and this attempt did not get its result: unknown, settled by the tool's ``on_unknown``;
+    with ``on_unknown="probe"`` and a probe that looks the result up by the key, it is confirmed with
+    that result. ``"in_progress"`` (the IETF draft: a request with this key still runs): this attempt
+    did nothing, so it is not executed, tried again after ``Retry-After`` with the same key, and then
+    answered with the first request's result. Other errors are left to the default classification.
+
+    .. versionadded:: 0.1
+    """
+    meaning = check_conflict_means(conflict_means)
+
+    def classify_409(exc: BaseException) -> Classification | None:
+        got = _response_status(exc)
+        if got is None or got[0] != 409:
+            return None
+        if meaning == "exists":
+            return Classification(Verdict.UNKNOWN, None, "HTTP 409: the key was used already")
+        return Classification(Verdict.NOT_EXECUTED, retry_after_seconds(got[1]), "HTTP 409: in progress")
+
+    return classify_409
