@@ -1,8 +1,9 @@
-"""Servers, clients and fixtures for the tests of onceonly.http's transports, adapter and 409 handling.
+"""Servers and fixtures for the tests of onceonly.http's transports, adapter and 409 handling.
 
 ``Service`` runs a ticket server on uvicorn, 127.0.0.1, records the headers of every request, and loses
-the answer of the first ``POST /tickets`` after its commit: the reference ticket service
-(``start_tickets``, its ``lost`` fault) or a small server that answers 409 to a used key (``start_used``).
+the answer of the first ``POST /tickets`` after its commit: the reference ticket service with its
+``lost`` fault (fixture ``tickets``) or a small server that answers 409 to a used key (``used``).
+A test module imports the fixtures it uses.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from starlette.routing import Route
 import onceonly
 from onceonly.tickets import FaultInjector, FaultMiddleware, Faults, RunningServer, serve_in_thread
 from onceonly.tickets.app import create_app
-from tests.test_http import Scripted
 
 TICKET = {"session_id": "s-1", "title": "printer broken", "body": "on floor 2"}
 
@@ -75,17 +75,6 @@ class Service:
         self._close()
 
 
-@contextmanager
-def start_tickets(tmp_path: Path) -> Iterator[Service]:
-    """The reference ticket service (transactional idempotency); the next answer is lost."""
-    app = create_app(tmp_path / "tickets.db", faults={"lost": 1.0})
-    service = Service(app, app.state.faults, app.state.db.count, app.state.db.close)
-    try:
-        yield service
-    finally:
-        service.stop()
-
-
 def used_key_app() -> tuple[Starlette, list[dict[str, Any]]]:
     """A ticket server that answers **409 to a key it has seen** (and does not replay), with
     ``GET /tickets/by-idempotency-key/{key}``; a POST without a key always makes a ticket."""
@@ -111,18 +100,6 @@ def used_key_app() -> tuple[Starlette, list[dict[str, Any]]]:
 
 
 @contextmanager
-def start_used() -> Iterator[Service]:
-    """The 409-for-a-used-key server; the next answer is lost."""
-    app, made = used_key_app()
-    faults = FaultInjector(Faults(lost=1.0))
-    service = Service(FaultMiddleware(app, faults), faults, made.__len__, lambda: None)
-    try:
-        yield service
-    finally:
-        service.stop()
-
-
-@contextmanager
 def open_ledger(url: str, **kwargs: Any) -> Iterator[onceonly.Ledger]:
     """A ledger whose backoff does not sleep (``kwargs`` for ``Ledger.open``)."""
     ledger = onceonly.Ledger.open(url, sleep=_no_sleep, asleep=_no_asleep, **kwargs)
@@ -132,29 +109,26 @@ def open_ledger(url: str, **kwargs: Any) -> Iterator[onceonly.Ledger]:
         ledger.close()
 
 
-@contextmanager
-def start_scripted() -> Iterator[tuple[Scripted, str]]:
-    """tests/test_http.py's scripted app on uvicorn: it and its URL."""
-    app = Scripted()
-    with serve_in_thread(app) as server:
-        yield app, server.url
-
-
 # --- fixtures: a test module imports the ones it uses -----------------------------------------------
 
 
 @pytest.fixture(name="tickets")
 def fixture_tickets(tmp_path: Path) -> Iterator[Service]:
-    """The reference ticket service; the next answer is lost."""
-    with start_tickets(tmp_path) as service:
-        yield service
+    """The reference ticket service (transactional idempotency); the next answer is lost."""
+    app = create_app(tmp_path / "tickets.db", faults={"lost": 1.0})
+    service = Service(app, app.state.faults, app.state.db.count, app.state.db.close)
+    yield service
+    service.stop()
 
 
 @pytest.fixture(name="used")
 def fixture_used() -> Iterator[Service]:
     """The 409-for-a-used-key server; the next answer is lost."""
-    with start_used() as service:
-        yield service
+    app, made = used_key_app()
+    faults = FaultInjector(Faults(lost=1.0))
+    service = Service(FaultMiddleware(app, faults), faults, made.__len__, lambda: None)
+    yield service
+    service.stop()
 
 
 @pytest.fixture(name="ledger")
@@ -162,10 +136,3 @@ def fixture_ledger(sqlite_url: str) -> Iterator[onceonly.Ledger]:
     """A SQLite ledger whose backoff does not sleep."""
     with open_ledger(sqlite_url) as ledger:
         yield ledger
-
-
-@pytest.fixture(name="scripted")
-def fixture_scripted() -> Iterator[tuple[Scripted, str]]:
-    """A scripted app (tests/test_http.py) on uvicorn; yields it and its URL."""
-    with start_scripted() as scripted:
-        yield scripted

@@ -12,15 +12,8 @@ import pytest
 import onceonly
 from onceonly.policy import Verdict, classify, conflict_classifier
 from onceonly.states import State
-from tests._http_servers import (  # noqa: F401 (fixtures that pytest finds by their names)
-    TICKET,
-    Service,
-    fixture_ledger,
-    fixture_scripted,
-    fixture_tickets,
-    fixture_used,
-)
-from tests.test_http import Scripted
+from tests._http_servers import TICKET, Service, fixture_ledger, fixture_tickets, fixture_used  # noqa: F401 (fixtures)
+from tests.test_http import Scripted, fixture_scripted  # noqa: F401 (a fixture)
 
 
 def test_guard_classification_reads_409_as_exists(used: Service, ledger: onceonly.Ledger) -> None:

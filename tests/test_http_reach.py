@@ -33,16 +33,8 @@ from onceonly.http import (
 )
 from onceonly.policy import Verdict, classify, conflict_classifier
 from onceonly.states import State
-from tests._http_servers import (  # noqa: F401 (fixtures that pytest finds by their names)
-    TICKET,
-    Service,
-    fixture_ledger,
-    fixture_scripted,
-    fixture_tickets,
-    fixture_used,
-    open_ledger,
-)
-from tests.test_http import Scripted, Sleeps
+from tests._http_servers import TICKET, Service, fixture_ledger, fixture_tickets, fixture_used, open_ledger  # noqa: F401 (fixtures)
+from tests.test_http import Scripted, Sleeps, fixture_scripted  # noqa: F401 (a fixture)
 
 
 class TicketsSDK:
@@ -493,3 +485,17 @@ def test_options_that_cannot_work_are_refused() -> None:
         Transport(hash_key=True)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="conflict_means="):
         conflict_classifier("used")  # type: ignore[arg-type]
+
+
+def test_http_transports_example_runs() -> None:
+    """examples/http_transports.py (docs/http.md): a transport under httpx and under the openai SDK, the
+    requests adapter with hashed keys, and a 409 "used already" settled by a lookup: one ticket each."""
+    from tests.test_examples import _run
+
+    stdout = _run("http_transports.py")
+    assert "1. httpx: replayed after the lost answer: True" in stdout
+    assert "3. requests: the key sent is its hash: True" in stdout
+    assert "it names neither the scope nor the tool: True" in stdout
+    assert "4. 409 'used already': confirmed with the existing ticket: True" in stdout
+    assert "tickets made: 1" in stdout
+    assert "tickets in the service: 3" in stdout or "openai: not installed" in stdout
