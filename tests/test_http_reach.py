@@ -466,8 +466,10 @@ def test_hash_key_is_keyed_and_stable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hash_key(key) == hash_key(key, "s3cret")
     with pytest.raises(TypeError, match="hash_keys=True too"):
         Transport(hash_secret="s3cret")
-    with pytest.raises(ValueError, match="non-empty str or bytes"):
+    with pytest.raises(ValueError, match="hash_secret is empty; give a non-empty str or bytes"):
         Transport(hash_keys=True, hash_secret="")
+    with pytest.raises(TypeError, match="hash_secret of type int is not a secret"):
+        Transport(hash_keys=True, hash_secret=42)  # type: ignore[typeddict-item]
 
 
 def test_options_that_cannot_work_are_refused() -> None:

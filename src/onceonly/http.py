@@ -145,11 +145,11 @@ def hash_key(key: str, secret: str | bytes | None = None) -> str:
 def _secret(given: str | bytes | None) -> bytes:
     if given is None:
         return os.environ.get(HASH_SECRET_ENV, "").encode("utf-8") or _PUBLIC_SECRET
-    if not isinstance(given, str | bytes) or not given:
-        raise ValueError(
-            f"hash_secret: a {type(given).__name__} {'that is empty ' if not given else ''}is no secret; give "
-            f"a non-empty str or bytes that every process shares, or None (${HASH_SECRET_ENV}, else a fixed one)"
-        )
+    wanted = f"give a non-empty str or bytes that every process shares, or None (${HASH_SECRET_ENV}, else a fixed one)"
+    if not isinstance(given, str | bytes):
+        raise TypeError(f"hash_secret of type {type(given).__name__} is not a secret; {wanted}")
+    if not given:
+        raise ValueError(f"hash_secret is empty; {wanted}")
     return given.encode("utf-8") if isinstance(given, str) else given
 
 
