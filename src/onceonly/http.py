@@ -620,7 +620,11 @@ def _run(
         except errors as exc:
             seconds = rules._on_error(call, exc)
         else:
-            got = rules._on_response(call, response)
+            try:
+                got = rules._on_response(call, response)
+            except Exception:
+                close(response)  # a final answer raised as an error: its connection goes back
+                raise
             if got is None:
                 return response
             close(response)
@@ -646,7 +650,11 @@ async def _arun(
         except errors as exc:
             seconds = rules._on_error(call, exc)
         else:
-            got = rules._on_response(call, response)
+            try:
+                got = rules._on_response(call, response)
+            except Exception:
+                await close(response)
+                raise
             if got is None:
                 return response
             await close(response)
