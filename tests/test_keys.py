@@ -134,3 +134,36 @@ def test_normalisers() -> None:
     assert normalize_number(1) == normalize_number(1.0) == normalize_number("1.00") == "1"
     assert normalize_number("abc") == "abc"
     assert normalize_number(True) is True
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (("a", "b:c", "d"), ("a:b", "c", "d")),
+        (("a", "b%3Ac", "d"), ("a", "b:c", "d")),
+        (("a%", "b", "d"), ("a%25", "b", "d")),
+        (("thread:1", "send", "d"), ("thread", "1:send", "d")),
+    ],
+)
+def test_compose_key_never_joins_two_different_calls_into_one_key(
+    first: tuple[str, str, str], second: tuple[str, str, str]
+) -> None:
+    """Scope ``a`` + tool ``b:c`` and scope ``a:b`` + tool ``c`` were both ``a:b:c:d``: one record for
+    two operations. The parts are percent-encoded (``%`` and ``:``), so each key has one reading."""
+    assert compose_key(*first) != compose_key(*second)
+
+
+def test_compose_key_keeps_plain_parts_as_they_are_and_encodes_the_rest() -> None:
+    """Scopes and tool names without ``:`` or ``%`` give the keys they always gave; a LangGraph thread id
+    such as ``user:42:thread:7`` is accepted and encoded, not refused."""
+    assert compose_key("default", "create_ticket", "ab12") == "default:create_ticket:ab12"
+    assert compose_key("user:42:thread:7", "send", "ab12") == "user%3A42%3Athread%3A7:send:ab12"
+    assert compose_key("50%", "a:b", "x:y") == "50%25:a%3Ab:x:y"  # the digest is the last part: kept
+    scope, tool, digest = compose_key("user:42", "a%b:c", "x:y").split(":", 2)
+    assert (scope, tool, digest) == ("user%3A42", "a%25b%3Ac", "x:y")
+
+
+def test_compose_key_limit_counts_the_encoded_key() -> None:
+    """The 255 limit is on the key as stored: an encoded scope that grows past it is refused."""
+    with pytest.raises(InvalidKey, match="shorten the scope"):
+        compose_key(":" * 80, "t", "d" * 32)  # 80 characters, 240 once encoded

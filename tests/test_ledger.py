@@ -1022,3 +1022,31 @@ def test_a_purge_during_a_backoff_does_not_reset_the_attempt_limit(store_url: st
         assert rec is not None and rec.state is State.ABANDONED and rec.attempts == 3
     finally:
         ledger.close()
+
+
+def test_scope_and_tool_names_with_colons_never_share_a_record(ledger: Ledger) -> None:
+    """Scope ``a`` with tool ``b:c`` and scope ``a:b`` with tool ``c`` made the same key, so the second
+    operation replayed the first's result and never ran. Scopes come from framework conversation ids
+    (LangGraph thread ids hold ``:``): both are accepted, and each gets its own record."""
+    runs: list[str] = []
+
+    @ledger.tool(name="b:c")
+    def first(x: int) -> str:
+        runs.append("b:c")
+        return "first"
+
+    @ledger.tool(name="c")
+    def second(x: int) -> str:
+        runs.append("c")
+        return "second"
+
+    # An explicit key keeps the digest the same for both, whatever their argument hashes.
+    with ledger.task("a"):
+        out1 = first.using(key="same").outcome(1)
+    with ledger.task("a:b"):
+        out2 = second.using(key="same").outcome(1)
+    assert (out1.result, out2.result) == ("first", "second")
+    assert out1.key != out2.key and not out2.replayed
+    assert runs == ["b:c", "c"]
+    rec = ledger.get(out2.key)
+    assert rec is not None and (rec.scope, rec.tool) == ("a:b", "c")

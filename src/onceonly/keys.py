@@ -1,8 +1,9 @@
 """Keys: canonical JSON of arguments, their SHA-256 fingerprint, and key validation. Pure, no I/O.
 
-A key is ``scope:tool:digest``: re-derivable from the same call after a crash, with no cache. The
-digest hashes the ``key=`` fields (default: all arguments but the ``ignore=`` ones); the fingerprint
-hashes all of them, so the same key with other arguments is detected as a ``KeyConflict``.
+A key is ``scope:tool:digest`` (``compose_key``, which percent-encodes the scope and the tool name):
+re-derivable from the same call after a crash, with no cache. The digest hashes the ``key=`` fields
+(default: all arguments but the ``ignore=`` ones); the fingerprint hashes all of them, so the same key
+with other arguments is detected as a ``KeyConflict``.
 """
 
 from __future__ import annotations
@@ -73,12 +74,26 @@ def validate_name(value: object, what: str = "key") -> str:
     return value
 
 
+def _part(name: str) -> str:
+    """A scope or tool name as a key part: ``%`` and ``:`` percent-encoded, everything else as it is."""
+    if "%" in name:
+        name = name.replace("%", "%25")
+    return name.replace(":", "%3A") if ":" in name else name
+
+
 def compose_key(scope: str, tool: str, digest: str) -> str:
-    """Join scope, tool and digest (or an explicit key) into one validated key.
+    """The ledger key of a call: ``scope:tool:digest``, with ``%`` and ``:`` percent-encoded in the scope
+    and the tool name, so that every key has exactly one reading (scope ``a`` with tool ``b:c`` and scope
+    ``a:b`` with tool ``c`` are two keys). Scopes come from conversation ids that may hold ``:``, so the
+    separator is encoded rather than refused. The digest (or an explicit key) is the last part and is
+    kept as it is. Names without ``%`` or ``:`` give the same key as they always did.
+
+    Raises:
+        InvalidKey: the key is longer than 255 characters; the message says which part to shorten.
 
     .. versionadded:: 0.1
     """
-    key = f"{scope}:{tool}:{digest}"
+    key = f"{_part(scope)}:{_part(tool)}:{digest}"
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKey(
             f"the key {key[:60]!r}... is {len(key)} characters; the limit is {MAX_KEY_LENGTH}: "

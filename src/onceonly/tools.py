@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, ca
 from onceonly import drivers
 from onceonly.errors import InvalidKey
 from onceonly.guard import Call, Outcome, Policy, plan
-from onceonly.keys import MAX_KEY_LENGTH, Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
+from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Verdict, classify
 from onceonly.states import State
 
@@ -246,9 +246,7 @@ class ToolSpec:
             digest = f"{digest}#{occurrence}"
         ledger = self.ledger
         scope = ledger._scope()
-        full = f"{scope}:{self.name}:{digest}"
-        if len(full) > MAX_KEY_LENGTH:
-            compose_key(scope, self.name, digest)  # raises, saying which part to shorten
+        full = compose_key(scope, self.name, digest)
         # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
         return Call(full, scope, self.name, fp, args_json, drivers.new_owner(), self.policy, ledger.clock, ledger.rng)
 
