@@ -212,3 +212,34 @@ def test_an_interrupted_attempt_is_unknown(exc: BaseException) -> None:
     unknown, as a cancelled task is (a late outcome of a timed-out sync tool whose thread called
     sys.exit() was classified failed, and so retried)."""
     assert classify(exc).verdict is Verdict.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("inf", 86400.0), ("1e400", 86400.0), ("Infinity", 86400.0), ("9" * 40, 86400.0), ("86400", 86400.0),
+     ("90000", 86400.0), ("7", 7.0), ("1.5", 1.5), ("-5", 0.0), ("nan", 0.0), ("soon", None), ("", None),
+     ("Fri, 31 Dec 9999 23:59:59 GMT", 86400.0)],
+)  # fmt: skip
+def test_retry_after_is_finite_and_at_most_a_day(header: str, seconds: float | None) -> None:
+    """``inf`` and ``1e400`` parsed as infinity, which reached the ledger's due times and its store. Every
+    parsed Retry-After is a finite number of seconds within ``[0, MAX_RETRY_AFTER]``, or None."""
+    got = retry_after_seconds(header)
+    assert got == seconds if seconds is None or seconds < 86400 else got == pytest.approx(86400.0)
+    resp = httpx.Response(503, headers={"Retry-After": header}, request=httpx.Request("POST", "http://x"))
+    classified = classify(httpx.HTTPStatusError("503", request=resp.request, response=resp))
+    assert classified.retry_after is None or math.isfinite(classified.retry_after)
+
+
+def test_a_classification_keeps_its_retry_after_finite_whoever_made_it() -> None:
+    """A ``classify=`` override or an exception's own ``retry_after`` may say ``inf`` or ``nan``: the
+    Classification holds a day at most, no wait for NaN or a negative, nothing for a non-number."""
+    assert Classification(Verdict.NOT_EXECUTED, math.inf).retry_after == 86400.0
+    assert Classification(Verdict.NOT_EXECUTED, math.nan).retry_after == 0.0
+    assert Classification(Verdict.NOT_EXECUTED, -3).retry_after == 0.0
+    assert Classification(Verdict.NOT_EXECUTED, "soon").retry_after is None  # type: ignore[arg-type]
+
+    class Busy(Exception):
+        onceonly_verdict = Verdict.NOT_EXECUTED
+        retry_after = float("inf")
+
+    assert classify(Busy()).retry_after == 86400.0

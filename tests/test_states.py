@@ -154,3 +154,79 @@ def test_a_long_history_that_is_not_json_is_store_corrupt() -> None:
     assert st.misplaced(rec) is None
     assert st.misplaced(st.replace(rec, attempts="2")) == ("attempts", "2")
     assert st.misplaced(st.replace(rec, created_at=5)) is None  # JSON keeps 5.0 as 5
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 1e308 * 10])
+def test_a_record_never_holds_a_time_that_is_not_finite(bad: float) -> None:
+    """``Infinity`` reached a store as ``next_attempt_at`` and every later call tripped over it: the
+    transitions refuse a time that is not finite, whichever field and whoever computed it."""
+    rec = held()
+    with pytest.raises(IllegalTransition, match=r"next_attempt_at=.* is not a finite time"):
+        st.fail(rec, error="503", now=NOW, retry_at=bad, ttl=60, by=None)
+    with pytest.raises(IllegalTransition, match="not a finite time"):
+        st.fail(rec, error="503", now=bad, retry_at=None, ttl=60, by=None)
+    with pytest.raises(IllegalTransition, match="not a finite time"):
+        st.confirm(rec, result_json="1", now=bad, ttl=60, via="run", by=None)
+    with pytest.raises(IllegalTransition, match="not a finite time"):
+        st.confirm(rec, result_json="1", now=NOW, ttl=bad, via="run", by=None)
+    with pytest.raises(IllegalTransition, match="not a finite time"):
+        st.extend_lease(rec, now=NOW, lease_seconds=bad)
+    with pytest.raises(IllegalTransition, match="not a finite time"):
+        st.new_record(
+            key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="o",
+            now=bad, lease_seconds=30,
+        )  # fmt: skip
+    with pytest.raises(IllegalTransition, match=r"lease_until=.* is not a finite time"):
+        st.transition(rec, State.IN_FLIGHT, now=NOW, lease_until=bad)
+
+
+def _exhausted(*ends: str) -> st.Record:
+    """A record through one attempt per entry of ``ends`` (``not_sent``, ``unknown``, ``failed``,
+    ``pending``), then abandoned."""
+    rec = st.new_record(
+        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="o",
+        now=NOW, lease_seconds=30,
+    )  # fmt: skip
+    for i, end in enumerate(ends):
+        if i:
+            rec = st.claim_again(rec, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="again")
+        if end == "not_sent":
+            rec = st.fail(rec, error="refused", now=NOW, retry_at=None, ttl=60, by="o", effect=False)
+        elif end == "failed":
+            rec = st.fail(rec, error="ValueError", now=NOW, retry_at=None, ttl=60, by="o")
+        elif end == "unknown":
+            rec = st.mark_unknown(rec, now=NOW, reason="timeout", by="o")
+        else:  # still pending when its holder went away: reclaimed from pending
+            rec = st.replace(rec, state=State.PENDING)
+    if rec.state is State.UNKNOWN:
+        rec = st.fail(rec, error="probe: not found", now=NOW, retry_at=None, ttl=60, by="o")
+    return st.abandon(rec, now=NOW, reason="attempts exhausted", by="o")
+
+
+def test_may_have_happened_reads_the_attempts_that_count() -> None:
+    """Only attempts that never reached the other side leave nothing behind; one unknown, one definite
+    failure, or a history trimmed past the first counted attempt makes the answer the cautious one."""
+    assert not st.may_have_happened(_exhausted("not_sent", "not_sent", "not_sent"))
+    assert not st.may_have_happened(_exhausted("pending", "not_sent"))
+    assert st.may_have_happened(_exhausted("unknown", "not_sent", "not_sent"))
+    assert st.may_have_happened(_exhausted("not_sent", "failed", "not_sent"))
+    # A reset (attempts back to 0) leaves the attempts before it out of the count.
+    rec = _exhausted("unknown", "not_sent")
+    reset = st.transition(rec, State.FAILED, now=NOW, reason="resolved", attempts=0)
+    again = st.claim_again(reset, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="after reset")
+    again = st.fail(again, error="refused", now=NOW, retry_at=None, ttl=60, by="o", effect=False)
+    assert not st.may_have_happened(st.abandon(again, now=NOW, reason="exhausted", by="o"))
+    # Trimmed: 20 not-sent attempts leave the first claim out of the last HISTORY_LIMIT entries.
+    many = _exhausted(*["not_sent"] * 20)
+    assert many.attempts == 20 and st.may_have_happened(many)
+
+
+def test_restart_gives_an_abandoned_record_of_no_effect_a_new_budget() -> None:
+    """Restarting: attempts at 1, fence rising; refused for a record whose attempts may have happened."""
+    fresh = st.restart(
+        _exhausted("not_sent", "not_sent"), state=State.IN_FLIGHT, owner="o2", now=NOW, lease_seconds=30, reason="r"
+    )
+    assert (fresh.state, fresh.attempts, fresh.fence, fresh.lease_owner) == (State.IN_FLIGHT, 1, 3, "o2")
+    with pytest.raises(IllegalTransition):
+        st.restart(_exhausted("unknown", "not_sent"), state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30,
+                   reason="r")  # fmt: skip

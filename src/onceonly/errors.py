@@ -2,6 +2,7 @@
 
     OnceOnlyError
     ├── InProgress             another caller holds the operation; its outcome is not known yet
+    │   └── RetryScheduled     its next attempt is due later than the call may wait
     ├── OutcomeUnknown         the operation may have happened; a probe or a person must settle it
     ├── KeyConflict            the same key was used with other arguments
     ├── AttemptsExhausted      the persisted attempt limit was reached
@@ -30,6 +31,7 @@ __all__ = [
     "NotSerializable",
     "OnceOnlyError",
     "OutcomeUnknown",
+    "RetryScheduled",
     "StoreCorrupt",
     "StoreError",
     "StoreUnavailable",
@@ -61,6 +63,25 @@ class InProgress(_RecordError):
 
     .. versionadded:: 0.1
     """
+
+
+class RetryScheduled(InProgress):
+    """The operation's next attempt is due later than this call may wait (its ``wait=``): the call ends
+    without running it. Nothing ran now; a call after ``retry_at`` runs it (the attempt limit still holds).
+
+    An ``InProgress`` because what a caller should do is the same: call again later, and the operation
+    will not run twice. Raised when a backoff or a ``Retry-After`` (at most a day, see
+    ``policy.MAX_RETRY_AFTER``) ends after ``wait`` seconds.
+
+    Attributes:
+        retry_at: when the next attempt may run, in seconds since the epoch (the ledger's clock).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, message: str, *, key: str, record: Record | None = None, retry_at: float) -> None:
+        super().__init__(message, key=key, record=record)
+        self.retry_at = retry_at
 
 
 class OutcomeUnknown(_RecordError):

@@ -17,6 +17,7 @@ The shape of one call:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import random
 from collections.abc import Callable, Generator
@@ -24,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from onceonly import states as st
-from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, NotSerializable, OutcomeUnknown, StoreError
+from onceonly.errors import (
+    AttemptsExhausted,
+    InProgress,
+    KeyConflict,
+    NotSerializable,
+    OutcomeUnknown,
+    RetryScheduled,
+    StoreError,
+)
 from onceonly.keys import canonical_json
 from onceonly.policy import Classification, Classifier, Retry, Verdict, classify
 from onceonly.states import HELD, Record, State
@@ -315,6 +324,45 @@ def _message(rec: Record, what: str, nxt: str) -> str:
     return f"{what} (key {rec.key!r}, state {rec.state.value}, attempt {rec.attempts}): {nxt}"
 
 
+def _when(at: float) -> str:
+    """A time for a message: ISO 8601 in UTC, to the second."""
+    try:
+        return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):  # beyond what datetime can show
+        return f"{at:.0f} (seconds since the epoch)"
+
+
+def _due(what: str, due: float, now: float, wait: float) -> str:
+    return f"{what} is due at {_when(due)} (in {due - now:.0f} s), later than this call waits (wait={wait:g} s)"
+
+
+def _scheduled(rec: Record, due: float, now: float, wait: float) -> RetryScheduled:
+    """The call ends here: the next attempt of ``rec`` is due after this call's ``wait``."""
+    return RetryScheduled(
+        _message(
+            rec,
+            _due("the next attempt of this operation", due, now, wait),
+            f"nothing ran now; call again after that time (the last attempt: {rec.error or 'no error recorded'})",
+        ),
+        key=rec.key,
+        record=rec,
+        retry_at=due,
+    )
+
+
+def _unsettled_until(rec: Record, what: str, due: float, now: float, wait: float) -> OutcomeUnknown:
+    """The call ends here: settling ``rec`` (a probe, a re-send) is due after this call's ``wait``."""
+    return OutcomeUnknown(
+        _message(
+            rec,
+            f"the outcome is unknown and {_due(what, due, now, wait)}",
+            "do not run it again: a call after that time settles it, or the reconciler (onceonly reconcile) does",
+        ),
+        key=rec.key,
+        record=rec,
+    )
+
+
 def plan(call: Call) -> Plan:
     """Decide one guarded call. Yields actions; returns an ``Outcome`` or raises.
 
@@ -465,6 +513,8 @@ def plan(call: Call) -> Plan:
                 if rec.attempts >= p.retry.attempts:
                     yield from _give_up(rec, owner, now, "attempts exhausted", last_exc)
                 if rec.next_attempt_at is not None and rec.next_attempt_at > now:
+                    if rec.next_attempt_at - now > p.wait:
+                        raise _scheduled(rec, rec.next_attempt_at, now, p.wait) from last_exc
                     yield Sleep(rec.next_attempt_at - now)
                     rec = yield Get(key)
                     continue
@@ -484,7 +534,18 @@ def plan(call: Call) -> Plan:
                     record=rec,
                 ) from last_exc
 
-            else:  # ABANDONED
+            elif not st.may_have_happened(rec):  # ABANDONED, and none of its attempts left: start afresh
+                new = st.restart(
+                    rec, state=held_state, owner=owner, now=now, lease_seconds=p.lease,
+                    reason="started afresh: none of the attempts before reached the other side",
+                )  # fmt: skip
+                if new.fingerprint != call.fingerprint:
+                    new = st.replace_args(new, fingerprint=call.fingerprint, args_json=call.args_json)
+                ok, rec = yield from _write(rec, new, call)
+                if not ok:
+                    continue
+
+            else:  # ABANDONED after an attempt that may have had an effect: a person decides
                 raise AttemptsExhausted(
                     _message(
                         rec,
@@ -534,17 +595,21 @@ def plan(call: Call) -> Plan:
             raise last_exc
 
         # Not sent, or refused before execution: safe to try again after a backoff, while attempts last.
+        # Either way the attempt cannot have had an effect (effect=False): see st.may_have_happened.
         if rec.attempts >= p.retry.attempts:
-            failed = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner)
+            failed = st.fail(rec, error=error, now=now, retry_at=None, ttl=p.ttl, by=owner, effect=False)
             ok, cur = yield from _write(rec, failed, call)
             if ok:
                 yield from _give_up(failed, owner, now, f"attempts exhausted: {error}", last_exc)
             rec = cur
             continue
+        # The classification keeps a Retry-After within [0, MAX_RETRY_AFTER], so the due time is finite.
         wait = p.retry.backoff(rec.attempts, call.rng, floor=verdict.retry_after)
-        new = st.fail(rec, error=error, now=now, retry_at=now + wait, ttl=p.ttl, by=owner)
+        new = st.fail(rec, error=error, now=now, retry_at=now + wait, ttl=p.ttl, by=owner, effect=False)
         ok, rec = yield from _write(rec, new, call)
         if ok:
+            if wait > p.wait:  # the due time is recorded; a later call (or this one's caller) takes it up
+                raise _scheduled(new, now + wait, now, p.wait) from last_exc
             yield Sleep(wait)
             rec = yield Get(key)
 
@@ -578,13 +643,18 @@ def _give_up(
         ok, cur = yield from _write(rec, new, None)
         rec = new if ok else cur
     assert rec is not None
+    # This call may have no exception of its own (the attempts ran out in earlier calls): the record has it.
+    last = _err_text(last_exc) if last_exc is not None else rec.error or "not recorded"
+    if st.may_have_happened(rec):
+        reset = f"onceonly resolve '{rec.key}' --failed REASON --reset"
+        nxt = f"the last error was {last}; fix the cause, then reset it: {reset}"
+    else:
+        nxt = (
+            f"none of them reached the other side (the last error was {last}), so nothing happened: fix the "
+            "cause, and a later call starts afresh with a new attempt budget"
+        )
     raise AttemptsExhausted(
-        _message(
-            rec,
-            f"gave up after {rec.attempts} attempts",
-            f"the last error was {last_exc!r}; fix the cause, then reset it: "
-            f"onceonly resolve '{rec.key}' --failed REASON --reset",
-        ),
+        _message(rec, f"gave up after {rec.attempts} attempts", nxt),
         key=rec.key,
         record=rec,
         last_exception=last_exc,
@@ -661,9 +731,12 @@ def _settle(
         ) from last_exc
 
     if strategy == "probe":
-        if waited_version != rec.version and rec.updated_at + p.settle > now:
+        due = rec.updated_at + p.settle
+        if waited_version != rec.version and due > now:
             # Give the other side time to finish what it may still be doing before asking it.
-            yield Sleep(rec.updated_at + p.settle - now)
+            if due - now > p.wait:
+                raise _unsettled_until(rec, "its probe", due, now, p.wait) from last_exc
+            yield Sleep(due - now)
             return rec.version
         probed = yield Probe(rec)
         now = call.clock()
@@ -711,9 +784,11 @@ def _settle(
             record=parked,
         ) from last_exc
     if waited_version != rec.version:
-        wait = rec.updated_at + p.retry.backoff(rec.attempts, call.rng) - now
-        if wait > 0:
-            yield Sleep(wait)
+        due = rec.updated_at + p.retry.backoff(rec.attempts, call.rng)
+        if due > now:
+            if due - now > p.wait:
+                raise _unsettled_until(rec, f"its {strategy}", due, now, p.wait) from last_exc
+            yield Sleep(due - now)
             return rec.version
     new = _reclaim(rec, call, held_state, now, f"{strategy} after unknown outcome")
     return (yield from _write(rec, new, call))

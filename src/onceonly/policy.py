@@ -14,12 +14,25 @@ import math
 import numbers
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
-__all__ = ["Classification", "Retry", "Verdict", "classify", "retry_after_seconds"]
+__all__ = [
+    "MAX_RETRY_AFTER",
+    "Classification",
+    "Retry",
+    "Verdict",
+    "clamp_retry_after",
+    "classify",
+    "retry_after_seconds",
+]
+
+#: The longest wait a ``Retry-After`` (or a classifier's ``retry_after``) can ask for, in seconds: a day.
+#: More is taken as a day, so that a server's answer cannot lock an operation for years.
+MAX_RETRY_AFTER = 86400.0
 
 
 class Verdict(enum.Enum):
@@ -36,11 +49,19 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Classification:
-    """A verdict and, for ``NOT_EXECUTED``, how long the other side asked us to wait."""
+    """A verdict and, for ``NOT_EXECUTED``, how long the other side asked us to wait.
+
+    ``retry_after`` is kept within ``[0, MAX_RETRY_AFTER]`` (``clamp_retry_after``), whoever made the
+    classification: a classifier's infinity or NaN never becomes a due time.
+    """
 
     verdict: Verdict
     retry_after: float | None = None
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.retry_after is not None:
+            object.__setattr__(self, "retry_after", clamp_retry_after(self.retry_after))
 
     @property
     def is_retryable(self) -> bool:
@@ -113,22 +134,36 @@ _UNKNOWN_STATUS = frozenset({500, 502, 504})
 _NOT_EXECUTED_STATUS = frozenset({408, 429, 503})
 
 
+def clamp_retry_after(value: object) -> float | None:
+    """A wait asked for by the other side, made safe to schedule: a finite number of seconds within
+    ``[0, MAX_RETRY_AFTER]``. Infinity (and anything larger) is ``MAX_RETRY_AFTER``; a negative number
+    or NaN asks for no wait (0); what is not a number is no hint at all (``None``).
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    seconds = float(value)
+    if math.isnan(seconds):
+        return 0.0
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
 def retry_after_seconds(value: str | None) -> float | None:
-    """Parse a ``Retry-After`` header: delta-seconds or an HTTP date."""
+    """Parse a ``Retry-After`` header: delta-seconds or an HTTP date, within ``[0, MAX_RETRY_AFTER]``
+    (``clamp_retry_after``: ``inf`` or ``1e400`` is a day, ``-5`` no wait). Anything else: ``None``."""
     if not value:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        return clamp_retry_after(float(value))
     except ValueError:
         pass
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return clamp_retry_after(when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError, OSError):
         return None
-    import time
-
-    return max(0.0, when.timestamp() - time.time())
 
 
 def classify_status(status: int, retry_after: str | None = None) -> Classification:
@@ -279,7 +314,7 @@ def _stated(exc: BaseException, override: Classifier | None) -> Classification |
             return got
     explicit = getattr(exc, "onceonly_verdict", None)
     if isinstance(explicit, Verdict):
-        return Classification(explicit, getattr(exc, "retry_after", None), type(exc).__name__)
+        return Classification(explicit, clamp_retry_after(getattr(exc, "retry_after", None)), type(exc).__name__)
     return None
 
 

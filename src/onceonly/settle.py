@@ -31,9 +31,11 @@ or by review. A record that cannot be rebuilt is parked for review instead, with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import inspect
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -186,6 +188,7 @@ def decide(
                     retry_at=None,
                     ttl=DEFAULT_TTL if policy is None else policy.ttl,
                     by=by,
+                    effect=False,
                 ),
                 Settlement.FAILED,
                 "nothing was sent (its holder died before dispatch); a new call may run it",
@@ -454,9 +457,12 @@ class _Reconciler:
     def _resend(self, tool: ToolSpec, rec: Record, before: State) -> ReconcileLine:
         """Run the guard's own plan for the stored call, as one more caller of the operation."""
         ledger = self.ledger
+        # The plan's own bound on waits (the tool's wait=) is lifted: _as_reconciler bounds them by this
+        # run's budget instead, and skips the backoff before the re-send.
+        policy = dataclasses.replace(tool.policy, wait=math.inf)
         call = Call(
             key=rec.key, scope=rec.scope, tool=rec.tool, fingerprint=rec.fingerprint, args_json=rec.args_json,
-            owner=f"reconcile@{ledger._new_owner()}", policy=tool.policy, clock=ledger.clock, rng=ledger.rng,
+            owner=f"reconcile@{ledger._new_owner()}", policy=policy, clock=ledger.clock, rng=ledger.rng,
         )  # fmt: skip
         gen = _as_reconciler(plan(call), rec.version, self.sleep_budget, ledger.clock)
         kwargs = rec.args

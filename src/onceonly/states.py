@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from json.encoder import encode_basestring as _quote
@@ -24,8 +25,10 @@ __all__ = [
     "IllegalTransition",
     "Record",
     "State",
+    "may_have_happened",
     "misplaced",
     "new_record",
+    "restart",
     "transition",
 ]
 
@@ -56,7 +59,8 @@ UNSETTLED = frozenset({State.PENDING, State.IN_FLIGHT, State.UNKNOWN, State.NEED
 SETTLED = frozenset({State.CONFIRMED, State.FAILED, State.ABANDONED})
 
 # from → the states it may move to. A claim of a new key has no "from". CONFIRMED → IN_FLIGHT/PENDING
-# only happens once the record expired (its ttl passed): a fresh claim replaces it.
+# only happens once the record expired (its ttl passed): a fresh claim replaces it. ABANDONED →
+# IN_FLIGHT/PENDING only when none of its attempts may have happened (``restart``).
 ALLOWED: Mapping[State, frozenset[State]] = {
     State.PENDING: frozenset(
         {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.UNKNOWN, State.ABANDONED}
@@ -67,7 +71,7 @@ ALLOWED: Mapping[State, frozenset[State]] = {
     ),
     State.NEEDS_REVIEW: frozenset({State.CONFIRMED, State.FAILED}),
     State.FAILED: frozenset({State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.ABANDONED}),
-    State.ABANDONED: frozenset({State.CONFIRMED, State.FAILED}),
+    State.ABANDONED: frozenset({State.CONFIRMED, State.FAILED, State.PENDING, State.IN_FLIGHT}),
     State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT}),
 }
 
@@ -77,7 +81,23 @@ HISTORY_LIMIT = 32
 
 
 class IllegalTransition(ValueError):
-    """A transition the state table does not allow: a bug in the caller, never an outcome."""
+    """A transition the ledger does not allow (the state table, or a time that is not a finite number):
+    a bug in the caller, never an outcome."""
+
+
+_isfinite = math.isfinite
+#: The record's fields that hold times: each is a finite number or None, never inf or NaN (which
+#: some stores would keep as ``Infinity`` and every later call would then trip over).
+_TIMES = frozenset({"lease_until", "next_attempt_at", "expires_at", "created_at", "updated_at"})
+
+
+def _not_finite(key: str, **times: float | None) -> IllegalTransition:
+    """The error for the first of ``times`` that is not finite (the hot paths check a sum of them)."""
+    name, value = next(((n, v) for n, v in times.items() if v is not None and not _isfinite(v)), ("time", None))
+    return IllegalTransition(
+        f"{key}: {name}={value!r} is not a finite time; a record never holds one (a clock or a wait that "
+        "produced it is wrong)"
+    )
 
 
 @dataclass(slots=True)
@@ -241,7 +261,7 @@ def _storable(text: str) -> str:
     return text
 
 
-def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None) -> str:
+def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by: str | None, extra: str = "") -> str:
     # Built by hand: this runs twice per guarded call. Floats print as valid JSON via repr; strings
     # are escaped by the json module's C helper (which keeps lone surrogates: _storable() escapes them).
     why = _REASONS.get(reason)
@@ -250,7 +270,7 @@ def _entry(frm: State | None, to: State, now: float, reason: str, fence: int, by
         if len(_REASONS) < 1024:  # reasons that carry errors vary: keep the cache bounded
             _REASONS[reason] = why
     who = f',"by":{_quote(by if by.isascii() else _storable(by))}' if by else ""
-    return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_FROM[to]},"fence":{fence}{why}{who}}}'
+    return f'{{"at":{now!r},"from":{_FROM[frm]},"to":{_FROM[to]},"fence":{fence}{why}{who}{extra}}}'
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
@@ -272,6 +292,10 @@ _replace = _make_replace()
 def replace(rec: Record, **changes: Any) -> Record:
     """A copy of ``rec`` with ``changes`` (``dataclasses.replace``, without its per-call introspection)."""
     return _replace(rec, changes)
+
+
+#: The history member that marks an attempt's end as one that cannot have had an effect.
+_NO_EFFECT = ',"effect":false'
 
 
 def _append(history_json: str, entry: str, version: int, key: str) -> str:
@@ -302,9 +326,12 @@ def new_record(
     """
     if state not in HELD:
         raise IllegalTransition(f"a new record is claimed into pending or in_flight, not {state.value}")
+    lease_until = now + lease_seconds
+    if not _isfinite(lease_until):  # inf or NaN in either
+        raise _not_finite(key, now=now, lease_until=lease_until)
     # Positional: the first write of every guarded call; keyword construction costs more.
     return Record(
-        key, scope, tool, fingerprint, state, 1, 1, 1, owner, now + lease_seconds, None, None, now, now, None,
+        key, scope, tool, fingerprint, state, 1, 1, 1, owner, lease_until, None, None, now, now, None,
         None, args_json, f"[{_entry(None, state, now, reason, 1, owner)}]", None, 0,
     )  # fmt: skip
 
@@ -316,21 +343,30 @@ def transition(
     now: float,
     reason: str = "",
     by: str | None = None,
+    effect: bool | None = None,
     **changes: Any,
 ) -> Record:
     """Move ``rec`` to ``to``: checks the table, bumps ``version``, appends one history entry.
 
-    ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…).
+    ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…). ``effect=False`` marks
+    the entry as the end of an attempt that cannot have had an effect (``may_have_happened``); ``None``
+    (the default) and ``True`` leave it unmarked.
 
     Raises:
-        IllegalTransition: the table in ``ALLOWED`` does not allow it.
+        IllegalTransition: the table in ``ALLOWED`` does not allow it, or a time is not finite.
 
     .. versionadded:: 0.1
     """
     if to not in ALLOWED[rec.state]:
         raise IllegalTransition(f"{rec.key}: {rec.state.value} → {to.value} is not a transition of the ledger")
+    if not _isfinite(now):
+        raise _not_finite(rec.key, now=now)
+    for name, value in changes.items():
+        if value is not None and name in _TIMES and not _isfinite(value):
+            raise _not_finite(rec.key, **{name: value})
     version = rec.version + 1
     fence = changes.get("fence", rec.fence)
+    mark = _NO_EFFECT if effect is False else ""
     if changes.get("error") is not None:
         changes["error"] = _storable(changes["error"])
     return replace(
@@ -338,7 +374,7 @@ def transition(
         state=to,
         version=version,
         updated_at=now,
-        history_json=_append(rec.history_json, _entry(rec.state, to, now, reason, fence, by), version, rec.key),
+        history_json=_append(rec.history_json, _entry(rec.state, to, now, reason, fence, by, mark), version, rec.key),
         **changes,
     )
 
@@ -374,6 +410,56 @@ def renew(rec: Record, *, state: State, owner: str, now: float, lease_seconds: f
     return claim_again(fresh, state=state, owner=owner, now=now, lease_seconds=lease_seconds, reason=reason)
 
 
+#: Where an attempt that may have had an effect leaves a trace: its outcome was open, or it happened.
+_EFFECT_STATES = frozenset({State.UNKNOWN.value, State.NEEDS_REVIEW.value, State.CONFIRMED.value})
+_HELD_VALUES = frozenset({State.PENDING.value, State.IN_FLIGHT.value})
+
+
+def may_have_happened(rec: Record) -> bool:
+    """Whether any attempt that counts toward ``rec.attempts`` may have had an effect, judged from the
+    history. Those attempts have the fences ``rec.fence - rec.attempts + 1`` to ``rec.fence`` (each claim
+    raises both by one; a renewal or a reset starts the count again at 0).
+
+    An attempt had no effect when it failed before reaching the other side (its ``failed`` entry is
+    marked ``"effect": false``: not sent, or refused before it ran) or ended while still ``pending`` (the
+    tool had not dispatched). Any other end (unknown, confirmed, the tool's own error, a person's
+    resolve) may have had one. A history trimmed (``HISTORY_LIMIT``) past the first of those claims
+    cannot tell: then ``True``, the cautious answer.
+
+    .. versionadded:: 0.1
+    """
+    first = rec.fence - rec.attempts + 1
+    if rec.attempts < 1:
+        return True
+    claimed = False
+    for entry in rec.history:
+        fence = entry.get("fence", 0)
+        if not isinstance(fence, int) or fence < first:
+            continue
+        to = entry.get("to")
+        if fence == first and to in _HELD_VALUES:
+            claimed = True
+        if to in _EFFECT_STATES or (to == State.FAILED.value and entry.get("effect") is not False):
+            return True
+    return not claimed
+
+
+def restart(rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str) -> Record:
+    """Claim an ``abandoned`` record afresh, with a new attempt budget, because none of its attempts may
+    have had an effect (``may_have_happened``): nothing happened, so nothing stands in the way. Attempts
+    start again at 1; the fence keeps rising.
+
+    Raises:
+        IllegalTransition: the record is not abandoned, or one of its attempts may have had an effect.
+    """
+    if rec.state is not State.ABANDONED or may_have_happened(rec):
+        raise IllegalTransition(
+            f"{rec.key}: only an abandoned record none of whose attempts may have happened starts afresh"
+        )
+    fresh = replace(rec, attempts=0)
+    return claim_again(fresh, state=state, owner=owner, now=now, lease_seconds=lease_seconds, reason=reason)
+
+
 def replace_args(rec: Record, *, fingerprint: str, args_json: str) -> Record:
     """A reclaim by a call with other arguments (``on_conflict="replay"``): the record takes them."""
     return replace(rec, fingerprint=fingerprint, args_json=args_json)
@@ -385,20 +471,34 @@ def confirm(rec: Record, *, result_json: str | None, now: float, ttl: float | No
         raise IllegalTransition(f"{rec.key}: {rec.state.value} → confirmed is not a transition of the ledger")
     # Built field by field rather than through transition(): this is the second write of every
     # guarded call, and the generic path's keyword dictionaries cost several microseconds.
+    expires_at = None if ttl is None else now + ttl
+    if not _isfinite(now if expires_at is None else expires_at):
+        raise _not_finite(rec.key, now=now, expires_at=expires_at)
     version = rec.version + 1
     entry = _entry(rec.state, State.CONFIRMED, now, f"confirmed via {via}", rec.fence, by)
     return Record(
         rec.key, rec.scope, rec.tool, rec.fingerprint, State.CONFIRMED, rec.attempts, rec.fence, version,
-        None, None, None, None if ttl is None else now + ttl, rec.created_at, now, result_json, None,
+        None, None, None, expires_at, rec.created_at, now, result_json, None,
         rec.args_json, _append(rec.history_json, entry, version, rec.key), via, rec.conflicts,
     )  # fmt: skip
 
 
-def fail(rec: Record, *, error: str, now: float, retry_at: float | None, ttl: float | None, by: str | None) -> Record:
+def fail(
+    rec: Record,
+    *,
+    error: str,
+    now: float,
+    retry_at: float | None,
+    ttl: float | None,
+    by: str | None,
+    effect: bool = True,
+) -> Record:
     """It definitely did not happen. ``retry_at`` schedules the next attempt (persisted).
 
     A record waiting for its retry is kept ``ttl`` past that retry: purged during the backoff, it
     would come back as a new record at attempt 1, and the attempt limit would never be reached.
+    ``effect=False``: the attempt never reached the other side (not sent, or refused before it ran),
+    so it cannot have had an effect of any kind; kept in the history for ``may_have_happened``.
     """
     return transition(
         rec,
@@ -406,6 +506,7 @@ def fail(rec: Record, *, error: str, now: float, retry_at: float | None, ttl: fl
         now=now,
         reason=error[:200],
         by=by,
+        effect=effect,
         error=error,
         lease_owner=None,
         lease_until=None,
@@ -435,6 +536,8 @@ def extend_lease(rec: Record, *, now: float, lease_seconds: float) -> Record:
     """A heartbeat: same state, same fence, a later ``lease_until``. Not written to the history."""
     if rec.state not in HELD:
         raise IllegalTransition(f"{rec.key}: only a held record has a lease to extend, not {rec.state.value}")
+    if not _isfinite(now + lease_seconds):
+        raise _not_finite(rec.key, now=now, lease_until=now + lease_seconds)
     return replace(rec, version=rec.version + 1, updated_at=now, lease_until=now + lease_seconds)
 
 
