@@ -142,9 +142,10 @@ class Heartbeats:
     A fast call never waits for it and never writes because of it: registering is a set insert.
     """
 
-    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float], on_tick: Callable[[], None] | None = None) -> None:
         self._store = store
         self._clock = clock
+        self._on_tick = on_tick  # called at every look (the store clock's re-measurement when due)
         self._leases: set[Lease] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -203,6 +204,8 @@ class Heartbeats:
             # While it looks, any new lease wakes it: the last look's wake time is stale by now, and a
             # lease held after the snapshot below would otherwise wait a whole tick of the others.
             self._next_wake = math.inf
+            if self._on_tick is not None:
+                self._on_tick()
             leases = list(self._leases)
             now = self._clock()
             tick = max(0.01, min(lease.seconds for lease in leases) / 6) if leases else 1.0

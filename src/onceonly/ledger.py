@@ -21,6 +21,7 @@ from typing import Any, ParamSpec, TypeVar, get_args, overload
 
 from onceonly import drivers
 from onceonly import states as st
+from onceonly.clock import StoreClock
 from onceonly.drivers import CallInfo, amark_sent, current_call, mark_sent
 from onceonly.errors import InProgress, OnceOnlyError
 from onceonly.events import Listener, emit
@@ -58,7 +59,12 @@ class Ledger:
     Args:
         store: a store (``SQLiteStore``, ``RedisStore``, ``PostgresStore``, or your own ``Store``).
         scope: the scope of keys outside any ``ledger.task()``.
-        clock: seconds since the epoch (injectable for tests).
+        clock: this host's clock, seconds since the epoch (injectable for tests).
+        store_clock: read leases, due times and settle times on the store's clock where the store has
+            one (Redis, PostgreSQL; ``onceonly.clock``), as ``clock`` plus an offset measured at open and
+            every minute, so that hosts whose clocks differ agree. Default: on for the host's clock
+            (``time.time``), off for an injected ``clock`` (a test's fake time is used as it is); pass
+            ``True`` to correct an injected clock too. ``ledger.clock`` is the clock the ledger reads.
         sleep: blocking sleep (injectable for tests); ``asleep`` its async twin.
         rng: the random source of backoff jitter.
 
@@ -76,20 +82,33 @@ class Ledger:
         sleep: Callable[[float], None] = time.sleep,
         asleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        store_clock: bool | None = None,
     ) -> None:
         self.store = store
         #: The store's URL as it may be shown, password masked (``store.url`` is the one to connect with).
         self.url: str = redact_url(getattr(store, "url", repr(store)))
         self.scope = validate_name(scope, "scope")
-        self.clock = clock
+        store_time = getattr(store, "time", None)
+        use_store = (clock is time.time) if store_clock is None else store_clock
+        self._store_clock = StoreClock(store_time, clock, where=self.url) if use_store and store_time else None
+        self.clock: Callable[[], float] = clock if self._store_clock is None else self._store_clock.now
         self.sleep = sleep
         self.asleep = asleep
         self.rng = rng or random.Random()
         self._listeners: list[Listener] = []
-        self._beats = drivers.Heartbeats(store, clock)
+        on_tick = None if self._store_clock is None else self._store_clock.sync_if_due
+        self._beats = drivers.Heartbeats(store, self.clock, on_tick)
         self._late_tasks: set[asyncio.Task[Any]] = set()
         #: The guarded tools made on this ledger, by name (the reconciler finds their probes here).
         self.tools: dict[str, Any] = {}
+
+    @property
+    def clock_offset(self) -> float:
+        """Seconds added to this host's clock to read the store's (0 without a store clock).
+
+        .. versionadded:: 0.1
+        """
+        return 0.0 if self._store_clock is None else self._store_clock.offset
 
     @classmethod
     def open(cls, url: str | None = None, **kwargs: Any) -> Ledger:

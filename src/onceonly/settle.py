@@ -596,6 +596,8 @@ def reconcile(
         raise ValueError(f"review_after={review_after}, wait={wait}: seconds cannot be negative")
     if batch < 1:
         raise ValueError(f"batch={batch}: read at least one record per page")
+    if ledger._store_clock is not None:
+        ledger._store_clock.sync_if_due()  # a reconciler that runs no tool has no heartbeat to do it
     clock = ledger.clock
     do_sleep = sleep or ledger.sleep
     who = by or default_owner()

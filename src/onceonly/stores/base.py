@@ -22,6 +22,10 @@ proven by one conformance suite (``tests/stores/``):
 - ``scan(...)``: records by state, tool, scope and due time, in key order, paged by ``after``.
 - ``wait_for_change(key, version, timeout)``: return when the record may have changed, or after
   ``timeout``; a store without notifications just sleeps.
+- ``time()`` (optional, not part of the protocol): the store's own clock in seconds since the epoch,
+  one round trip. A store that has one offers it (Redis ``TIME``, PostgreSQL ``clock_timestamp()``), and
+  the ledger then reads leases and due times on it (``onceonly.clock``), so hosts whose clocks differ
+  agree. A store without it (SQLite: one host, one clock) leaves the ledger on the host's clock.
 
 Driver errors are translated at this boundary: ``StoreUnavailable`` when the store could not be
 reached (whether the write landed is then unknown: the ledger re-reads), ``StoreCorrupt`` for data

@@ -674,6 +674,9 @@ class PostgresStore:
         self._sql_delete_at = f"DELETE FROM {t} WHERE key = %s AND version = %s AND created_at = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
+        # clock_timestamp(), not now(): now() is the start of the transaction, and a pooled connection
+        # may sit in one.
+        self._sql_time = "SELECT extract(epoch FROM clock_timestamp())::float8"
         #: Statements run a second time after their connection was lost (see ``_run``).
         self.reruns = 0
         # which fields changed → the prepared UPDATE that writes them, and their encoders
@@ -1046,6 +1049,12 @@ class PostgresStore:
     def count_by_state(self) -> dict[State, int]:
         rows, _ = self._run(self._sql_count, (), _ALL)
         return counts_by_state(rows)
+
+    def time(self) -> float:
+        """The server's clock (``clock_timestamp()``), in seconds since the epoch: the ledger's time for
+        every host (``onceonly.clock``)."""
+        rows, _ = self._run(self._sql_time, (), _ALL)
+        return float(rows[0][0])
 
     def _watch(self, key: str, version: int) -> bool:
         """Mark the row watched if it is still at ``version``; ``False``: it changed or is gone."""

@@ -908,6 +908,16 @@ class RedisStore:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
+    def time(self) -> float:
+        """The server's clock (``TIME``), in seconds since the epoch: the ledger's time for every host
+        (``onceonly.clock``)."""
+        self._check_open()
+        try:
+            seconds, micros = self._command("TIME")
+        except RedisError as exc:
+            raise self._unavailable(exc, "reading the server's clock") from exc
+        return int(seconds) + int(micros) / 1e6
+
     def _rerun_or_raise(self, exc: RedisError, reruns: int, what: str) -> None:
         """After a write script failed: return if its "again" twin should run now, else raise.
 
