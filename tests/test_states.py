@@ -230,3 +230,33 @@ def test_restart_gives_an_abandoned_record_of_no_effect_a_new_budget() -> None:
     with pytest.raises(IllegalTransition):
         st.restart(_exhausted("unknown", "not_sent"), state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30,
                    reason="r")  # fmt: skip
+
+
+def test_may_have_happened_skips_an_attempt_given_back_as_control_flow() -> None:
+    """A claim given back for control flow (an interrupt) is not counted, so the counted attempts are
+    not the last ``attempts`` fences: the unknown first attempt must still be found."""
+    rec = st.new_record(
+        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="o",
+        now=NOW, lease_seconds=30,
+    )  # fmt: skip
+    rec = st.mark_unknown(rec, now=NOW, reason="timeout", by="o")
+    rec = st.claim_again(rec, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="retry")
+    rec = st.transition(rec, State.FAILED, now=NOW, reason=f"{st.RELEASED} GraphInterrupt is control flow",
+                        attempts=rec.attempts - 1, lease_owner=None, lease_until=None)  # fmt: skip
+    rec = st.claim_again(rec, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="resumed")
+    rec = st.fail(rec, error="refused", now=NOW, retry_at=None, ttl=60, by="o", effect=False)
+    rec = st.abandon(rec, now=NOW, reason="exhausted", by="o")
+    assert (rec.attempts, rec.fence) == (2, 3)
+    assert st.may_have_happened(rec)
+    # Not sent, given back, not sent: nothing happened, and the release is not taken for an effect.
+    clean = st.new_record(
+        key="k", scope="s", tool="t", fingerprint="f", args_json="{}", state=State.IN_FLIGHT, owner="o",
+        now=NOW, lease_seconds=30,
+    )  # fmt: skip
+    clean = st.fail(clean, error="refused", now=NOW, retry_at=None, ttl=60, by="o", effect=False)
+    clean = st.claim_again(clean, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="retry")
+    clean = st.transition(clean, State.FAILED, now=NOW, reason=f"{st.RELEASED} GraphInterrupt is control flow",
+                          attempts=clean.attempts - 1, lease_owner=None, lease_until=None)  # fmt: skip
+    clean = st.claim_again(clean, state=State.IN_FLIGHT, owner="o", now=NOW, lease_seconds=30, reason="resumed")
+    clean = st.fail(clean, error="refused", now=NOW, retry_at=None, ttl=60, by="o", effect=False)
+    assert not st.may_have_happened(st.abandon(clean, now=NOW, reason="exhausted", by="o"))

@@ -282,6 +282,9 @@ def test_tell_model_for_errors_never_gives_operator_instructions(ledger: Ledger)
 
     busy = InProgress("held", key="k")
     assert "in progress" in onceonly.tell_model(busy)
+    later = onceonly.RetryScheduled("due later", key="k", retry_at=1_800_000_000.0)
+    told = onceonly.tell_model(later)
+    assert "has not happened" in told and "at 2027-01-15T08:00:00Z" in told and "in progress" not in told
     assert json.dumps(onceonly.tell_model(ValueError("bad")))  # plain text for anything else
 
 

@@ -620,7 +620,7 @@ def _release(rec: Record, call: Call, exc: BaseException) -> Generator[Action, A
     failed (nothing settled) with one attempt fewer; a record that moved on meanwhile is left as it is."""
     now = call.clock()
     new = st.transition(
-        rec, State.FAILED, now=now, reason=f"released: {type(exc).__name__} is control flow, not an outcome",
+        rec, State.FAILED, now=now, reason=f"{st.RELEASED} {type(exc).__name__} is control flow, not an outcome",
         by=call.owner, attempts=max(rec.attempts - 1, 0), error=None, lease_owner=None, lease_until=None,
         next_attempt_at=None, expires_at=None if call.policy.ttl is None else now + call.policy.ttl,
     )  # fmt: skip

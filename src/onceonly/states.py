@@ -417,31 +417,58 @@ _HELD_VALUES = frozenset({State.PENDING.value, State.IN_FLIGHT.value})
 
 def may_have_happened(rec: Record) -> bool:
     """Whether any attempt that counts toward ``rec.attempts`` may have had an effect, judged from the
-    history. Those attempts have the fences ``rec.fence - rec.attempts + 1`` to ``rec.fence`` (each claim
-    raises both by one; a renewal or a reset starts the count again at 0).
+    history.
+
+    The counted attempts are the last ``rec.attempts`` claims (entries into ``pending`` or ``in_flight``
+    under a new fence), found walking back from the newest entry; an attempt given back as control flow
+    (a ``failed`` entry whose reason starts with ``RELEASED``, which uncounts it) is skipped. A renewal
+    or a reset sets the count back to 0, so the attempts before it are never read.
 
     An attempt had no effect when it failed before reaching the other side (its ``failed`` entry is
     marked ``"effect": false``: not sent, or refused before it ran) or ended while still ``pending`` (the
     tool had not dispatched). Any other end (unknown, confirmed, the tool's own error, a person's
-    resolve) may have had one. A history trimmed (``HISTORY_LIMIT``) past the first of those claims
-    cannot tell: then ``True``, the cautious answer.
+    resolve) may have had one. A history trimmed (``HISTORY_LIMIT``) past the first counted claim cannot
+    tell: then ``True``, the cautious answer.
 
     .. versionadded:: 0.1
     """
-    first = rec.fence - rec.attempts + 1
     if rec.attempts < 1:
         return True
-    claimed = False
-    for entry in rec.history:
-        fence = entry.get("fence", 0)
-        if not isinstance(fence, int) or fence < first:
+    entries = rec.history
+    need = rec.attempts
+    start = None
+    for i in range(len(entries) - 1, -1, -1):
+        entry = entries[i]
+        if _released(entry):
+            need += 1  # its claim, met further back, is not one of the counted attempts
             continue
+        # A claim raises the fence; the first entry of a trimmed history may be anything, so only a
+        # first entry that claims a new key (from nothing) is taken as a claim there.
+        fresh = entry.get("from") is None if i == 0 else entry.get("fence") != entries[i - 1].get("fence")
+        if entry.get("to") in _HELD_VALUES and fresh:
+            need -= 1
+            if need == 0:
+                start = i
+                break
+    if start is None:
+        return True
+    for entry in entries[start:]:
         to = entry.get("to")
-        if fence == first and to in _HELD_VALUES:
-            claimed = True
-        if to in _EFFECT_STATES or (to == State.FAILED.value and entry.get("effect") is not False):
+        if to in _EFFECT_STATES:
             return True
-    return not claimed
+        if to == State.FAILED.value and entry.get("effect") is not False and not _released(entry):
+            return True
+    return False
+
+
+#: How the reason of a claim given back as control flow begins (``guard._release``): that attempt is
+#: not counted and is not an outcome.
+RELEASED = "released:"
+
+
+def _released(entry: Mapping[str, Any]) -> bool:
+    reason = entry.get("reason")
+    return entry.get("to") == State.FAILED.value and isinstance(reason, str) and reason.startswith(RELEASED)
 
 
 def restart(rec: Record, *, state: State, owner: str, now: float, lease_seconds: float, reason: str) -> Record:

@@ -12,7 +12,7 @@ import datetime as _dt
 import json
 from typing import Any
 
-from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OnceOnlyError, OutcomeUnknown
+from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OnceOnlyError, OutcomeUnknown, RetryScheduled
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json
 from onceonly.states import Record, State
@@ -56,6 +56,7 @@ def tell_model(what: Outcome | BaseException) -> str:
     - a replayed ``Outcome``: the action was already done (when), it was not repeated, and its result;
     - a fresh ``Outcome``: its result, as text;
     - ``OutcomeUnknown``: the outcome is being checked, do not issue it again;
+    - ``RetryScheduled``: it has not happened; it may be issued again after the time given;
     - ``InProgress``: another call is doing it now;
     - ``KeyConflict``: done earlier with other details, and that result;
     - ``AttemptsExhausted``: it failed and will not be retried automatically;
@@ -82,6 +83,12 @@ def tell_model(what: Outcome | BaseException) -> str:
         return (
             "The outcome of this action is unknown: it may have happened, and it is being checked. "
             "Do not issue it again. Go on with other work, or tell the user it is pending confirmation."
+        )
+    if isinstance(what, RetryScheduled):
+        # Before InProgress (its base): nobody is running it, so "its result will be recorded" is false.
+        return (
+            f"This action has not happened: the service asked to wait, and it may run {_when(what.retry_at)}. "
+            "Issuing it again after that time runs it once; before then it will not run."
         )
     if isinstance(what, InProgress):
         return (
