@@ -116,7 +116,7 @@ def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(store_url: s
     # The accurate host's attempt was refused and scheduled its retry half a second from now.
     now = time.time()
     first = st.new_record(
-        key=notify.key_for(), scope="default", tool="notify", fingerprint=notify._call((), {}, None, 1).fingerprint,
+        key=notify.key_for(), scope="default", tool="notify", fingerprint=notify.spec.call((), {}, None, 1).fingerprint,
         args_json="{}", state=State.IN_FLIGHT, owner="accurate:1:1", now=now, lease_seconds=30,
     )  # fmt: skip
     failed = st.fail(first, error="ConnectionRefusedError: refused", now=now, retry_at=now + 0.5, ttl=60, by="a")
