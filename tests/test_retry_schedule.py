@@ -298,3 +298,22 @@ def test_attempts_exhausted_names_the_recorded_error_when_this_call_had_none(led
     text = str(info.value)
     assert "ValueError: bad input: 42" in text and "None" not in text
     assert info.value.last_exception is None
+
+
+def test_a_readonly_tool_does_not_wait_out_a_retry_after_longer_than_wait(ledger: Ledger, clock: FakeClock) -> None:
+    """A read (``readonly=True``, no record) slept out ``Retry-After: 86400`` too. A wait longer than
+    ``wait`` is not waited for: the read fails now with the service's own error; shorter ones are retried."""
+    answers = ["86400", "1"]
+    reads: list[str] = []
+
+    @ledger.tool(name="lookup", readonly=True, wait=2)
+    def lookup() -> str:
+        reads.append("read")
+        if answers:
+            raise _status_error(503, answers.pop(0))
+        return "found"
+
+    with pytest.raises(httpx.HTTPStatusError):
+        lookup()
+    assert reads == ["read"] and clock.sleeps == []
+    assert lookup() == "found" and clock.sleeps == [1.0]

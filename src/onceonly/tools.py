@@ -454,9 +454,11 @@ def _readonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             return _readonly_outcome(spec.fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
-            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
+            pause = retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after)
+            # A wait longer than wait= is not waited for (a Retry-After of an hour): the read fails now.
+            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts or pause > spec.policy.wait:
                 raise
-            spec.ledger.sleep(retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after))
+            spec.ledger.sleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -468,7 +470,8 @@ async def _areadonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, An
             return _readonly_outcome(await fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
-            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts:
+            pause = retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after)
+            if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts or pause > spec.policy.wait:
                 raise
-            await spec.ledger.asleep(retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after))
+            await spec.ledger.asleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover
