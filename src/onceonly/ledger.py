@@ -206,7 +206,9 @@ class Ledger:
             settle: seconds to wait after an unknown before probing.
             ttl: seconds a settled record is kept (``None``: forever).
             lease: seconds a claim holds; heartbeats extend it while the tool runs.
-            wait: seconds a second caller waits for an in-flight outcome before ``InProgress``.
+            wait: the most seconds any one wait of a call lasts: for an in-flight outcome (then
+                ``InProgress``), a backoff or ``Retry-After`` (then ``RetryScheduled``, with its time), a
+                settle time or re-send backoff of an unknown (then ``OutcomeUnknown``, saying when).
             timeout: seconds per attempt; past it the outcome is unknown, the call runs on and its
                 late result still confirms the record.
             readonly: no side effect: skip the ledger, plain retry.
