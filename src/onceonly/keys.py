@@ -74,11 +74,9 @@ def validate_name(value: object, what: str = "key") -> str:
     return value
 
 
-def _part(name: str) -> str:
+def _key_part(name: str) -> str:
     """A scope or tool name as a key part: ``%`` and ``:`` percent-encoded, everything else as it is."""
-    if "%" in name:
-        name = name.replace("%", "%25")
-    return name.replace(":", "%3A") if ":" in name else name
+    return name.replace("%", "%25").replace(":", "%3A")
 
 
 def compose_key(scope: str, tool: str, digest: str) -> str:
@@ -93,7 +91,10 @@ def compose_key(scope: str, tool: str, digest: str) -> str:
 
     .. versionadded:: 0.1
     """
-    key = f"{_part(scope)}:{_part(tool)}:{digest}"
+    # Inline checks rather than a helper call per part: this runs on every guarded call.
+    part_scope = _key_part(scope) if "%" in scope or ":" in scope else scope
+    part_tool = _key_part(tool) if "%" in tool or ":" in tool else tool
+    key = f"{part_scope}:{part_tool}:{digest}"
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKey(
             f"the key {key[:60]!r}... is {len(key)} characters; the limit is {MAX_KEY_LENGTH}: "
