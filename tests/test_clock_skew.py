@@ -4,6 +4,7 @@ ledger reads leases and due times on the store's clock where it has one (Redis `
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -99,19 +100,40 @@ def test_a_caller_whose_clock_runs_ahead_does_not_take_over_a_live_lease(store_u
     assert result == ["charged by accurate"] and charges == ["accurate"]
 
 
-def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(store_url: str, accurate: Ledger) -> None:
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(
+    store_url: str, accurate: Ledger, face: str
+) -> None:
     """A host 30 s behind read a retry due in half a second as due in 30.5 s and slept it out despite
     ``wait=1``. On the store's clock it sleeps the half second and runs; on SQLite (no store clock) the
-    wait is still bounded: the call ends at once with ``RetryScheduled``, which says when."""
+    wait is still bounded: the call ends at once with ``RetryScheduled``, which says when. The same
+    for an ``async def`` tool, whose driver reads the same clock."""
     behind = FakeClock()
     behind.now = time.time() - 30
-    ledger = _skewed(store_url, behind, sleep=behind.sleep)
+
+    async def asleep(seconds: float) -> None:
+        behind.sleep(seconds)
+
+    ledger = _skewed(store_url, behind, sleep=behind.sleep, asleep=asleep)
     runs: list[int] = []
 
-    @ledger.tool(name="notify", wait=1, retry=Retry(attempts=3))
-    def notify() -> str:
-        runs.append(1)
-        return "sent"
+    if face == "sync":
+
+        @ledger.tool(name="notify", wait=1, retry=Retry(attempts=3))
+        def notify() -> str:
+            runs.append(1)
+            return "sent"
+
+        call: Callable[[], str] = notify
+    else:
+
+        @ledger.tool(name="notify", wait=1, retry=Retry(attempts=3))
+        async def anotify() -> str:
+            runs.append(1)
+            return "sent"
+
+        notify = anotify  # type: ignore[assignment]
+        call = lambda: asyncio.run(anotify())  # noqa: E731
 
     # The accurate host's attempt was refused and scheduled its retry half a second from now.
     now = time.time()
@@ -123,10 +145,10 @@ def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(store_url: s
     assert accurate.store.insert(failed)
     try:
         if _has_clock(store_url):
-            assert notify() == "sent" and runs == [1]
+            assert call() == "sent" and runs == [1]
         else:
             with pytest.raises(onceonly.RetryScheduled) as info:
-                notify()
+                call()
             assert info.value.retry_at == failed.next_attempt_at and runs == []
         assert all(s <= 1 for s in behind.sleeps), behind.sleeps
     finally:
