@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Outcome, Policy
-from onceonly.keys import MAX_KEY_LENGTH, canonical_json, fingerprint, select, validate_name
+from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
 from onceonly.tell import tell_model
 from onceonly.tools import ToolSpec
@@ -419,7 +419,7 @@ class Guard:
         raw = req.meta.get(self.meta_key)
         tool = self.tool_name(req.name)
         if raw is not None:
-            room = MAX_KEY_LENGTH - len(base) - len(tool) - 2
+            room = MAX_KEY_LENGTH - len(compose_key(base, tool, ""))  # as stored: ':' and '%' encoded
             try:
                 key = validate_name(raw, f"_meta {self.meta_key!r}")
             except InvalidKey as exc:
