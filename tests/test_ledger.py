@@ -1051,3 +1051,54 @@ def test_scope_and_tool_names_with_colons_never_share_a_record(ledger: Ledger) -
     assert runs == ["b:c", "c"]
     rec = ledger.get(out2.key)
     assert rec is not None and (rec.scope, rec.tool) == ("a:b", "c")
+
+
+class _StalledClaim:
+    """A store whose next claim lands, then stalls past the lease while ``meanwhile`` runs: the
+    claimant's answer comes back after another caller may have taken the expired lease over."""
+
+    def __init__(self, inner: Any, clock: FakeClock, stall: float, meanwhile: Any) -> None:
+        self.inner, self.clock, self.stall, self.meanwhile = inner, clock, stall, meanwhile
+        self.armed = True
+
+    def claim(self, record: Any) -> Any:
+        answer = self.inner.claim(record)
+        if self.armed:
+            self.armed = False
+            self.clock.now += self.stall
+            self.meanwhile()
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_claim_that_lands_after_its_lease_ran_out_does_not_run(store_url: str, clock: FakeClock) -> None:
+    """A claim answered after its lease expired, while another caller took the record over and ran the
+    tool, must not run the tool a second time: the claimant renews its lease first, and finds it lost."""
+    effects: list[str] = []
+    other = Ledger.open(store_url, clock=clock, sleep=clock.sleep)
+    try:
+
+        def run_elsewhere() -> None:
+            @other.tool(name="charge", on_unknown="probe", probe=lambda a, k: onceonly.NOT_FOUND, lease=10)
+            def charge(order: str) -> str:
+                effects.append("other")
+                return "charged by other"
+
+            assert charge("o-1") == "charged by other"
+
+        stalled = Ledger(_StalledClaim(open_store(store_url), clock, 11, run_elsewhere), clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+        try:
+
+            @stalled.tool(name="charge", on_unknown="probe", probe=lambda a, k: onceonly.NOT_FOUND, lease=10)
+            def charge(order: str) -> str:
+                effects.append("stalled")
+                return "charged by stalled"
+
+            assert charge("o-1") == "charged by other"
+        finally:
+            stalled.close()
+        assert effects == ["other"]
+    finally:
+        other.close()

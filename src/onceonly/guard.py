@@ -560,6 +560,16 @@ def plan(call: Call) -> Plan:
 
         # --- we hold the lease on rec: run one attempt ----------------------------------------
         assert rec is not None and rec.state in HELD and rec.lease_owner == owner
+        now = call.clock()
+        if rec.lease_until is not None and rec.lease_until - now < p.lease / 2:
+            # The claim took long to land (a stalled store, a paused process): another caller may
+            # already have taken the lease over as expired. Renew it first, and run only if the
+            # record is still ours; a fast claim never pays this write.
+            fresh = st.extend_lease(rec, now=now, lease_seconds=p.lease)
+            ok, rec = yield from _write(rec, fresh, call)
+            if not ok:
+                continue
+            rec = fresh
         call.ran = True
         call.created_at = rec.created_at
         ran = yield Execute(rec)
