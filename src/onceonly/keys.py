@@ -33,6 +33,7 @@ __all__ = [
     "normalize_number",
     "normalize_text",
     "normalize_whitespace",
+    "safe_name",
     "validate_name",
 ]
 
@@ -77,6 +78,18 @@ def validate_name(value: object, what: str = "key") -> str:
 def _key_part(name: str) -> str:
     """A scope or tool name as a key part: ``%`` and ``:`` percent-encoded, everything else as it is."""
     return name.replace("%", "%25").replace(":", "%3A")
+
+
+def safe_name(value: str, *, limit: int = 100, prefix: str = "h-") -> str:
+    """``value`` as a scope or name when it is one (printable, no whitespace, at most ``limit``
+    characters), else ``prefix`` and a SHA-256 of it: a conversation id from a framework (a thread id,
+    a group id, an MCP session) becomes a valid, stable scope whatever it holds.
+
+    .. versionadded:: 0.1
+    """
+    if len(value) <= limit and value and value.isprintable() and _WHITESPACE.search(value) is None:
+        return value
+    return prefix + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def compose_key(scope: str, tool: str, digest: str) -> str:

@@ -24,11 +24,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import hashlib
 import inspect
 import json
 import logging
-import re
 import threading
 import typing
 import weakref
@@ -50,11 +48,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "(from a checkout: pip install -e '.[langchain]')"
     ) from exc
 
-from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
+from onceonly.errors import KeyConflict
 from onceonly.guard import Outcome
-from onceonly.keys import canonical_json
+from onceonly.keys import canonical_json, safe_name
 from onceonly.policy import Verdict
-from onceonly.tell import tell_model
+from onceonly.tell import TOLD, tell_model
 from onceonly.tools import ToolSpec, make_tool, same_definition
 
 if TYPE_CHECKING:
@@ -89,12 +87,10 @@ _KEY = "idempotency_key"
 #: The tag of a stored result that is not plain text (an artifact, a message, a ``Command``...).
 _TAG = "$langchain"
 #: Outcomes the model is told about instead of a result (the operator's text goes to the log).
-_TOLD = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
 # LangGraph's checkpoint namespace: "node:task_id" segments joined by "|" (langgraph's NS_SEP, NS_END).
 _NS_SEP, _NS_END = "|", ":"
 #: The longest scope used as it is; a longer one (or one with whitespace) is hashed.
 _MAX_SCOPE = 100
-_WHITESPACE = re.compile(r"\s")
 
 _TOOL_CALL_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_tool_call_id", default=None)
 
@@ -130,10 +126,7 @@ def _scope_of(thread: str, ns: str) -> str:
         if _NS_END in segments[-1]:
             segments.pop()  # the running node's task: a new id every step
         parts += [segment.split(_NS_END, 1)[0] for segment in segments]
-    scope = _NS_SEP.join(parts)
-    if len(scope) <= _MAX_SCOPE and scope.isprintable() and _WHITESPACE.search(scope) is None:
-        return scope
-    return "thread-" + hashlib.sha256(scope.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+    return safe_name(_NS_SEP.join(parts), limit=_MAX_SCOPE, prefix="thread-")
 
 
 # --- what is stored, and what a replay re-emits -----------------------------------------------------
@@ -669,7 +662,7 @@ class GuardedTool(BaseTool):
                 out = spec.sync_fn.outcome(**call.model_args, **{_CALL: call})
         except _ReturnedError as returned:
             return returned.response
-        except _TOLD as err:
+        except TOLD as err:
             return spec.told(err, call)
         return spec.respond(out, call)
 
@@ -690,7 +683,7 @@ class GuardedTool(BaseTool):
                 out = await spec.async_fn.outcome(**call.model_args, **{_CALL: call})
         except _ReturnedError as returned:
             return returned.response
-        except _TOLD as err:
+        except TOLD as err:
             return spec.told(err, call)
         return spec.respond(out, call)
 

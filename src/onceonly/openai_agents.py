@@ -28,12 +28,10 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import hashlib
 import inspect
 import json
 import keyword
 import logging
-import re
 import threading
 import types
 import weakref
@@ -70,10 +68,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from onceonly.drivers import current_call
-from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
+from onceonly.errors import OutcomeUnknown
 from onceonly.guard import Outcome
-from onceonly.keys import canonical_json, fingerprint
+from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
+from onceonly.tell import TOLD
 from onceonly.tell import tell_model as _tell_model
 
 if TYPE_CHECKING:
@@ -93,10 +92,8 @@ _WHOLE = "arguments"
 #: The argument through which a function gets the ledger's key (``@ledger.tool``'s convention).
 _KEY = "idempotency_key"
 #: Outcomes the model is told about instead of a result (the operator's text goes to the log).
-_TOLD = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
 #: The longest conversation id used as a scope as it is; a longer one (or one with whitespace) is hashed.
 _MAX_SCOPE = 100
-_WHITESPACE = re.compile(r"\s")
 
 ScopeFunction = Callable[[RunContextWrapper[Any]], "str | None"]
 
@@ -128,9 +125,7 @@ def conversation_scope(ctx: RunContextWrapper[Any]) -> str | None:
 
 @functools.lru_cache(maxsize=1024)  # a conversation asks again at every call
 def _scope_text(group: str) -> str:
-    if len(group) <= _MAX_SCOPE and group.isprintable() and _WHITESPACE.search(group) is None:
-        return group
-    return "group-" + hashlib.sha256(group.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+    return safe_name(group, limit=_MAX_SCOPE, prefix="group-")
 
 
 # --- what is stored, and what the model reads ---------------------------------------------------------
@@ -331,7 +326,7 @@ class _Guard:
         try:
             with self.scoped(ctx):
                 out: Outcome = await self.fn.outcome(**self.fields(parsed), **{_CALL: call})
-        except _TOLD as err:
+        except TOLD as err:
             # The operator's next step (onceonly resolve ...) goes to the log, the model's to the model.
             _log.warning("onceonly %s: %s", getattr(err, "key", "?"), err)
             return _tell_model(err)

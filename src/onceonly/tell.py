@@ -17,7 +17,11 @@ from onceonly.guard import Outcome
 from onceonly.keys import canonical_json
 from onceonly.states import Record, State
 
-__all__ = ["result_text", "tell_model"]
+__all__ = ["TOLD", "result_text", "tell_model"]
+
+#: The errors an integration turns into text for the model (``tell_model``) instead of raising: outcomes
+#: of the operation, not faults of the program.
+TOLD: tuple[type[OnceOnlyError], ...] = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
 
 #: The longest result a model is shown in these texts; longer ones are cut, with a note.
 MAX_RESULT_CHARS = 2000

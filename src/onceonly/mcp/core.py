@@ -20,7 +20,6 @@ and their results into wire dicts (``{"content": [...], "structuredContent": ...
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Outcome, Policy
-from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, select, validate_name
+from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, safe_name, select, validate_name
 from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
 from onceonly.tell import tell_model
 from onceonly.tools import ToolSpec
@@ -314,18 +313,9 @@ def is_empty(wire: Mapping[str, Any]) -> bool:
     )
 
 
-def _hashed(text: str, prefix: str) -> str:
-    return f"{prefix}{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}"
-
-
 def _safe_name(value: str, limit: int, prefix: str) -> str:
     """``value`` when it is a valid name of at most ``limit`` characters, else a hash of it."""
-    try:
-        if len(value) <= limit:
-            return validate_name(value)
-    except InvalidKey:
-        pass
-    return _hashed(value, prefix)
+    return safe_name(value, limit=limit, prefix=prefix)
 
 
 def _classify_mcp(exc: BaseException) -> Classification | None:
