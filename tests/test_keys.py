@@ -186,3 +186,16 @@ def test_the_mcp_guard_measures_a_clients_key_against_the_encoded_key() -> None:
     req.meta = {META_KEY: "k" * 92}
     scope, key = guard.scope_and_key(req, "server")
     assert key is not None and len(compose_key(scope, "t", key)) == 255
+
+
+def test_safe_name_keeps_a_valid_name_and_hashes_any_other() -> None:
+    """A conversation id that is a valid name is the scope itself; one with whitespace, control
+    characters or too long becomes a stable hash with the given prefix."""
+    from onceonly.keys import safe_name, validate_name
+
+    assert safe_name("user:42/thread-7") == "user:42/thread-7"
+    for raw in ("two words", "tab\there", "x" * 101, "", "bell\x07"):
+        hashed = safe_name(raw, prefix="thread-")
+        assert hashed.startswith("thread-") and hashed == safe_name(raw, prefix="thread-")
+        assert validate_name(hashed) == hashed
+    assert safe_name("a" * 101) != safe_name("a" * 102)
