@@ -30,7 +30,7 @@ from onceonly.events import TransitionEvent
 from onceonly.guard import NOT_FOUND, Outcome
 from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
 from onceonly.ledger import CallInfo, Ledger, amark_sent, current_call, mark_sent
-from onceonly.policy import Classification, Retry, Verdict, classify
+from onceonly.policy import Classification, Retry, Verdict, classify, conflict_classifier
 from onceonly.states import Record, State
 from onceonly.stores import Query, Store, open_store
 from onceonly.tell import tell_model
@@ -69,6 +69,7 @@ __all__ = [
     "amark_sent",
     "canonical_json",
     "classify",
+    "conflict_classifier",
     "current_call",
     "mark_sent",
     "normalize_number",

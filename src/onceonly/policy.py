@@ -23,10 +23,13 @@ from typing import Any, Literal
 __all__ = [
     "MAX_RETRY_AFTER",
     "Classification",
+    "ConflictMeaning",
     "Retry",
     "Verdict",
+    "check_conflict_means",
     "clamp_retry_after",
     "classify",
+    "conflict_classifier",
     "retry_after_seconds",
 ]
 
