@@ -594,7 +594,8 @@ def plan(call: Call) -> Plan:
                 verdict = Classification(Verdict.NOT_SENT, None, f"{verdict.reason} before dispatch")
 
         if verdict.verdict is Verdict.UNKNOWN:
-            new = st.mark_unknown(rec, now=now, reason=verdict.reason or _err_text(last_exc), by=owner)
+            error = _err_text(last_exc)
+            new = st.mark_unknown(rec, now=now, reason=verdict.reason or error, by=owner, error=error)
             _, rec = yield from _write(rec, new, call)
             continue
 

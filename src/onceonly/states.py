@@ -542,9 +542,14 @@ def fail(
     )
 
 
-def mark_unknown(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
-    """It may have happened: keep the fence (a late outcome of that attempt still counts)."""
-    return transition(rec, State.UNKNOWN, now=now, reason=reason, by=by, lease_owner=None, lease_until=None)
+def mark_unknown(rec: Record, *, now: float, reason: str, by: str | None, error: str | None = None) -> Record:
+    """It may have happened: keep the fence (a late outcome of that attempt still counts). ``error``:
+    the attempt's error, message included (the reason may name only its type)."""
+    if error is None:  # keep what the record holds
+        return transition(rec, State.UNKNOWN, now=now, reason=reason, by=by, lease_owner=None, lease_until=None)
+    return transition(
+        rec, State.UNKNOWN, now=now, reason=reason, by=by, lease_owner=None, lease_until=None, error=error
+    )
 
 
 def park(rec: Record, *, now: float, reason: str, by: str | None) -> Record:
