@@ -6,6 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +19,7 @@ import click
 from rich.text import Text
 
 from onceonly.ledger import DEFAULT_URL
+from onceonly.stores._url import redact_url, scrub
 
 #: A count of records (``--limit``, ``--batch``): the stores take 64-bit integers, and a larger one
 #: failed inside the database; 0 or less means nothing.
@@ -25,6 +32,54 @@ _BEYOND_C0 = "\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
 _CONTROLS = re.compile(f"[\x00-\x1f{_BEYOND_C0}]")
 # json.dumps escapes C0 itself (and its indentation is made of newlines and spaces).
 _JSON_CONTROLS = re.compile(f"[{_BEYOND_C0}]")
+
+
+class Since(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter: a moment, as a duration back from now (``1h``, ``2d``) or an ISO 8601 time
+    (``2026-01-31``, ``2026-01-31T08:00:00Z``; without a zone: UTC); in seconds since the epoch."""
+
+    name = "since"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        from onceonly.settle_cli import parse_duration
+
+        text = str(value).strip()
+        try:
+            return time.time() - parse_duration(text)
+        except ValueError:
+            pass
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            self.fail(f"{text!r} is neither a duration (1h, 2d) nor an ISO time (2026-01-31T08:00:00Z)", param, ctx)
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return moment.timestamp()
+
+
+def run_every(every: float, once: Callable[[], None]) -> None:
+    """Call ``once()`` every ``every`` seconds until SIGTERM or Ctrl-C (then return: exit 0). A run
+    that raises ends the loop with its error, as a single run would."""
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while not stopping:
+            began = time.monotonic()
+            once()
+            # Short naps, so that SIGTERM ends the loop within a fraction of a second.
+            while not stopping and (rest := every - (time.monotonic() - began)) > 0:
+                time.sleep(min(rest, 0.25))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def printable(text: object) -> str:
@@ -60,18 +115,99 @@ def _json_escape(match: re.Match[str]) -> str:
 
 
 def refuse_missing_ledger(url: str | None) -> None:
-    """Refuse a SQLite ledger file that is not there (``url`` None: what ``Ledger.open()`` would open).
+    """Refuse a ledger that is not there (``url`` None: what ``Ledger.open()`` would open), looking
+    without writing: a SQLite file that is missing or not an onceonly ledger, a Redis prefix without
+    the ledger's metadata, a PostgreSQL schema without the ledger's tables.
 
-    Opening it would make an empty ledger (and its directory) and report no records, or nothing to
-    settle: a wrong --url or $ONCEONLY_URL would pass for an empty ledger.
+    Opening such a store makes an empty ledger (a file and its directory, a Redis ``meta`` with this
+    URL's shard count, a schema named after a typo) and reports no records or nothing to settle: a
+    wrong --url or $ONCEONLY_URL would pass for an empty ledger, and leave something behind. A ledger
+    that is there, at this onceonly's version, is opened without a write.
     """
     url = url or os.environ.get("ONCEONLY_URL") or DEFAULT_URL
-    if urlsplit(url).scheme.lower() != "sqlite":
-        return
-    from onceonly.stores.sqlite import parse_sqlite_url
+    scheme = urlsplit(url).scheme.lower()
+    try:
+        if scheme == "sqlite":
+            _sqlite_ledger(url)
+        elif scheme in ("redis", "rediss", "unix"):
+            _redis_ledger(url)
+        elif scheme in ("postgres", "postgresql", "postgresql+psycopg"):
+            _postgres_ledger(url)
+    except ValueError as exc:  # a bad option in the URL: the store says which, URL masked
+        raise click.ClickException(printable(exc)) from exc
+
+
+_RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made by the first guarded call)"
+
+
+def _sqlite_ledger(url: str) -> None:
+    from onceonly.stores.sqlite import APPLICATION_ID, SCHEMA_VERSION, parse_sqlite_url
 
     path = parse_sqlite_url(url)[0]
     if not path.is_file():
+        raise click.ClickException(printable(f"no ledger at {path.absolute()}: {_RUN_ONCE}"))
+    try:
+        # Read-only: a file that is not a ledger must be left exactly as it was.
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            app_id, version = conn.execute(
+                "SELECT (SELECT application_id FROM pragma_application_id), "
+                "(SELECT user_version FROM pragma_user_version)"
+            ).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise click.ClickException(printable(f"cannot read the ledger file {path.absolute()}: {exc}")) from exc
+    if app_id != APPLICATION_ID:
+        raise click.ClickException(printable(f"{path.absolute()} is not an onceonly ledger: {_RUN_ONCE}"))
+    if version < SCHEMA_VERSION:
         raise click.ClickException(
-            printable(f"no ledger at {path.absolute()}: give the ledger's URL with --url or $ONCEONLY_URL")
+            printable(f"{path.absolute()} is a ledger of an older onceonly: open it once with your app to upgrade it")
+        )
+
+
+def _redis_ledger(url: str) -> None:
+    import redis
+
+    from onceonly.stores.redis import parse_redis_url
+
+    client_url, opts = parse_redis_url(url)
+    shown = redact_url(url)
+    meta = f"{opts['prefix']}:meta"
+    client = redis.Redis.from_url(client_url)
+    try:
+        found = client.exists(meta)
+    except redis.RedisError as exc:
+        raise click.ClickException(printable(f"cannot read {shown}: {scrub(str(exc), url)}")) from exc
+    finally:
+        client.close()
+    if not found:
+        raise click.ClickException(printable(f"no ledger under prefix {opts['prefix']!r} in {shown}: {_RUN_ONCE}"))
+
+
+def _postgres_ledger(url: str) -> None:
+    import psycopg
+
+    from onceonly.stores.postgres import SCHEMA_VERSION, parse_postgres_url
+
+    options = parse_postgres_url(url)
+    shown = redact_url(url)
+    s = '"' + options.schema + '"'
+    try:
+        with psycopg.connect(options.conninfo, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL",
+                (f"{s}.onceonly_schema", f"{s}.onceonly_records"),
+            ).fetchone()
+            if not (row and row[0]):
+                raise click.ClickException(printable(f"no ledger in schema {options.schema!r} of {shown}: {_RUN_ONCE}"))
+            version = conn.execute(f"SELECT max(version) FROM {s}.onceonly_schema").fetchone()
+    except psycopg.Error as exc:
+        raise click.ClickException(printable(f"cannot read {shown}: {scrub(str(exc), url).strip()}")) from exc
+    if version is None or version[0] is None or int(version[0]) < SCHEMA_VERSION:
+        raise click.ClickException(
+            printable(
+                f"schema {options.schema!r} of {shown} holds a ledger of an older onceonly: open it once "
+                "with your app to upgrade it"
+            )
         )

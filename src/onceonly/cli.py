@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 try:
     import click
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 except ImportError as exc:  # pragma: no cover - the cli extra is not installed
@@ -21,7 +24,7 @@ else:
 
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import DEFAULT_URL, Ledger
-from onceonly.states import State
+from onceonly.states import UNSETTLED, Record, State
 from onceonly.stores import redact_url
 
 
@@ -34,7 +37,9 @@ def main() -> None:
 
 
 if _MISSING_CLI is None:
-    from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger
+    from onceonly import ops
+    from onceonly._cli import COUNT, Since, cell, dumps, printable, refuse_missing_ledger, run_every
+    from onceonly.settle_cli import Duration
 
     _url_option = click.option(
         "--url",
@@ -46,7 +51,7 @@ if _MISSING_CLI is None:
 
     def _fail(exc: Exception) -> click.ClickException:
         # str() of a KeyError is the repr of its message, quoted: show the message itself.
-        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        text = exc.args[0] if isinstance(exc, LookupError) and exc.args else exc
         return click.ClickException(printable(text))
 
     @contextmanager
@@ -64,13 +69,19 @@ if _MISSING_CLI is None:
             raise _fail(exc) from exc
         try:
             yield ledger
-        except (OnceOnlyError, ValueError, KeyError) as exc:  # KeyError: no record with that key
+        except (OnceOnlyError, ValueError, LookupError) as exc:  # KeyError: no record with that key
             raise _fail(exc) from exc
         finally:
             ledger.close()
 
     def _when(ts: float | None) -> str:
-        return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+        """An ISO 8601 time in UTC, to the millisecond."""
+        if ts is None:
+            return ""
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+    def _short_when(ts: float) -> str:
+        return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
 
     def _strict_json(text: str) -> Any:
         """``json.loads`` that refuses what Python's json accepts beyond strict JSON: NaN, Infinity,
@@ -101,42 +112,165 @@ if _MISSING_CLI is None:
 
     @cli.command("ls")
     @_url_option
-    @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]))
-    @click.option("--tool", default=None)
-    @click.option("--scope", default=None)
+    @click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in State]), help="Repeatable.")
+    @click.option("--tool", default=None, help="Only this tool's records.")
+    @click.option("--scope", default=None, help="Only this scope's records.")
+    @click.option("--since", type=Since(), default=None, help="Updated since: a duration (1h, 2d) or an ISO time.")
+    @click.option("--after", default=None, metavar="KEY", help="Start after this key (the next page).")
     @click.option("--limit", type=COUNT, default=50, show_default=True)
+    @click.option("--wide", is_flag=True, help="Whole keys, whole arguments and errors.")
     @click.option("--json", "as_json", is_flag=True)
-    def ls(url: str, states: tuple[str, ...], tool: str | None, scope: str | None, limit: int, as_json: bool) -> None:
-        """List records."""
+    def ls(
+        url: str,
+        states: tuple[str, ...],
+        tool: str | None,
+        scope: str | None,
+        since: float | None,
+        after: str | None,
+        limit: int,
+        wide: bool,
+        as_json: bool,
+    ) -> None:
+        """List records in key order, a page at a time.
+
+        Keys are shortened to a prefix no other key starts with (`onceonly show` takes it); --wide
+        shows them whole. The last line says how many more records match and how to list them.
+        """
         with _ledger(url) as ledger:
-            records = ledger.list(state=list(states) or None, tool=tool, scope=scope, limit=limit)
-        if as_json:
-            click.echo(json.dumps([r.to_dict() for r in records], indent=2))
-            return
-        table = Table(title=cell(f"{len(records)} record(s) in {redact_url(url)}"))
-        for col in ("key", "state", "tool", "attempts", "updated", "via / error"):
-            table.add_column(col, overflow="fold")
-        for r in records:
-            table.add_row(
-                cell(r.key),
-                r.state.value,
-                cell(r.tool),
-                str(r.attempts),
-                _when(r.updated_at),
-                cell(r.via or r.error or ""),
+            found = ops.page(
+                ledger,
+                states=[State(s) for s in states] or None,
+                tool=tool,
+                scope=scope,
+                since=since,
+                after=after,
+                limit=limit,
             )
-        Console().print(table)
+            short = {} if wide or as_json else ops.short_keys(ledger, [r.key for r in found.records])
+        more = f"{found.more}{'+' if found.more_capped else ''}"
+        if as_json:
+            click.echo(
+                dumps(
+                    {
+                        "records": [_record_json(r) for r in found.records],
+                        "more": found.more,
+                        "more_capped": found.more_capped,
+                        "next_after": found.next_after,
+                    },
+                    indent=2,
+                )
+            )
+            return
+        # Sized for 80 columns: the key (its unique prefix), state and time whole; the tool is in the
+        # key (scope:tool:digest) unless the key was given, then it is shown before the arguments.
+        table = Table(
+            title=cell(f"{len(found.records)} record(s) in {redact_url(url)}"),
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            padding=(0, 1),
+        )
+        console = Console()
+        keys = [short.get(r.key, r.key) for r in found.records]
+        if wide:
+            for name in ("key", "state", "updated (UTC)", "args", "error / via"):
+                table.add_column(name, overflow="fold")
+        else:
+            # The key, state and time whole; the arguments and the error share what is left.
+            key_w = max(map(len, keys), default=3)
+            rest = max(16, console.width - key_w - 12 - 14 - 14)  # 14: the edges and gaps
+            table.add_column("key", width=key_w, no_wrap=True)
+            table.add_column("state", width=12, no_wrap=True)
+            table.add_column("updated (UTC)", width=14, no_wrap=True)
+            table.add_column("args", width=rest // 2, no_wrap=True, overflow="ellipsis")
+            table.add_column("error / via", width=rest - rest // 2, no_wrap=True, overflow="ellipsis")
+        for r in found.records:
+            note = r.error or (f"via {r.via}" if r.via else "")
+            if r.conflicts:
+                note = f"{r.conflicts} CONFLICT(S) {note}".rstrip()
+            args = _args_summary(r)
+            if not r.key.startswith(f"{r.scope}:{r.tool}:") or wide:
+                args = f"{r.tool}({args})"
+            state = r.state.value if r.attempts <= 1 else f"{r.state.value} x{r.attempts}"
+            table.add_row(
+                cell(short.get(r.key, r.key)),
+                state,
+                _when(r.updated_at) if wide else _short_when(r.updated_at),
+                cell(args),
+                cell(note),
+            )
+        console.print(table)
+        if found.more:
+            click.echo(printable(f"{more} more — next: onceonly ls --after {shlex.quote(found.next_after or '')}"))
+
+    def _args_summary(rec: Record) -> str:
+        try:
+            args = rec.args
+        except OnceOnlyError:
+            return rec.args_json
+        return ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+
+    def _iso(ts: float | None) -> str | None:
+        return None if ts is None else _when(ts)
+
+    def _record_json(rec: Record) -> dict[str, Any]:
+        """The record as JSON, its times also as ISO 8601 (UTC)."""
+        out = rec.to_dict()
+        for name in ("created_at", "updated_at", "lease_until", "next_attempt_at", "expires_at"):
+            out[f"{name}_iso"] = _iso(out[name])
+        for entry in out["history"]:
+            if isinstance(entry, dict) and isinstance(entry.get("at"), int | float):
+                entry["at_iso"] = _iso(entry["at"])
+        out["attempt_durations"] = ops.attempt_durations(rec)
+        return out
 
     @cli.command()
     @_url_option
     @click.argument("key")
-    def show(url: str, key: str) -> None:
-        """Show one record with its history, as JSON."""
+    @click.option("--json", "as_json", is_flag=True, help="The record as JSON (times also as ISO 8601).")
+    def show(url: str, key: str, as_json: bool) -> None:
+        """Show one record, by its key or a prefix only it starts with: its arguments, result, error
+        and history as a timeline."""
         with _ledger(url) as ledger:
-            rec = ledger.get(key)
-        if rec is None:
-            raise click.ClickException(f"no record with key {key!r}")
-        click.echo(dumps(rec.to_dict(), indent=2))
+            rec = ops.find(ledger, key)
+        if as_json:
+            click.echo(dumps(_record_json(rec), indent=2))
+            return
+        lines = [
+            ("key", rec.key),
+            ("state", rec.state.value + (f" (via {rec.via})" if rec.via else "")),
+            ("tool", rec.tool),
+            ("scope", rec.scope),
+            ("attempts", f"{rec.attempts} (fence {rec.fence})"),
+            ("created", _when(rec.created_at)),
+            ("updated", _when(rec.updated_at)),
+        ]
+        if rec.lease_owner:
+            lines.append(("lease", f"{rec.lease_owner} until {_when(rec.lease_until)}"))
+        if rec.next_attempt_at is not None:
+            lines.append(("next attempt", _when(rec.next_attempt_at)))
+        if rec.expires_at is not None:
+            lines.append(("expires", _when(rec.expires_at)))
+        if rec.conflicts:
+            lines.append(("CONFLICTS", f"{rec.conflicts}: the side effect happened more than once"))
+        lines.append(("args", dumps(rec.args)))
+        if rec.result_json is not None:
+            lines.append(("result", dumps(rec.result)))
+        if rec.error:
+            lines.append(("error", rec.error))
+        for name, value in lines:
+            click.echo(f"{name:>12}  {printable(value)}")
+        click.echo(f"{'history':>12}")
+        began: float | None = None
+        for entry in rec.history:
+            at = entry.get("at")
+            when = _when(at) if isinstance(at, int | float) else "?"
+            step = f"+{at - began:.3f}s" if isinstance(at, int | float) and began is not None else ""
+            if isinstance(at, int | float) and began is None:
+                began = at
+            moved = f"{entry.get('from') or '(new)'} → {entry.get('to')}"
+            who = f" by {entry['by']}" if entry.get("by") else ""
+            why = f": {entry['reason']}" if entry.get("reason") else ""
+            click.echo(printable(f"  {when} {step:>10}  {moved} [fence {entry.get('fence')}]{who}{why}"))
 
     @cli.command()
     @_url_option
@@ -171,28 +305,161 @@ if _MISSING_CLI is None:
 
     @cli.command()
     @_url_option
+    @click.option("--tool", default=None, help="Only this tool's records.")
+    @click.option("--scope", default=None, help="Only this scope's records.")
     @click.option("--json", "as_json", is_flag=True)
-    def stats(url: str, as_json: bool) -> None:
-        """How many records are in each state."""
+    def stats(url: str, tool: str | None, scope: str | None, as_json: bool) -> None:
+        """Records by state and tool, the oldest unsettled one, conflicts, and each tool's call
+        durations (p50/p95/p99) with the timeout= they suggest (1.5-2x the p99). Reads every record."""
         with _ledger(url) as ledger:
-            counts = ledger.stats()
+            figures = ops.stats(ledger, tool=tool, scope=scope)
+        data = figures.to_dict()
         if as_json:
-            click.echo(json.dumps(counts))
+            click.echo(dumps(data))
             return
-        table = Table(title=cell(redact_url(url)))
+        console = Console()
+        table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
         table.add_column("state")
         table.add_column("records", justify="right")
-        for state, n in counts.items():
+        for state, n in figures.states.items():
             table.add_row(cell(state), str(n))
-        Console().print(table)
+        table.add_row("total", str(data["total"]))
+        console.print(table)
+        oldest = data["oldest_unsettled"]
+        if oldest is not None:
+            click.echo(
+                printable(
+                    f"oldest unsettled: {oldest['key']} ({oldest['state']}, {oldest['tool']}), "
+                    f"{_age(oldest['age_seconds'])} old"
+                )
+            )
+        if figures.conflicts:
+            click.echo(
+                f"conflicts: {figures.conflicts} in {figures.records_with_conflicts} record(s), marked in `onceonly ls`"
+            )
+        if not figures.tools:
+            return
+        tools = Table(title="by tool", box=box.SIMPLE_HEAD)
+        for col in ("tool", "records", "unsettled", "conflicts", "timed", "p50", "p95", "p99", "timeout="):
+            tools.add_column(col, justify="left" if col == "tool" else "right")
+        for t in data["tools"]:
+            unsettled = sum(n for s, n in t["states"].items() if State(s) in UNSETTLED)
+            timed = [f"{t[q]:.3f}s" if q in t else "" for q in ("p50", "p95", "p99")]
+            suggestion = f"{t['suggested_timeout']:g}" if "suggested_timeout" in t else ""
+            tools.add_row(
+                cell(t["tool"]), str(sum(t["states"].values())), str(unsettled), str(t["conflicts"]),
+                str(t["attempts_timed"]), *timed, suggestion,
+            )  # fmt: skip
+        console.print(tools)
+
+    @cli.command()
+    @click.option("--app", required=True, metavar="MODULE:ATTR", help="Your ledger with its tools (their probes).")
+    @click.option("--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app.")
+    @click.option("--url", default=None, help="The ledger's store (default: the --app ledger's own).")
+    @click.option("--since", type=Since(), default=None, help="Records settled since: a duration (1d) or an ISO time.")
+    @click.option("--tool", default=None, help="Only this tool's records.")
+    @click.option("--scope", default=None, help="Only this scope's records.")
+    @click.option("--every", type=Duration(), default=None, help="Audit every DURATION (1d) until stopped.")
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+    def audit(
+        app: str,
+        app_dir: str,
+        url: str | None,
+        since: float | None,
+        tool: str | None,
+        scope: str | None,
+        every: float | None,
+        as_json: bool,
+    ) -> None:
+        """Check settled records against the business: each tool's probe is asked whether the
+        operation happened. A disagreement is a confirmed record the probe does not find, or a failed
+        or abandoned one it finds. Writes nothing.
+
+        Exit status of a single run: 0 when all agree, 3 on a disagreement or a probe that raised;
+        1 on an error, 2 on bad usage. With --every it runs until SIGTERM or Ctrl-C, then exits 0;
+        each disagreement is also logged as an AuditDisagreement warning.
+        """
+        from onceonly.settle_cli import ATTENTION_EXIT, _load_app
+
+        if every is not None and every <= 0:
+            raise click.UsageError("--every needs a positive duration, e.g. 1d")
+        if url:
+            refuse_missing_ledger(url)
+        source = _load_app(app, app_dir)
+        try:
+            ledger = Ledger.open(url) if url else source
+        except (OnceOnlyError, ValueError, ImportError) as exc:
+            source.close()
+            raise _fail(exc) from exc
+        found_any = False
+
+        def once() -> None:
+            nonlocal found_any
+            try:
+                report = ops.audit(ledger, source.tools, since=since, tool=tool, scope=scope)
+            except OnceOnlyError as exc:
+                raise _fail(exc) from exc
+            found_any = bool(report.disagreements or report.errors)
+            if as_json:
+                click.echo(dumps({"at": _when(time.time()), **report.to_dict()}))
+                return
+            _print_audit(report)
+
+        try:
+            if every is None:
+                once()
+                if found_any:
+                    raise SystemExit(ATTENTION_EXIT)
+            else:
+                run_every(every, once)
+        finally:
+            ledger.close()
+            if ledger is not source:
+                source.close()
+
+    def _print_audit(report: ops.AuditReport) -> None:
+        problems = report.disagreements + report.errors
+        if problems:
+            table = Table(title="disagreements", box=box.SIMPLE_HEAD)
+            for col in ("key", "tool", "ledger", "probe", "detail"):
+                table.add_column(col, overflow="fold")
+            for d in problems:
+                table.add_row(cell(d.key), cell(d.tool), d.state, d.finding, cell(d.detail))
+            Console().print(table)
+        skipped = ", ".join(f"{n} of {printable(t)}" for t, n in report.without_probe.items())
+        click.echo(
+            f"{time.strftime('%H:%M:%S')} audited {report.checked} settled record(s): {report.agreed} agree, "
+            f"{len(report.disagreements)} disagree, {len(report.errors)} probe error(s)"
+            + (f"; not checked (no probe): {skipped}" if skipped else "")
+        )
+
+    def _age(seconds: float) -> str:
+        for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+            if seconds >= size:
+                return f"{seconds / size:.1f}{unit}"
+        return f"{seconds:.0f}s"
 
     @cli.command()
     @_url_option
-    def purge(url: str) -> None:
+    @click.option("--every", type=Duration(), default=None, help="Purge every DURATION (1h) until stopped.")
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+    def purge(url: str, every: float | None, as_json: bool) -> None:
         """Delete settled records whose ttl passed (unknown and needs_review are kept)."""
+        if every is not None and every <= 0:
+            raise click.UsageError("--every needs a positive duration, e.g. 1h")
         with _ledger(url) as ledger:
-            removed = ledger.purge()
-        click.echo(f"removed {removed} expired record(s)")
+
+            def once() -> None:
+                removed = ledger.purge()
+                if as_json:
+                    click.echo(json.dumps({"removed": removed, "at": _iso(time.time())}))
+                else:
+                    click.echo(f"{time.strftime('%H:%M:%S')} removed {removed} expired record(s)")
+
+            if every is None:
+                once()
+                return
+            run_every(every, once)
 
     # Commands that live beside the things they run. Their modules import only click and rich at the
     # top (the ticket service and the demo load their extras when run), so `onceonly --help` stays fast.

@@ -24,7 +24,13 @@ from onceonly.settle import (
     reconcile_forever,
 )
 
-__all__ = ["COMMANDS", "Duration", "parse_duration", "reconcile_command"]
+__all__ = ["ATTENTION_EXIT", "COMMANDS", "Duration", "parse_duration", "reconcile_command"]
+
+#: The exit status of a run that leaves work for a person: records unsettled, without a tool, parked
+#: for review (reconcile), or settled records the business disagrees with (audit).
+ATTENTION_EXIT = 3
+#: What a reconcile run reports that makes it exit with ``ATTENTION_EXIT``.
+ATTENTION = (Settlement.UNSETTLED, Settlement.NO_TOOL, Settlement.PARKED)
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "": 1.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|)\s*$")
@@ -128,6 +134,12 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     show_default=True,
     help="Records read per page.",
 )
+@click.option(
+    "--purge",
+    "purge",
+    is_flag=True,
+    help="After each run, also delete settled records whose ttl passed (onceonly purge).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
 def reconcile_command(
@@ -141,6 +153,7 @@ def reconcile_command(
     by: str | None,
     scope: str | None,
     batch: int,
+    purge: bool,
     as_json: bool,
     verbose: bool,
 ) -> None:
@@ -149,6 +162,10 @@ def reconcile_command(
     Records of tools that re-send (on_unknown="resend" or "retry") are re-sent with the same key;
     what nothing can settle is parked as needs_review once older than --review-after. Several
     reconcilers may run at once: each record is settled once.
+
+    Exit status of a single run: 0 when nothing needs a person, 3 when records stay unsettled (the
+    probe raised), have no tool registered, or were parked for review; 1 on an error, 2 on bad usage.
+    With --every it runs until SIGTERM or Ctrl-C, then exits 0.
 
     \b
     Examples:
@@ -180,14 +197,22 @@ def reconcile_command(
     kwargs: dict[str, Any] = {"tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch}
 
     def show(report: ReconcileReport) -> None:
+        data = report.to_dict()
+        if purge:
+            data["purged"] = ledger.purge()
         if as_json:
-            click.echo(dumps(report.to_dict()))
+            click.echo(dumps(data))
         else:
             _print_report(console, report, verbose=verbose)
+            if purge:
+                console.print(f"purged {data['purged']} expired record(s)")
 
     try:
         if every is None:
-            show(reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs))
+            report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+            show(report)
+            if any(report.counts.get(s.value) for s in ATTENTION):
+                raise SystemExit(ATTENTION_EXIT)
             return
         stopping = False
 

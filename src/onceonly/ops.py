@@ -1,0 +1,389 @@
+"""Reading a ledger as an operator does: pages with filters, keys by a unique prefix, the figures of
+``onceonly stats`` (counts, the oldest unsettled record, call durations and the timeout they suggest)
+and the audit of settled records against each tool's probe. Reads only, except for the alert events.
+
+Durations come from the history a record already keeps: the entry that claims an attempt and the
+entry that ends it (confirmed, failed, unknown) carry the same fence and their times, so a guarded
+call pays nothing more to have its duration measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from onceonly import states as st
+from onceonly.drivers import aprobe, probe
+from onceonly.guard import NOT_FOUND
+from onceonly.settle import _spec_of
+from onceonly.states import Record, State
+from onceonly.stores.base import Query
+
+if TYPE_CHECKING:
+    from onceonly.ledger import Ledger
+
+__all__ = [
+    "AmbiguousKey",
+    "AuditReport",
+    "Disagreement",
+    "LedgerStats",
+    "Page",
+    "ToolStats",
+    "alert",
+    "attempt_durations",
+    "audit",
+    "find",
+    "page",
+    "percentile",
+    "short_keys",
+    "stats",
+]
+
+#: The logger of alerts: WARNING events whose ``event`` name (in ``extra["onceonly"]``) is stable.
+alerts = logging.getLogger("onceonly.alerts")
+
+#: Records read per store query while paging through a ledger.
+_BATCH = 500
+#: How far past a page ``page()`` counts the records still to come before saying "more than".
+_COUNT_CAP = 1000
+
+
+def alert(event: str, message: str, **fields: Any) -> None:
+    """Log an alert: a WARNING on ``onceonly.alerts`` with ``extra={"onceonly": {"event": event, ...}}``.
+
+    Event names are stable, for log-based alerting: ``KeyConflict``, ``LateDuplicate``,
+    ``ParkedForReview``, ``AuditDisagreement``.
+    """
+    alerts.warning("%s: %s", event, message, extra={"onceonly": {"event": event, **fields}})
+
+
+# --- pages ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Page:
+    """One page of records, and what follows it.
+
+    ``more`` counts the matching records after the page, up to a cap (``more_capped`` then says there
+    are at least that many); ``next_after`` is the key to pass as ``after`` for the next page.
+    """
+
+    records: list[Record]
+    more: int = 0
+    more_capped: bool = False
+    next_after: str | None = None
+
+
+def _walk(ledger: Ledger, query: Query, keep: Callable[[Record], bool]) -> Iterator[Record]:
+    after = query.after
+    while True:
+        batch = ledger.store.scan(
+            Query(states=query.states, tool=query.tool, scope=query.scope, after=after, limit=_BATCH)
+        )
+        for rec in batch:
+            if keep(rec):
+                yield rec
+        if len(batch) < _BATCH:
+            return
+        after = batch[-1].key
+
+
+def page(
+    ledger: Ledger,
+    *,
+    states: Sequence[State] | None = None,
+    tool: str | None = None,
+    scope: str | None = None,
+    since: float | None = None,
+    after: str | None = None,
+    limit: int = 50,
+) -> Page:
+    """Records in key order matching the filters (``since``: updated at or after this time), at most
+    ``limit``, and a count of those after them (up to ``_COUNT_CAP`` more are read to count)."""
+    query = Query(states=states, tool=tool, scope=scope, after=after)
+    found: list[Record] = []
+    more = 0
+    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since):
+        if len(found) < limit:
+            found.append(rec)
+            continue
+        more += 1
+        if more >= _COUNT_CAP:
+            return Page(found, more, True, found[-1].key)
+    return Page(found, more, False, found[-1].key if more else None)
+
+
+# --- keys by prefix ---------------------------------------------------------------------------------
+
+
+class AmbiguousKey(LookupError):
+    """A prefix that several keys start with."""
+
+
+def _starting_with(ledger: Ledger, prefix: str, limit: int) -> list[str]:
+    """Up to ``limit`` keys that start with ``prefix``: the keys after it come first in key order."""
+    keys = [] if ledger.store.get(prefix) is None else [prefix]
+    for rec in ledger.store.scan(Query(after=prefix, limit=limit)):
+        if not rec.key.startswith(prefix):
+            break
+        keys.append(rec.key)
+    return keys[:limit]
+
+
+def find(ledger: Ledger, key_or_prefix: str) -> Record:
+    """The record of a key, or of the one key that starts with ``key_or_prefix``.
+
+    Raises:
+        KeyError: no key is or starts with it.
+        AmbiguousKey: several keys start with it.
+    """
+    rec = ledger.get(key_or_prefix)
+    if rec is not None:
+        return rec
+    keys = _starting_with(ledger, key_or_prefix, 3)
+    if not keys:
+        raise KeyError(
+            f"no record with key {key_or_prefix!r} (nor a key starting with it): check it with `onceonly ls`"
+        )
+    if len(keys) > 1:
+        shown = ", ".join(repr(k) for k in keys[:2])
+        raise AmbiguousKey(f"{key_or_prefix!r} starts several keys ({shown}…): give more of the key")
+    found = ledger.get(keys[0])
+    if found is None:
+        raise KeyError(f"the record of {keys[0]!r} was removed while it was read")
+    return found
+
+
+def _floor(key: str) -> int:
+    # scope:tool:digest keys: the scope and tool, then 8 characters of the digest, like a short commit.
+    colon = key.rfind(":")
+    return min(len(key), colon + 9 if colon >= 0 else 12)
+
+
+def short_keys(ledger: Ledger, keys: Sequence[str]) -> dict[str, str]:
+    """Each key's shortest prefix (not shorter than its scope, tool and 8 characters) that no other key
+    in the ledger starts with, so that ``find`` (``onceonly show``) takes it."""
+    shown: dict[str, str] = {}
+    ordered = sorted(set(keys))
+    for i, key in enumerate(ordered):
+        size = _floor(key)
+        for other in (ordered[i - 1] if i else None, ordered[i + 1] if i + 1 < len(ordered) else None):
+            if other is not None:
+                size = max(size, _common(key, other) + 1)
+        while size < len(key):
+            prefix = key[:size]
+            clash = [k for k in _starting_with(ledger, prefix, 2) if k != key]
+            if not clash:
+                break
+            size = max(size + 1, _common(key, clash[0]) + 1)
+        shown[key] = key[: min(size, len(key))]
+    return shown
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# --- stats ------------------------------------------------------------------------------------------
+
+
+def attempt_durations(rec: Record) -> list[float]:
+    """Seconds each attempt took that the history shows from its claim to its end (confirmed,
+    failed or unknown by the attempt's own outcome), oldest first."""
+    started: dict[int, float] = {}
+    took: list[float] = []
+    for entry in rec.history:
+        fence, to, at = entry.get("fence"), entry.get("to"), entry.get("at")
+        if not isinstance(fence, int) or not isinstance(at, int | float):
+            continue
+        if to in ("pending", "in_flight"):
+            started.setdefault(fence, at)  # pending → in_flight is the same attempt
+        elif to in ("confirmed", "failed", "unknown") and fence in started:
+            began = started.pop(fence)
+            reason = str(entry.get("reason", ""))
+            # Ended by the attempt itself; not by a lease that ran out, a release or a person.
+            if to == "confirmed" and reason != "confirmed via run":
+                continue
+            if reason.startswith(("lease of ", "resolved by ", "released: ")):
+                continue
+            took.append(max(0.0, at - began))
+    return took
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass
+class ToolStats:
+    """One tool's records by state, its conflicts and its attempts' durations."""
+
+    tool: str
+    states: dict[str, int] = field(default_factory=dict)
+    conflicts: int = 0
+    durations: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tool": self.tool, "states": self.states, "conflicts": self.conflicts}
+        out["attempts_timed"] = len(self.durations)
+        if self.durations:
+            p99 = percentile(self.durations, 0.99)
+            out.update(
+                p50=percentile(self.durations, 0.5),
+                p95=percentile(self.durations, 0.95),
+                p99=p99,
+                suggested_timeout=suggest_timeout(p99),
+            )
+        return out
+
+
+def suggest_timeout(p99: float) -> float:
+    """A ``timeout=`` of 1.5 to 2 times the p99 (2x for short calls, whose p99 is noisier), rounded up
+    to two significant digits, and at least 10 ms."""
+    raw = max(p99 * (2.0 if p99 < 1.0 else 1.5), 0.01)
+    digits = 1 - math.floor(math.log10(raw))
+    step = 10.0**-digits
+    return round(math.ceil(raw / step - 1e-9) * step, max(digits, 0))
+
+
+@dataclass
+class LedgerStats:
+    """The figures of ``onceonly stats``."""
+
+    states: dict[str, int]
+    tools: dict[str, ToolStats]
+    conflicts: int
+    records_with_conflicts: int
+    oldest_unsettled: Record | None
+    now: float
+
+    def to_dict(self) -> dict[str, Any]:
+        oldest = self.oldest_unsettled
+        return {
+            "states": self.states,
+            "total": sum(self.states.values()),
+            "conflicts": self.conflicts,
+            "records_with_conflicts": self.records_with_conflicts,
+            "oldest_unsettled": None
+            if oldest is None
+            else {
+                "key": oldest.key,
+                "state": oldest.state.value,
+                "tool": oldest.tool,
+                "age_seconds": round(self.now - oldest.created_at, 3),
+            },
+            "tools": [t.to_dict() for t in sorted(self.tools.values(), key=lambda t: t.tool)],
+        }
+
+
+def stats(ledger: Ledger, *, tool: str | None = None, scope: str | None = None) -> LedgerStats:
+    """Reads every record (of ``tool``/``scope`` when given) once, in pages."""
+    tools: dict[str, ToolStats] = {}
+    states = dict.fromkeys((s.value for s in State), 0)
+    conflicts = with_conflicts = 0
+    oldest: Record | None = None
+    for rec in _walk(ledger, Query(tool=tool, scope=scope), lambda r: True):
+        states[rec.state.value] += 1
+        t = tools.get(rec.tool)
+        if t is None:
+            t = tools[rec.tool] = ToolStats(rec.tool, dict.fromkeys((s.value for s in State), 0))
+        t.states[rec.state.value] += 1
+        t.conflicts += rec.conflicts
+        conflicts += rec.conflicts
+        with_conflicts += rec.conflicts > 0
+        t.durations.extend(attempt_durations(rec))
+        if rec.state in st.UNSETTLED and (oldest is None or rec.created_at < oldest.created_at):
+            oldest = rec
+    return LedgerStats(states, tools, conflicts, with_conflicts, oldest, ledger.clock())
+
+
+# --- audit ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A settled record its tool's probe contradicts, or could not check."""
+
+    key: str
+    tool: str
+    state: str
+    finding: str  # "missing": confirmed, probe finds nothing; "found": failed/abandoned, probe finds it; "error"
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "tool": self.tool, "state": self.state, "finding": self.finding, "detail": self.detail}
+
+
+@dataclass
+class AuditReport:
+    """What one audit run checked and found."""
+
+    checked: int = 0
+    agreed: int = 0
+    without_probe: dict[str, int] = field(default_factory=dict)
+    disagreements: list[Disagreement] = field(default_factory=list)
+    errors: list[Disagreement] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checked": self.checked,
+            "agreed": self.agreed,
+            "without_probe": self.without_probe,
+            "disagreements": [d.to_dict() for d in self.disagreements],
+            "errors": [d.to_dict() for d in self.errors],
+        }
+
+
+def audit(
+    ledger: Ledger,
+    tools: Mapping[str, Any],
+    *,
+    since: float | None = None,
+    tool: str | None = None,
+    scope: str | None = None,
+) -> AuditReport:
+    """Ask each settled record's tool probe whether the operation happened, and report where the
+    ledger and the other side disagree: ``confirmed`` but the probe finds nothing, ``failed`` or
+    ``abandoned`` but the probe finds it. Writes nothing to the ledger; logs an ``AuditDisagreement``
+    alert for each. ``since``: only records updated at or after this time.
+    """
+    specs = {name: _spec_of(t) for name, t in tools.items()}
+    report = AuditReport()
+    settled = sorted(st.SETTLED, key=list(State).index)
+    query = Query(states=settled, tool=tool, scope=scope)
+    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since):
+        spec = specs.get(rec.tool)
+        if spec is None or spec.probe is None:
+            report.without_probe[rec.tool] = report.without_probe.get(rec.tool, 0) + 1
+            continue
+        report.checked += 1
+        answer = asyncio.run(aprobe(spec, rec)) if spec.is_async else probe(spec, rec)
+        if answer.error is not None:
+            err = answer.error
+            report.errors.append(
+                Disagreement(rec.key, rec.tool, rec.state.value, "error", f"{type(err).__name__}: {err}")
+            )
+            continue
+        found = answer.value is not NOT_FOUND
+        if found == (rec.state is State.CONFIRMED):
+            report.agreed += 1
+            continue
+        if found:
+            detail = f"the ledger says {rec.state.value}, but the probe finds it: {str(answer.value)[:200]}"
+        else:
+            detail = "the ledger says confirmed, but the probe finds nothing"
+        d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
+        report.disagreements.append(d)
+        alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
+    return report
