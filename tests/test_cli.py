@@ -192,9 +192,9 @@ def _plant(url: str, key: str, state: State, **fields: Any) -> Record:
     return rec
 
 
-def _plain(result: Result) -> str:
-    """The output of a command that succeeded and printed no terminal control."""
-    assert result.exit_code == 0, (result.output, result.exception)
+def _plain(result: Result, code: int = 0) -> str:
+    """The output of a command that ended with ``code`` (0: it succeeded) and printed no terminal control."""
+    assert result.exit_code == code, (result.output, result.exception)
     assert not _CONTROLS.search(result.output), repr(result.output)
     return result.output
 
@@ -208,7 +208,7 @@ def test_stored_text_is_shown_as_text(sqlite_url: str) -> None:
     _plant(sqlite_url, "k-[/oops]-held", State.IN_FLIGHT, lease_owner="dead:1:1", lease_until=time.time() - 900)
     wide = {"COLUMNS": "400"}
 
-    listed = _plain(_run("ls", "--url", sqlite_url, env=wide))
+    listed = _plain(_run("ls", "--url", sqlite_url, "--wide", env=wide))
     for shown in (
         "k-[/oops]-failed",
         "[bold]b[/bold] :smile:",
@@ -218,18 +218,22 @@ def test_stored_text_is_shown_as_text(sqlite_url: str) -> None:
     ):
         assert shown in listed, listed
 
-    shown = _plain(_run("show", failed.key, "--url", sqlite_url))
+    assert "k-[/oops]-failed" in _plain(_run("show", failed.key, "--url", sqlite_url))
+    shown = _plain(_run("show", failed.key, "--url", sqlite_url, "--json"))
     assert json.loads(shown)["error"] == f"error {HOSTILE}" and json.loads(shown)["args"] == {"op": HOSTILE}
 
     assert _plain(_run("resolve", failed.key, "--url", sqlite_url, "--confirmed", json.dumps(HOSTILE))).startswith(
         "k-[/oops]-failed: confirmed"
     )
-    assert json.loads(_plain(_run("show", failed.key, "--url", sqlite_url)))["result"] == HOSTILE
+    assert json.loads(_plain(_run("show", failed.key, "--url", sqlite_url, "--json")))["result"] == HOSTILE
 
     by = "[/me] \x1b[2J"
-    report = _plain(_run("reconcile", "--once", "-v", "--url", sqlite_url, "--review-after", "0", "--by", by, env=wide))
+    # Exit 3: the records have no tool registered here, and stay unsettled.
+    report = _plain(
+        _run("reconcile", "--once", "-v", "--url", sqlite_url, "--review-after", "0", "--by", by, env=wide), 3
+    )
     assert "k-[/oops]-unknown" in report and "reconcile by [/me] \\x1b[2J" in report, report
-    runs = _plain(_run("reconcile", "--once", "--json", "--url", sqlite_url, "--by", by))
+    runs = _plain(_run("reconcile", "--once", "--json", "--url", sqlite_url, "--by", by), 3)
     assert json.loads(runs.splitlines()[-1])["by"] == by
 
 

@@ -98,13 +98,14 @@ def test_reconcile_once_settles_through_the_app_s_probes(sqlite_url: str, make_a
         ]  # fmt: skip
 
     # A second run (a new process: the CLI closed the first one's ledger), with review after 0 s: the
-    # review tool's record is parked; JSON for machines; the app named through a factory.
+    # review tool's record is parked (exit 3: a person must look); JSON for machines; the app named
+    # through a factory.
     again = make_app(APP_SOURCE.format(url=sqlite_url))
     result = CliRunner().invoke(
         cli,
         ["reconcile", "--app", f"{again}:factory", "--app-dir", str(tmp_path), "--review-after", "0", "--json"],
     )
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
     report = json.loads(result.stdout)
     assert report["counts"]["parked"] == 1
     assert [(r["key"], r["before"], r["after"]) for r in report["records"]] == [(c.key, "unknown", "needs_review")]
@@ -116,7 +117,7 @@ def test_reconcile_without_app_still_settles_dead_holders(sqlite_url: str) -> No
         setup.tool(name="create")(lambda op: None)
         rec = dead_holder(setup, "create", "a")
     result = CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # a record without its tool stays unsettled: cron must see it
     assert "no tools registered" in result.stderr
     report = json.loads(result.stdout)
     assert report["records"][0]["settlement"] == "no_tool"
@@ -149,7 +150,7 @@ def test_app_ledger_wins_over_onceonly_url(sqlite_url: str, make_app: Any, tmp_p
         setup.tool(name="create")(lambda op: None)
         theirs = dead_holder(setup, "create", "b")
     result = CliRunner().invoke(cli, ["reconcile", "--json"], env=env)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # no tool registered for it
     assert [r["key"] for r in json.loads(result.stdout)["records"]] == [theirs.key]
 
 
@@ -371,8 +372,9 @@ def test_sigkilled_agents_then_reconcile(sqlite_url: str, tmp_path: Path) -> Non
     time.sleep(LEASE + 0.2)  # their leases run out
 
     proc = _reconcile(env, "--once", "--review-after", "0", "--json")
-    assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
+    attention = sum(report["counts"][name] for name in ("parked", "unsettled", "no_tool"))
+    assert proc.returncode == (3 if attention else 0), proc.stderr
     records = _check_settled(sqlite_url, effects, ops, allow_failed=True)
     counts = _effects(effects)
     for op, point in kills.items():
