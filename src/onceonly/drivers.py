@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from onceonly import states as st
-from onceonly.errors import InProgress, OnceOnlyError, StoreError, StoreUnavailable
-from onceonly.events import emit
+from onceonly.errors import InProgress, KeyConflict, OnceOnlyError, StoreError, StoreUnavailable
+from onceonly.events import alert, alerting, emit
 from onceonly.guard import (
     Action,
     Call,
@@ -319,6 +319,9 @@ def drive(
         except StopIteration as stop:
             done: T = stop.value
             return done
+        except KeyConflict as exc:
+            _alert_conflict(exc)
+            raise
         error = None
         kind = type(action)
         try:
@@ -334,7 +337,7 @@ def drive(
             elif kind is Swap or kind is Insert:
                 rec = action.record  # type: ignore[union-attr]
                 ok = store.swap(rec, action.expected) if kind is Swap else store.insert(rec)  # type: ignore[union-attr]
-                if ok and ledger._observed():
+                if ok and (ledger._observed() or alerting(rec)):
                     emit(rec, ledger._listeners)
                 send = ok
             elif kind is Execute:
@@ -376,6 +379,9 @@ async def adrive(
         except StopIteration as stop:
             done: T = stop.value
             return done
+        except KeyConflict as exc:
+            _alert_conflict(exc)
+            raise
         error = None
         kind = type(action)
         try:
@@ -391,7 +397,7 @@ async def adrive(
             elif kind is Swap or kind is Insert:
                 rec = action.record  # type: ignore[union-attr]
                 ok = await (store.aswap(rec, action.expected) if kind is Swap else store.ainsert(rec))  # type: ignore[union-attr]
-                if ok and ledger._observed():
+                if ok and (ledger._observed() or alerting(rec)):
                     emit(rec, ledger._listeners)
                 send = ok
             elif kind is Execute:
@@ -414,10 +420,21 @@ async def adrive(
                 lost = action.record  # type: ignore[union-attr]
 
 
+def _alert_conflict(exc: KeyConflict) -> None:
+    rec = exc.record
+    alert(
+        "KeyConflict",
+        f"{exc.key}: the key was used before with other arguments",
+        key=exc.key,
+        tool=None if rec is None else rec.tool,
+        scope=None if rec is None else rec.scope,
+    )
+
+
 def _emit_if_landed(ledger: Ledger, written: Record, now_stored: Record | None) -> None:
     """At the plan's re-read after a write whose answer was lost: announce the write if it landed,
     as every transition this process writes is (``subscribe``)."""
-    if landed(written, now_stored) and ledger._observed():
+    if landed(written, now_stored) and (ledger._observed() or alerting(written)):
         emit(written, ledger._listeners)
 
 

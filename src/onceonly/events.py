@@ -1,4 +1,10 @@
-"""One structured event per transition: to the ``onceonly`` logger and to subscribers (metrics, tests)."""
+"""One structured event per transition: to the ``onceonly`` logger and to subscribers (metrics, tests);
+and alerts: WARNING events on ``onceonly.alerts`` whose ``event`` name is stable, for log-based alerting.
+
+Alert names: ``KeyConflict`` (a key reused with other arguments), ``LateDuplicate`` (a late outcome that
+reveals the side effect happened twice, or where the record said it did not), ``ParkedForReview`` (a
+record moved to needs_review: a person must settle it), ``AuditDisagreement`` (``onceonly audit``).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,46 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from onceonly.states import Record
+from onceonly.states import Record, State
 
-__all__ = ["TransitionEvent", "event_of"]
+__all__ = ["ALERTS", "TransitionEvent", "alert", "event_of"]
 
 log = logging.getLogger("onceonly.transitions")
+#: The logger of alerts: each record carries ``extra={"onceonly": {"event": NAME, ...}}``.
+alerts = logging.getLogger("onceonly.alerts")
+#: The alert names, stable.
+ALERTS = ("KeyConflict", "LateDuplicate", "ParkedForReview", "AuditDisagreement")
+
+
+def alert(event: str, message: str, **fields: Any) -> None:
+    """Log an alert: a WARNING on ``onceonly.alerts``, ``extra={"onceonly": {"event": event, **fields}}``.
+
+    .. versionadded:: 0.1
+    """
+    alerts.warning("%s: %s", event, message, extra={"onceonly": {"event": event, **fields}})
+
+
+def alerting(record: Record) -> bool:
+    """Whether the transition that produced ``record`` may be worth an alert (two cheap checks: the
+    writers call this on every write, and emit() then decides)."""
+    return record.state is State.NEEDS_REVIEW or record.conflicts > 0
+
+
+def _alert_on(record: Record) -> None:
+    last: dict[str, Any] = json.loads(record.history_json[record.history_json.rfind('{"at":') : -1])
+    frm, to, reason = last.get("from"), last.get("to"), str(last.get("reason", ""))
+    where = {"key": record.key, "tool": record.tool, "scope": record.scope}
+    if to == "needs_review" and frm != "needs_review":
+        alert("ParkedForReview", f"{record.key} ({record.tool}) needs a person: {reason}", reason=reason, **where)
+    elif "possible duplicate" in reason or (frm == "failed" and reason.startswith("confirmed via late:")):
+        alert(
+            "LateDuplicate",
+            f"{record.key} ({record.tool}): a late outcome shows the side effect happened more than the ledger "
+            f"said ({reason}); conflicts={record.conflicts}",
+            reason=reason,
+            conflicts=record.conflicts,
+            **where,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +102,10 @@ def event_of(record: Record) -> TransitionEvent:
 
 
 def emit(record: Record, listeners: list[Listener]) -> None:
-    """Log the transition that produced ``record`` and hand it to each listener."""
+    """Log the transition that produced ``record`` and hand it to each listener; alert on a record
+    parked for review or a late duplicate."""
+    if alerting(record):
+        _alert_on(record)
     if not listeners and not log.isEnabledFor(logging.INFO):
         return  # nobody listens: the hot path pays nothing for the event
     event = event_of(record)

@@ -10,7 +10,6 @@ call pays nothing more to have its duration measured.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
 from onceonly.drivers import aprobe, probe
+from onceonly.events import alert
 from onceonly.guard import NOT_FOUND
 from onceonly.settle import _spec_of
 from onceonly.states import Record, State
@@ -33,7 +33,6 @@ __all__ = [
     "LedgerStats",
     "Page",
     "ToolStats",
-    "alert",
     "attempt_durations",
     "audit",
     "find",
@@ -43,22 +42,10 @@ __all__ = [
     "stats",
 ]
 
-#: The logger of alerts: WARNING events whose ``event`` name (in ``extra["onceonly"]``) is stable.
-alerts = logging.getLogger("onceonly.alerts")
-
 #: Records read per store query while paging through a ledger.
 _BATCH = 500
 #: How far past a page ``page()`` counts the records still to come before saying "more than".
 _COUNT_CAP = 1000
-
-
-def alert(event: str, message: str, **fields: Any) -> None:
-    """Log an alert: a WARNING on ``onceonly.alerts`` with ``extra={"onceonly": {"event": event, ...}}``.
-
-    Event names are stable, for log-based alerting: ``KeyConflict``, ``LateDuplicate``,
-    ``ParkedForReview``, ``AuditDisagreement``.
-    """
-    alerts.warning("%s: %s", event, message, extra={"onceonly": {"event": event, **fields}})
 
 
 # --- pages ------------------------------------------------------------------------------------------
