@@ -337,7 +337,8 @@ def drive(
             elif kind is Swap or kind is Insert:
                 rec = action.record  # type: ignore[union-attr]
                 ok = store.swap(rec, action.expected) if kind is Swap else store.insert(rec)  # type: ignore[union-attr]
-                if ok and (ledger._observed() or alerting(rec)):
+                # Inlined alerting(rec): two attribute checks, on every write.
+                if ok and (ledger._observed() or rec.conflicts or rec.state is _REVIEW):
                     emit(rec, ledger._listeners)
                 send = ok
             elif kind is Execute:
@@ -397,7 +398,8 @@ async def adrive(
             elif kind is Swap or kind is Insert:
                 rec = action.record  # type: ignore[union-attr]
                 ok = await (store.aswap(rec, action.expected) if kind is Swap else store.ainsert(rec))  # type: ignore[union-attr]
-                if ok and (ledger._observed() or alerting(rec)):
+                # Inlined alerting(rec): two attribute checks, on every write.
+                if ok and (ledger._observed() or rec.conflicts or rec.state is _REVIEW):
                     emit(rec, ledger._listeners)
                 send = ok
             elif kind is Execute:
@@ -418,6 +420,9 @@ async def adrive(
             if kind is Claim or kind is Insert or kind is Swap:
                 # The plan re-reads next (it never guesses); if this write landed, it is announced then.
                 lost = action.record  # type: ignore[union-attr]
+
+
+_REVIEW = State.NEEDS_REVIEW
 
 
 def _alert_conflict(exc: KeyConflict) -> None:
