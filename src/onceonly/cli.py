@@ -339,9 +339,12 @@ if _MISSING_CLI is None:
             )
         if not figures.tools:
             return
-        tools = Table(title="by tool", box=box.SIMPLE_HEAD)
-        for col in ("tool", "records", "unsettled", "conflicts", "timed", "p50", "p95", "p99", "timeout="):
-            tools.add_column(col, justify="left" if col == "tool" else "right")
+        # Fits 80 columns: "open" counts the unsettled records, "dup" the conflicts, "timed" the attempts
+        # whose duration the histories show.
+        tools = Table(title="by tool", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+        tools.add_column("tool", overflow="fold")
+        for col in ("records", "open", "dup", "timed", "p50", "p95", "p99", "timeout="):
+            tools.add_column(col, justify="right", no_wrap=True)
         for t in data["tools"]:
             unsettled = sum(n for s, n in t["states"].items() if State(s) in UNSETTLED)
             timed = [f"{t[q]:.3f}s" if q in t else "" for q in ("p50", "p95", "p99")]
@@ -403,7 +406,8 @@ if _MISSING_CLI is None:
             if as_json:
                 click.echo(dumps({"at": _when(time.time()), **report.to_dict()}))
                 return
-            _print_audit(report)
+            problems = [d.key for d in report.disagreements + report.errors]
+            _print_audit(report, ops.short_keys(ledger, problems))
 
         try:
             if every is None:
@@ -417,14 +421,16 @@ if _MISSING_CLI is None:
             if ledger is not source:
                 source.close()
 
-    def _print_audit(report: ops.AuditReport) -> None:
+    def _print_audit(report: ops.AuditReport, short: dict[str, str]) -> None:
         problems = report.disagreements + report.errors
         if problems:
-            table = Table(title="disagreements", box=box.SIMPLE_HEAD)
-            for col in ("key", "tool", "ledger", "probe", "detail"):
-                table.add_column(col, overflow="fold")
+            table = Table(title="disagreements", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+            table.add_column("key", no_wrap=True)
+            for col in ("tool", "ledger", "probe"):
+                table.add_column(col, no_wrap=True)
+            table.add_column("detail", overflow="fold")
             for d in problems:
-                table.add_row(cell(d.key), cell(d.tool), d.state, d.finding, cell(d.detail))
+                table.add_row(cell(short.get(d.key, d.key)), cell(d.tool), d.state, d.finding, cell(d.detail))
             Console().print(table)
         skipped = ", ".join(f"{n} of {printable(t)}" for t, n in report.without_probe.items())
         click.echo(

@@ -367,9 +367,9 @@ def audit(
             report.agreed += 1
             continue
         if found:
-            detail = f"the ledger says {rec.state.value}, but the probe finds it: {str(answer.value)[:200]}"
+            detail = f"{rec.state.value} here, but the probe finds it: {str(answer.value)[:200]}"
         else:
-            detail = "the ledger says confirmed, but the probe finds nothing"
+            detail = "confirmed here, but the probe finds nothing"
         d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
         report.disagreements.append(d)
         alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
