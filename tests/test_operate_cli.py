@@ -142,7 +142,8 @@ def test_ls_and_show_in_a_process_of_their_own(store_url: str) -> None:
 
 def test_show_takes_a_prefix_and_prints_a_timeline(store_url: str) -> None:
     """show finds a record by a prefix only it starts with, refuses one several keys start with
-    (saying so), and prints the arguments, the error message and the history with ISO times."""
+    (saying so), and prints the arguments, the error message and the history with ISO times;
+    resolve --json prints the settled record."""
     with _charges(store_url, orders=2) as ledger:
         (parked,) = ledger.list(state="needs_review")
     text = _ok(_run("show", parked.key[:-20], "--url", store_url))
@@ -153,6 +154,9 @@ def test_show_takes_a_prefix_and_prints_a_timeline(store_url: str) -> None:
     assert re.search(r"\+\d+\.\d{3}s", timeline[1]), timeline
     data = json.loads(_ok(_run("show", parked.key, "--url", store_url, "--json")))
     assert all(re.match(r"\d{4}-.*Z$", entry["at_iso"]) for entry in data["history"])
+    resolved = _run("resolve", parked.key, "--failed", "refused", "--by", "ops", "--url", store_url, "--json")
+    settled = json.loads(_ok(resolved))
+    assert settled["state"] == "failed" and settled["history"][-1]["by"] == "ops" and "at_iso" in settled["history"][-1]
     result = _run("show", "default:charge:", "--url", store_url)
     assert result.exit_code == 1 and "starts several keys" in result.output, result.output
     result = _run("show", "default:nothing", "--url", store_url)

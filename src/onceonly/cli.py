@@ -108,7 +108,12 @@ if _MISSING_CLI is None:
     @click.group()
     @click.version_option(package_name="onceonly")
     def cli() -> None:
-        """onceonly: make the side-effecting tool calls of AI agents happen exactly once."""
+        """onceonly: make the side-effecting tool calls of AI agents happen exactly once.
+
+        \b
+        Exit status: 0 done; 1 an error (the message says what); 2 bad usage;
+        3 done, and something needs a person (reconcile, audit). See docs/operations.md.
+        """
 
     @cli.command("ls")
     @_url_option
@@ -280,8 +285,16 @@ if _MISSING_CLI is None:
     @click.option("--reset", is_flag=True, help="With --failed: set attempts back to 0 so it may run again.")
     @click.option("--by", default=None, help="Who resolves it (default: $USER).")
     @click.option("--why", default=None, help="Why: kept in the record's history.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the settled record as JSON.")
     def resolve(
-        url: str, key: str, confirmed: str | None, failed: str | None, reset: bool, by: str | None, why: str | None
+        url: str,
+        key: str,
+        confirmed: str | None,
+        failed: str | None,
+        reset: bool,
+        by: str | None,
+        why: str | None,
+        as_json: bool,
     ) -> None:
         """Settle a record by hand: --confirmed JSON or --failed REASON."""
         if (confirmed is None) == (failed is None):
@@ -301,6 +314,9 @@ if _MISSING_CLI is None:
             kwargs["reset"] = reset
         with _ledger(url) as ledger:
             rec = ledger.resolve(key, **kwargs)
+        if as_json:
+            click.echo(dumps(_record_json(rec), indent=2))
+            return
         click.echo(printable(f"{key}: {rec.state.value}"))
 
     @cli.command()
