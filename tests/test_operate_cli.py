@@ -169,7 +169,7 @@ def test_show_takes_a_prefix_and_prints_a_timeline(store_url: str) -> None:
 def test_stats_times_each_tool_and_suggests_a_timeout(store_url: str) -> None:
     """stats counts by state and tool, names the oldest unsettled record, counts conflicts, and gives
     each tool's p50/p95/p99 call duration (measured from the records' own histories) with a timeout
-    of 1.5-2x the p99."""
+    of 1.5-2x the p99; --counts gives the same counts per state from the store's counters."""
     with Ledger.open(store_url) as ledger:
 
         @ledger.tool(name="slow")
@@ -188,6 +188,8 @@ def test_stats_times_each_tool_and_suggests_a_timeout(store_url: str) -> None:
     (timed,) = [t for t in data["tools"] if t["tool"] == "slow"]
     assert timed["attempts_timed"] == 5 and 0.03 <= timed["p50"] <= timed["p95"] <= timed["p99"] < 1
     assert 1.5 * timed["p99"] <= timed["suggested_timeout"] <= 2.2 * timed["p99"]
+    counted = json.loads(_ok(_run("stats", "--url", store_url, "--counts", "--json")))
+    assert counted["states"] == data["states"] and counted["total"] == 7
     text = _ok(_run("stats", "--url", store_url, env=WIDE))
     assert "oldest unsettled: held-long-ago" in text and "slow" in text
 

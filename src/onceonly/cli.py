@@ -323,12 +323,34 @@ if _MISSING_CLI is None:
     @_url_option
     @click.option("--tool", default=None, help="Only this tool's records.")
     @click.option("--scope", default=None, help="Only this scope's records.")
+    @click.option(
+        "--counts",
+        is_flag=True,
+        help="Only the records per state, from the store's counters (no record is read).",
+    )
     @click.option("--json", "as_json", is_flag=True)
-    def stats(url: str, tool: str | None, scope: str | None, as_json: bool) -> None:
+    def stats(url: str, tool: str | None, scope: str | None, counts: bool, as_json: bool) -> None:
         """Records by state and tool, the oldest unsettled one, conflicts, and each tool's call
-        durations (p50/p95/p99) with the timeout= they suggest (1.5-2x the p99). Reads every record."""
+        durations (p50/p95/p99) with the timeout= they suggest (1.5-2x the p99). Reads every record
+        (of --tool, --scope); --counts reads only the counts per state."""
+        if counts and (tool or scope):
+            raise click.UsageError("--counts counts the whole ledger: leave out --tool and --scope")
         with _ledger(url) as ledger:
-            figures = ops.stats(ledger, tool=tool, scope=scope)
+            if counts:
+                by_state = ledger.stats()
+            else:
+                figures = ops.stats(ledger, tool=tool, scope=scope)
+        if counts:
+            if as_json:
+                click.echo(json.dumps({"states": by_state, "total": sum(by_state.values())}))
+                return
+            table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
+            table.add_column("state")
+            table.add_column("records", justify="right")
+            for state, n in by_state.items():
+                table.add_row(cell(state), str(n))
+            Console().print(table)
+            return
         data = figures.to_dict()
         if as_json:
             click.echo(dumps(data))
