@@ -40,6 +40,7 @@ __all__ = [
     "percentile",
     "short_keys",
     "stats",
+    "suggest_timeout",
 ]
 
 #: Records read per store query while paging through a ledger.
