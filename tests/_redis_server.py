@@ -71,3 +71,89 @@ class PrivateRedis:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too: a cluster node binds both and
+    exits at once when it cannot (ephemeral ports above 55535 have no bus port at all)."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class PrivateRedisCluster:
+    """A Redis Cluster of the test's own: ``masters`` nodes in cluster mode on free ports, the slots
+    spread over them by ``redis-cli --cluster create``, no replicas, persisting nothing.
+
+    ``start()`` returns once every node says ``cluster_state:ok``; ``stop()`` stops each node by its PID.
+    """
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if server is None or cli is None:
+            raise FileNotFoundError("redis-server and redis-cli are needed to start a Redis Cluster")
+        self.server, self.cli = server, cli
+        self.workdir = workdir
+        self.ports: list[int] = []
+        while len(self.ports) < masters:
+            port = free_cluster_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        """The URL of the first node with the cluster option: the client finds the others."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+
+    def _ask(self, port: int, *command: str) -> bytes:
+        """One command on one node through redis-cli (no client library involved)."""
+        out = subprocess.run(
+            [self.cli, "-h", "127.0.0.1", "-p", str(port), *command], capture_output=True, timeout=10, check=False
+        )
+        return out.stdout
+
+    def start(self) -> PrivateRedisCluster:
+        try:
+            for port in self.ports:
+                command = [
+                    self.server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                    "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"), "--cluster-node-timeout",
+                    "2000", "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
+                ]  # fmt: skip
+                self.procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 10
+            for port, proc in zip(self.ports, self.procs, strict=True):
+                while not self._ask(port, "PING").startswith(b"PONG"):
+                    assert proc.poll() is None, f"the cluster node on {port} exited with {proc.returncode}"
+                    assert time.monotonic() < deadline, f"redis-server on {port} did not answer PING within 10 s"
+                    time.sleep(0.02)
+            created = subprocess.run(
+                [self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
+                 "--cluster-yes"],
+                capture_output=True, timeout=30, check=False,
+            )  # fmt: skip
+            assert created.returncode == 0, f"redis-cli --cluster create failed: {created.stdout!r} {created.stderr!r}"
+            deadline = time.monotonic() + 10
+            for port in self.ports:
+                while b"cluster_state:ok" not in self._ask(port, "CLUSTER", "INFO"):
+                    assert time.monotonic() < deadline, f"the cluster node on {port} is not ok within 10 s"
+                    time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(10)
+        self.procs = []

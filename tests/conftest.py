@@ -113,17 +113,23 @@ def join_url(url: str, **params: str) -> str:
 STORES = ["sqlite", "redis", "postgres"]
 
 
-@pytest.fixture(name="store_url", params=STORES)
-def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A URL of an empty ledger on each store: its own SQLite file, Redis prefix or PostgreSQL schema."""
+def empty_store_url(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of an empty ledger on store ``kind`` ("sqlite", "redis", "postgres", or "redis-cluster": a
+    prefix on the run's private Redis Cluster, from the ``redis_cluster_url`` fixture of tests/stores)."""
     test_id = uuid.uuid4().hex[:8]
-    if request.param == "sqlite":
+    if kind == "sqlite":
         return f"sqlite:///{tmp_path / 'ledger.db'}"
-    if request.param == "redis":
-        base = request.getfixturevalue("redis_base_url")
+    if kind in ("redis", "redis-cluster"):
+        base = request.getfixturevalue("redis_base_url" if kind == "redis" else "redis_cluster_url")
         return join_url(base, prefix=f"onceonly-test-{RUN_ID}-{test_id}")
     base = request.getfixturevalue("postgres_database_url")
     return join_url(base, schema=f"t_{test_id}")
+
+
+@pytest.fixture(name="store_url", params=STORES)
+def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of an empty ledger on each store: its own SQLite file, Redis prefix or PostgreSQL schema."""
+    return empty_store_url(request.param, request, tmp_path)
 
 
 @pytest.fixture(name="clock")

@@ -1,4 +1,5 @@
-"""The store contract, run against every store on its real server (SQLite, Redis, PostgreSQL)."""
+"""The store contract, run against every store on its real server (SQLite, Redis, a 3-master Redis Cluster,
+PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -14,9 +16,16 @@ import pytest
 from onceonly import states as st
 from onceonly.states import State
 from onceonly.stores import Query, Store, open_store
+from tests.conftest import STORES, empty_store_url
 from tests.stores._records import NOW, make
 
 T = TypeVar("T")
+
+
+@pytest.fixture(name="store_url", params=[*STORES, "redis-cluster"])
+def fixture_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of an empty ledger on each store, and on a real 3-master Redis Cluster (a fresh prefix)."""
+    return empty_store_url(request.param, request, tmp_path)
 
 
 @pytest.fixture(name="store")

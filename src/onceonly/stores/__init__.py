@@ -11,7 +11,8 @@ __all__ = ["AsyncStore", "Query", "Store", "open_store", "redact_url"]
 
 
 def open_store(url: str) -> Store:
-    """The store for ``url``: ``sqlite:///…``, ``redis://…`` / ``rediss://…``, ``postgresql://…``.
+    """The store for ``url``: ``sqlite:///…``, ``redis://…`` / ``rediss://…`` (``redis+cluster://…`` for a
+    Redis Cluster), ``postgresql://…``.
 
     .. versionadded:: 0.1
     """
@@ -21,7 +22,7 @@ def open_store(url: str) -> Store:
         from onceonly.stores.sqlite import SQLiteStore
 
         return SQLiteStore(url)
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         try:
             from onceonly.stores.redis import RedisStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras

@@ -52,8 +52,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 import redis.asyncio
 from redis.backoff import NoBackoff
+from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:  # redis-py's own packer wraps it in ~2 µs of Python per command (argument splitting, a copy)
@@ -82,6 +82,9 @@ _STATES = {s.value: s for s in State}
 _VALUE = {s: s.value for s in State}  # Enum.value is a descriptor call: precomputed for the hot path
 _OPEN = frozenset({State.UNKNOWN, State.NEEDS_REVIEW})
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+# What a failed command raises: redis-py's cluster client raises some of its own (no node reachable,
+# a slot no node serves) outside RedisError.
+_FAILURES = (RedisError, RedisClusterException)
 _fork_generation = 0
 
 
@@ -334,7 +337,9 @@ def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
 
 # --- the URL ------------------------------------------------------------------------------------------
 
-_OURS = ("prefix", "shards", "warn_persistence", "allow_eviction")
+_OURS = ("prefix", "shards", "warn_persistence", "allow_eviction", "cluster")
+#: URL schemes that open a Redis Cluster client, and the scheme redis-py is given instead.
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -344,7 +349,9 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
 
     Onceonly's options: ``prefix`` (key namespace, default ``onceonly``; no braces, no whitespace),
     ``shards`` (default 16), ``warn_persistence`` (default ``true``), ``allow_eviction`` (default
-    ``false``: a server whose ``maxmemory-policy`` evicts keys is refused). Every other query parameter is
+    ``false``: a server whose ``maxmemory-policy`` evicts keys is refused), ``cluster`` (default
+    ``false``; ``true``, or the scheme ``redis+cluster://`` / ``rediss+cluster://``, opens a Redis
+    Cluster client on the node of the URL, which finds the others). Every other query parameter is
     redis-py's (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``,
     ``client_name``…); the two timeouts default to 5 seconds here, so that a dead server is reported
     rather than waited on forever.
@@ -353,8 +360,12 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     """
     parts = urlsplit(url)
     shown = redact_url(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"not a Redis URL: {shown!r}: use redis://host:6379/0, rediss://… or unix:///path.sock")
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix", *_CLUSTER_SCHEMES):
+        raise ValueError(
+            f"not a Redis URL: {shown!r}: use redis://host:6379/0, rediss://…, unix:///path.sock, or "
+            "redis+cluster://host:7000 for a Redis Cluster"
+        )
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -379,11 +390,25 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     if not 1 <= shards <= MAX_SHARDS:
         raise ValueError(f"shards={shards} in {shown!r}: use 1 to {MAX_SHARDS}")
     flags: dict[str, bool] = {}
-    for name, default in (("warn_persistence", "true"), ("allow_eviction", "false")):
+    for name, default in (("warn_persistence", "true"), ("allow_eviction", "false"), ("cluster", "false")):
         flag = ours.get(name, default).lower()
         if flag not in _TRUE + _FALSE:
             raise ValueError(f"{name}={flag!r} in {shown!r}: use true or false")
         flags[name] = flag in _TRUE
+    if scheme in _CLUSTER_SCHEMES:
+        if "cluster" in ours and not flags["cluster"]:
+            raise ValueError(f"{shown!r} says {scheme}:// and cluster=false: drop one of them")
+        flags["cluster"] = True
+        parts = parts._replace(scheme=_CLUSTER_SCHEMES[scheme])
+    if flags["cluster"]:
+        if scheme == "unix":
+            raise ValueError(f"{shown!r}: a Redis Cluster is reached over TCP: use redis+cluster://host:port")
+        if parts.path.strip("/") not in ("", "0"):
+            raise ValueError(
+                f"database {parts.path.strip('/')!r} in {shown!r}: a Redis Cluster has database 0 only; give "
+                "another prefix= instead"
+            )
+        parts = parts._replace(path="")
     client_url = urlunsplit(parts._replace(query=urlencode(theirs)))
     return client_url, {"prefix": prefix, "shards": shards, **flags}
 
@@ -414,7 +439,7 @@ class _ChangeHub:
     not keep receiving every change of the ledger.
     """
 
-    def __init__(self, client: redis.Redis, channels: Sequence[str], *, idle_seconds: float = 5.0) -> None:
+    def __init__(self, client: Any, channels: Sequence[str], *, idle_seconds: float = 5.0) -> None:
         self._client: Any = client  # redis-py's pubsub() is untyped
         self._channels = list(channels)
         self._idle = idle_seconds
@@ -494,7 +519,7 @@ class _ChangeHub:
                             self._wake_all()
                     elif msg["type"] == "message":
                         self._dispatch(msg["data"])
-            except (RedisError, OSError, ValueError) as exc:
+            except (RedisError, RedisClusterException, OSError, ValueError) as exc:
                 self.subscribed.clear()
                 with self._lock:
                     self._seen.clear()  # what changed while we were away is unknown
@@ -537,10 +562,13 @@ class _AsyncSide:
 
     __slots__ = ("claim", "claim_again", "client", "closer", "delete", "swap", "swap_again")
 
-    def __init__(self, url: str, scripts: Sequence[str]) -> None:
+    def __init__(self, url: str, scripts: Sequence[str], cluster: bool) -> None:
         from redis.asyncio.retry import Retry as AsyncRetry
 
-        self.client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
+        # Retries off for the same reason as the sync client's (a blindly re-run script is not a no-op);
+        # the cluster client still follows MOVED and ASK, which ran nothing.
+        kind: Any = redis.asyncio.RedisCluster if cluster else redis.asyncio.Redis
+        self.client: Any = kind.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
         self.claim, self.claim_again, self.swap, self.swap_again, self.delete = (
             self.client.register_script(text) for text in scripts
         )
@@ -590,13 +618,25 @@ class RedisStore:
         self.prefix: str = opts["prefix"]
         self.shards: int = opts["shards"]
         self._where = _where(url)
+        #: A Redis Cluster client (``redis+cluster://`` or ``cluster=true``), else one endpoint's.
+        self.cluster: bool = opts["cluster"]
         # One pool. Pipelines, scans, the pub/sub listener and opening use it through `_client`; the
         # hot primitives use one single-connection client per thread on the same pool (`_thread`):
         # that skips the pool's check-out and its "has this idle connection data?" probe, about a
         # third of redis-py's own cost per command. A connection killed while idle then fails on its
         # next command instead: reads retry once, writes re-run exactly (`_write`).
-        self._pool = redis.ConnectionPool.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
-        self._client: redis.Redis = redis.Redis(connection_pool=self._pool)
+        # On a Cluster, redis-py's cluster client routes every command by its keys' slot and follows
+        # MOVED and ASK (which ran nothing); its own re-runs after a failed connection are off too.
+        self._pool: redis.ConnectionPool | None = None
+        self._client: Any  # redis.Redis or redis.RedisCluster
+        if self.cluster:
+            try:
+                self._client = redis.RedisCluster.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
+            except _FAILURES as exc:
+                raise self._unavailable(exc, "opening the ledger") from exc
+        else:
+            self._pool = redis.ConnectionPool.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
+            self._client = redis.Redis(connection_pool=self._pool)
         self._local = threading.local()
         self._thread_clients: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
         self._scripts = _scripts_for(self.shards)
@@ -625,6 +665,9 @@ class RedisStore:
     def _open(self, *, warn: bool, allow_eviction: bool) -> None:
         meta = self._meta_key
         scripts = (self._claim, self._claim_again, self._swap, self._swap_again, self._delete)
+        if self.cluster:
+            self._open_cluster(warn=warn, allow_eviction=allow_eviction)
+            return
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.hgetall(meta)
@@ -634,13 +677,46 @@ class RedisStore:
             pipe.config_get("save")
             pipe.config_get("maxmemory-policy")
             answers = pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         stored = self._meta(answers[0])
         for answer in answers[1:6]:
             if isinstance(answer, Exception):
                 raise self._unavailable(answer, "loading the ledger's scripts")
         self._check_eviction(answers[8], allow_eviction)
+        if warn:
+            self._check_persistence(answers[6], answers[7])
+        self._check_meta(stored)
+
+    def _open_cluster(self, *, warn: bool, allow_eviction: bool) -> None:
+        """``_open`` on a Cluster: the scripts go to every primary (a record may live on any of them),
+        and each primary's eviction policy and persistence are checked, since each holds records."""
+        client = self._client
+        try:
+            try:
+                answer: Any = client.hgetall(self._meta_key)
+            except ResponseError as exc:
+                answer = exc
+            stored = self._meta(answer)
+            for text in self._scripts:
+                client.script_load(text)  # SCRIPT LOAD goes to every primary
+            settings: dict[str, dict[str, Any]] = {}
+            for name in ("maxmemory-policy", "appendonly", "save"):
+                try:
+                    settings[name] = client.config_get(name, target_nodes=redis.RedisCluster.PRIMARIES)
+                except ResponseError as exc:  # CONFIG disabled: every node's answer is that error
+                    settings[name] = {node.name: exc for node in client.get_primaries()}
+            for node in client.get_primaries():
+                self._check_eviction(settings["maxmemory-policy"].get(node.name), allow_eviction, node)
+                if warn:
+                    self._check_persistence(settings["appendonly"].get(node.name), settings["save"].get(node.name))
+        except _FAILURES as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        self._check_meta(stored)
+
+    def _check_meta(self, stored: dict[bytes, bytes]) -> None:
+        """The prefix's metadata (written now if the prefix has none) must say this schema and shard count."""
+        meta = self._meta_key
         if b"schema" not in stored or b"shards" not in stored:
             stored = self._claim_prefix(meta)
         schema = int(stored.get(b"schema", 0))
@@ -656,8 +732,6 @@ class RedisStore:
                 f"this URL says shards={self.shards}. A different shard count would not find the existing "
                 f"records (and could run their operations again): open it with shards={shards}"
             )
-        if warn:
-            self._check_persistence(answers[6], answers[7])
 
     def _meta(self, answer: Any) -> dict[bytes, bytes]:
         """The ledger's metadata hash as read (empty when there is none)."""
@@ -694,7 +768,7 @@ class RedisStore:
             pipe.hsetnx(meta, "shards", self.shards)
             pipe.hgetall(meta)
             answers = pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         return self._meta(answers[2])
 
@@ -705,35 +779,37 @@ class RedisStore:
         keys it was not given (Redis Cluster) answers the same ``EXISTS`` in one pipeline instead.
         """
         base = f"{self.prefix}:{{{self.prefix}:"
-        try:
-            found = self._client.eval(_FIND_RECORDS, 0, base, MAX_SHARDS)
-            return None if int(found) < 0 else int(found)
-        except ResponseError:
-            pass
-        except RedisError as exc:
-            raise self._unavailable(exc, "opening the ledger") from exc
+        if not self.cluster:
+            try:
+                found = self._client.eval(_FIND_RECORDS, 0, base, MAX_SHARDS)
+                return None if int(found) < 0 else int(found)
+            except ResponseError:
+                pass
+            except _FAILURES as exc:
+                raise self._unavailable(exc, "opening the ledger") from exc
         try:
             pipe = self._client.pipeline(transaction=False)
             for shard in range(MAX_SHARDS):
                 pipe.exists(f"{base}{shard}}}:k")
             answers = pipe.execute()
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         return next((shard for shard, n in enumerate(answers) if n), None)
 
-    def _check_eviction(self, answer: Any, allow: bool) -> None:
+    def _check_eviction(self, answer: Any, allow: bool, node: Any = None) -> None:
         """Refuse a server that evicts keys when its memory is full, unless ``allow``.
 
         ``CONFIG GET maxmemory-policy`` first; where CONFIG is disabled (managed services), ``INFO
-        memory``; where neither answers, a warning.
+        memory``; where neither answers, a warning. ``node``: the Cluster node the answer is from.
         """
         policy = None
-        if not isinstance(answer, Exception):
+        if answer is not None and not isinstance(answer, Exception):
             policy = answer.get(b"maxmemory-policy") or answer.get("maxmemory-policy")
         if policy is None:
             try:
-                policy = self._client.info("memory").get("maxmemory_policy")
-            except RedisError as exc:
+                on_node = {} if node is None else {"target_nodes": node}
+                policy = self._client.info("memory", **on_node).get("maxmemory_policy")
+            except _FAILURES as exc:
                 if not allow:
                     log.warning(
                         "onceonly: could not read the maxmemory-policy of the Redis server at %s (CONFIG: %s; "
@@ -772,7 +848,7 @@ class RedisStore:
         )
 
     def _check_persistence(self, appendonly: Any, save: Any) -> None:
-        if isinstance(appendonly, Exception) or isinstance(save, Exception):
+        if appendonly is None or save is None or isinstance(appendonly, Exception) or isinstance(save, Exception):
             log.info("onceonly: could not read the persistence settings of %s (%s)", self._where, appendonly)
             return
         aof = (appendonly.get(b"appendonly") or appendonly.get("appendonly") or b"").lower()
@@ -790,6 +866,17 @@ class RedisStore:
     # --- errors -----------------------------------------------------------------------------------
 
     def _unavailable(self, exc: BaseException, what: str) -> Exception:
+        if isinstance(exc, AskError) and not self.cluster:  # MOVED or ASK: the key's slot is on another node
+            return StoreError(
+                f"the Redis server at {self._where} is a node of a Redis Cluster that does not serve every slot "
+                f"({exc}) while {what}: open the ledger with redis+cluster://host:port (or cluster=true), so "
+                "that each command goes to the node that holds its keys"
+            )
+        if isinstance(exc, RedisClusterException) and "not enabled" in str(exc):
+            return StoreError(
+                f"the Redis server at {self._where} is not in cluster mode ({exc}): open it with redis:// and "
+                "without cluster=true"
+            )
         if isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE"):
             return StoreCorrupt(
                 f"{self._where}: a key under prefix {self.prefix!r} is not what onceonly wrote ({exc}) while "
@@ -826,7 +913,7 @@ class RedisStore:
         client = getattr(local, "client", None)
         if client is None or local.generation != _fork_generation:
             self._check_open()
-            client = redis.Redis(connection_pool=self._pool, single_connection_client=True)
+            client = redis.Redis(connection_pool=self._pool, single_connection_client=True)  # never on a Cluster
             local.client, local.conn, local.generation = client, client.connection, _fork_generation
             self._thread_clients.add(client)
         return client
@@ -841,6 +928,8 @@ class RedisStore:
         connection itself still reconnects when its socket is gone, closes it on any error, and raises
         the same exceptions; the command is packed by hiredis directly when it is installed.
         """
+        if self.cluster:  # routed by the keys' slot, following MOVED and ASK
+            return self._client.execute_command(*args)
         local = self._local
         conn = getattr(local, "conn", None)
         if conn is None or local.generation != _fork_generation:
@@ -904,21 +993,26 @@ class RedisStore:
                 d, a = self._command("HMGET", rk, "d", "a")
             except _TRANSIENT:
                 d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
     def time(self) -> float:
         """The server's clock (``TIME``), in seconds since the epoch: the ledger's time for every host
-        (``onceonly.clock``)."""
+        (``onceonly.clock``). On a Cluster, the clock of the node that holds the ledger's metadata, so
+        that every process reads the same node's clock."""
         self._check_open()
         try:
-            seconds, micros = self._command("TIME")
-        except RedisError as exc:
+            if self.cluster:
+                node = self._client.get_node_from_key(self._meta_key)
+                seconds, micros = self._client.execute_command("TIME", target_nodes=node)
+            else:
+                seconds, micros = self._command("TIME")
+        except _FAILURES as exc:
             raise self._unavailable(exc, "reading the server's clock") from exc
         return int(seconds) + int(micros) / 1e6
 
-    def _rerun_or_raise(self, exc: RedisError, reruns: int, what: str) -> None:
+    def _rerun_or_raise(self, exc: Exception, reruns: int, what: str) -> None:
         """After a write script failed: return if its "again" twin should run now, else raise.
 
         Only a failed connection is re-run, at most _RERUNS times: a timeout has already waited
@@ -935,7 +1029,7 @@ class RedisStore:
         while True:
             try:
                 return self._script(run, keys, args)
-            except RedisError as exc:
+            except _FAILURES as exc:
                 self._rerun_or_raise(exc, reruns, what)
             run, reruns = again, reruns + 1
 
@@ -960,7 +1054,7 @@ class RedisStore:
         args = (expected_version,) if created_at is None else (expected_version, repr(created_at))
         try:
             return bool(self._script(self._delete, self._keys(key), args) == 1)
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
     def _run(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
@@ -983,7 +1077,7 @@ class RedisStore:
         except StopIteration as stop:
             result: T = stop.value
             return result
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, what) from exc
 
     def scan(self, query: Query) -> list[Record]:
@@ -1016,7 +1110,8 @@ class RedisStore:
         for client in list(self._thread_clients):
             client.close()
         self._client.close()
-        self._pool.disconnect()
+        if self._pool is not None:
+            self._pool.disconnect()
         # The async clients close on their own loops (aclose(), or the loop's shutdown: _AsyncSide).
         self._async = {}
 
@@ -1030,7 +1125,7 @@ class RedisStore:
         self._check_open()
         # Forget the clients of loops that are gone (their shutdown closed them).
         self._async = {lp: sd for lp, sd in self._async.items() if not lp.is_closed()}
-        side = self._async[loop] = _AsyncSide(self._client_url, self._scripts)
+        side = self._async[loop] = _AsyncSide(self._client_url, self._scripts, self.cluster)
         await side.closer.__anext__()  # started here, so this loop's shutdown finalises it
         return side
 
@@ -1043,7 +1138,7 @@ class RedisStore:
                 d, a = await client.execute_command("HMGET", rk, "d", "a")
             except _TRANSIENT:
                 d, a = await client.execute_command("HMGET", rk, "d", "a")
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
 
@@ -1055,7 +1150,7 @@ class RedisStore:
         while True:
             try:
                 return await self._ascript(side, run, keys, args)
-            except RedisError as exc:
+            except _FAILURES as exc:
                 self._rerun_or_raise(exc, reruns, what)
             run, reruns = again, reruns + 1
 
@@ -1086,7 +1181,7 @@ class RedisStore:
         try:
             side = await self._side()
             return bool(await self._ascript(side, side.delete, self._keys(key), args) == 1)
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
 
     async def _arun(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
@@ -1109,7 +1204,7 @@ class RedisStore:
         except StopIteration as stop:
             result: T = stop.value
             return result
-        except RedisError as exc:
+        except _FAILURES as exc:
             raise self._unavailable(exc, what) from exc
 
     async def ascan(self, query: Query) -> list[Record]:
