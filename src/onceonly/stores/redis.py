@@ -17,9 +17,11 @@ Key layout (``P`` is the ``prefix`` URL option, ``S`` a shard number, ``K`` the 
 ``S`` is ``crc32(K) % shards``. Every key a script touches carries the hash tag ``{P:S}``, which is
 the first ``{…}`` of the name because the prefix may not contain braces: whatever braces the ledger
 key holds, a record and its shard's indexes share one hash slot, so each script is legal on Redis
-Cluster and every script declares all the keys it touches. Keys, members and channels are binary
-safe: a ledger key may hold ``:``, ``*``, ``?``, ``[``, ``{``, quotes and any Unicode. ``scan``
-reads the indexes (``ZRANGEBYLEX``, ``ZRANGEBYSCORE``) and never ``KEYS`` or a pattern ``SCAN``.
+Cluster and every script declares all the keys it touches. ``redis+cluster://`` (or ``cluster=true``)
+opens redis-py's cluster client, which sends each command to the node of its keys' slot. Keys,
+members and channels are binary safe: a ledger key may hold ``:``, ``*``, ``?``, ``[``, ``{``, quotes
+and any Unicode. ``scan`` reads the indexes (``ZRANGEBYLEX``, ``ZRANGEBYSCORE``) and never ``KEYS`` or a
+pattern ``SCAN``.
 
 Retries: the clients are built with redis-py's retries off. A blindly re-run script is not a no-op:
 a claim whose reply was lost would, run again, find its own record and report it as someone else's
@@ -585,10 +587,11 @@ class _AsyncSide:
 
 
 class RedisStore:
-    """An onceonly ledger in Redis (standalone, or any node layout that keeps hash slots whole).
+    """An onceonly ledger in Redis: one server, or a Redis Cluster.
 
     Args:
-        url: ``redis://[user:password@]host:6379/0``, ``rediss://…`` (TLS) or ``unix:///path.sock``,
+        url: ``redis://[user:password@]host:6379/0``, ``rediss://…`` (TLS) or ``unix:///path.sock``;
+            ``redis+cluster://host:7000`` (or ``cluster=true``) for a Redis Cluster, naming any node,
             with onceonly's options in the query: ``prefix`` (key namespace, default ``onceonly``),
             ``shards`` (index shards, default 16; fixed for the life of a prefix),
             ``warn_persistence=false`` to silence the warning about a server that persists nothing, and
@@ -599,13 +602,15 @@ class RedisStore:
     schema and shard count (or nothing yet: then no records either, since records without their
     metadata could be of another shard count), its ``maxmemory-policy`` must not evict keys (an evicted
     record is a call that runs again), and a server that persists nothing gets a warning logged on
-    ``onceonly.stores.redis``, since a restart would lose the ledger.
+    ``onceonly.stores.redis``, since a restart would lose the ledger. On a Cluster, every master's
+    eviction policy and persistence are checked, and the scripts are loaded on every master.
 
     Raises:
         StoreUnavailable: the server cannot be reached.
         StoreCorrupt: the prefix holds something else, a ledger of another schema, or records whose
             metadata is gone.
-        StoreError: the server evicts keys (``allow_eviction=true`` accepts it).
+        StoreError: the server evicts keys (``allow_eviction=true`` accepts it), or the URL's kind (one
+            server, a Cluster) does not match the server's.
         ValueError: a bad URL, or another shard count than the ledger was made with.
 
     .. versionadded:: 0.1
