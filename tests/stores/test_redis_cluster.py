@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +21,7 @@ from onceonly import states as st
 from onceonly.errors import StoreCorrupt, StoreError
 from onceonly.states import State
 from onceonly.stores import Query, open_store
-from tests.conftest import RUN_ID, join_url
+from tests.conftest import REDIS_URL, RUN_ID, join_url
 from tests.stores._records import NOW, make
 
 redis = pytest.importorskip("redis")
@@ -220,3 +224,24 @@ def test_the_cluster_option_on_a_standalone_server_is_refused(redis_base_url: st
     """cluster=true on a server that is not in cluster mode says so."""
     with pytest.raises(StoreError, match="not in cluster mode"):
         RedisStore(join_url(redis_base_url, prefix=_prefix(), cluster="true"))
+
+
+def test_the_cluster_benchmark_runs(redis_base_url: str, redis_cluster_url: str, nodes: Any) -> None:
+    """benchmarks/bench_cluster.py (quoted by docs/benchmarks.md) runs, prints its rows and leaves no keys."""
+    base = f"onceonly-test-{RUN_ID}-bench"
+    env = {**os.environ, "ONCEONLY_BENCH_REDIS_URL": redis_base_url, "ONCEONLY_BENCH_PREFIX_BASE": base,
+           "ONCEONLY_BENCH_CLUSTER_URL": redis_cluster_url.split("?", maxsplit=1)[0]}  # fmt: skip
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cluster.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--batch", "3"], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for row in ("one Redis", "cluster", "ratio"):
+        assert row in out.stdout
+    single = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert list(single.scan_iter(match=f"{base}*")) == []
+        assert list(nodes.scan_iter(match=f"{base}*")) == []
+    finally:
+        single.close()
