@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test bench chaos lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)  ## the whole suite; Redis/PostgreSQL from ONCEONLY_TEST_REDIS_UR
 
 bench: $(STAMP)  ## per-call overhead per store next to the store's own floor
 	$(BIN)/python benchmarks/bench.py
+
+chaos: $(STAMP)  ## a bounded fault run (1-2 min), one fault at a time per store; not part of make test
+	$(BIN)/python -m tests.chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
