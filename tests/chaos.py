@@ -236,7 +236,10 @@ def main() -> int:
     parser.add_argument("--stores", default="sqlite,redis,postgres")
     parser.add_argument("--faults", default="race,lost-answer,kill,cut")
     args = parser.parse_args()
-    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # every cut connection it discards, else
+    # What the faults make the guard and the pool log (each cut connection, each result kept for a person)
+    # would bury the progress lines: the cells count what those lines report.
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
+    logging.getLogger("onceonly").setLevel(logging.CRITICAL)
     started = time.monotonic()
     rows: list[tuple[str, str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="onceonly-chaos-") as tmp:
