@@ -90,19 +90,21 @@ def free_cluster_port() -> int:
 
 class PrivateRedisCluster:
     """A Redis Cluster of the test's own: ``masters`` nodes in cluster mode on free ports, the slots
-    spread over them by ``redis-cli --cluster create``, no replicas, persisting nothing.
+    spread over them by ``redis-cli --cluster create``, ``replicas`` replicas of each, persisting nothing.
 
-    ``start()`` returns once every node says ``cluster_state:ok``; ``stop()`` stops each node by its PID.
+    ``start()`` returns once every node says ``cluster_state:ok`` (and every replica is in sync);
+    ``stop()`` stops each node by its PID, ``kill(port)`` one node by SIGKILL (a failover's cause).
     """
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
         server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
         if server is None or cli is None:
             raise FileNotFoundError("redis-server and redis-cli are needed to start a Redis Cluster")
         self.server, self.cli = server, cli
         self.workdir = workdir
+        self.replicas = replicas
         self.ports: list[int] = []
-        while len(self.ports) < masters:
+        while len(self.ports) < masters * (1 + replicas):
             port = free_cluster_port()
             if port not in self.ports:
                 self.ports.append(port)
@@ -136,8 +138,8 @@ class PrivateRedisCluster:
                     assert time.monotonic() < deadline, f"redis-server on {port} did not answer PING within 10 s"
                     time.sleep(0.02)
             created = subprocess.run(
-                [self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
-                 "--cluster-yes"],
+                [self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 capture_output=True, timeout=30, check=False,
             )  # fmt: skip
             assert created.returncode == 0, f"redis-cli --cluster create failed: {created.stdout!r} {created.stderr!r}"
@@ -146,14 +148,26 @@ class PrivateRedisCluster:
                 while b"cluster_state:ok" not in self._ask(port, "CLUSTER", "INFO"):
                     assert time.monotonic() < deadline, f"the cluster node on {port} is not ok within 10 s"
                     time.sleep(0.05)
+                while b"role:slave" in (info := self._ask(port, "INFO", "replication")) and (
+                    b"master_link_status:up" not in info
+                ):
+                    assert time.monotonic() < deadline, f"the replica on {port} is not in sync within 10 s"
+                    time.sleep(0.05)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port``: no shutdown, no last write."""
+        proc = self.procs[self.ports.index(port)]
+        proc.kill()
+        proc.wait(10)
+
     def stop(self) -> None:
         for proc in self.procs:
-            proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
         for proc in self.procs:
             proc.wait(10)
         self.procs = []

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +20,11 @@ import pytest
 
 from onceonly import Ledger
 from onceonly import states as st
-from onceonly.errors import StoreCorrupt, StoreError
+from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import State
 from onceonly.stores import Query, open_store
-from tests.conftest import REDIS_URL, RUN_ID, join_url
+from tests._redis_server import PrivateRedisCluster
+from tests.conftest import REDIS_URL, RUN_ID, _unavailable, join_url
 from tests.stores._records import NOW, make
 
 redis = pytest.importorskip("redis")
@@ -245,3 +248,54 @@ def test_the_cluster_benchmark_runs(redis_base_url: str, redis_cluster_url: str,
         assert list(nodes.scan_iter(match=f"{base}*")) == []
     finally:
         single.close()
+
+
+def test_a_failover_loses_nothing_replicated_and_the_store_goes_on(tmp_path: Path) -> None:
+    """A master SIGKILLed on a cluster with one replica each: while the failover runs, calls on its slots
+    get StoreUnavailable (never a wrong answer); once its replica is promoted, every record written and
+    replicated before is there, a replay does not run the tool again, and new writes on those slots work
+    (the promoted node may lack the scripts: NOSCRIPT, loaded again)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        _unavailable("redis-server and redis-cli are needed to start a Redis Cluster")
+    cluster = PrivateRedisCluster(tmp_path, masters=3, replicas=1).start()
+    try:
+        url = f"{cluster.url}?warn_persistence=false&prefix=failover&socket_timeout=1&socket_connect_timeout=1"
+        ledger = Ledger.open(url)
+        runs: list[str] = []
+
+        @ledger.tool(name="charge")
+        def charge(order: str) -> dict[str, str]:
+            runs.append(order)
+            return {"charged": order}
+
+        orders = [f"o{i}" for i in range(30)]
+        for order in orders:
+            charge(order)
+        nodes = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+        for primary in nodes.get_primaries():
+            assert nodes.execute_command("WAIT", 1, 5000, target_nodes=primary) == 1  # replicated
+        store: Any = ledger.store
+        victim = nodes.get_node_from_key(store._keys(charge.key_for("o0"))[0])
+        nodes.close()
+        cluster.kill(victim.port)
+
+        refused = 0
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert charge("o0") == {"charged": "o0"}
+                break
+            except StoreUnavailable:
+                refused += 1
+                assert time.monotonic() < deadline, "no replica took over within 30 s"
+                time.sleep(0.2)
+        assert refused > 0, "the failover was never seen: the test proved nothing"
+        for order in orders:
+            assert charge(order) == {"charged": order}
+        assert sorted(runs) == sorted(orders), "a replay after the failover ran the tool again"
+        for order in ("n1", "n2", "n3"):
+            assert charge(order) == {"charged": order}  # new records, on the promoted master too
+        assert store.count_by_state() == {State.CONFIRMED: 33}
+        ledger.close()
+    finally:
+        cluster.stop()
