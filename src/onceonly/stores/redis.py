@@ -714,7 +714,9 @@ class RedisStore:
             for node in client.get_primaries():
                 self._check_eviction(settings["maxmemory-policy"].get(node.name), allow_eviction, node)
                 if warn:
-                    self._check_persistence(settings["appendonly"].get(node.name), settings["save"].get(node.name))
+                    self._check_persistence(
+                        settings["appendonly"].get(node.name), settings["save"].get(node.name), node
+                    )
         except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         self._check_meta(stored)
@@ -807,6 +809,7 @@ class RedisStore:
         ``CONFIG GET maxmemory-policy`` first; where CONFIG is disabled (managed services), ``INFO
         memory``; where neither answers, a warning. ``node``: the Cluster node the answer is from.
         """
+        where = self._where if node is None else f"{self._where} (Cluster node {node.name})"
         policy = None
         if answer is not None and not isinstance(answer, Exception):
             policy = answer.get(b"maxmemory-policy") or answer.get("maxmemory-policy")
@@ -820,7 +823,7 @@ class RedisStore:
                         "onceonly: could not read the maxmemory-policy of the Redis server at %s (CONFIG: %s; "
                         "INFO: %s). Make sure it is noeviction: a server that evicts keys loses records, and "
                         "their calls run again",
-                        self._where,
+                        where,
                         answer if isinstance(answer, Exception) else "no answer",
                         exc,
                     )
@@ -832,7 +835,7 @@ class RedisStore:
                 log.warning(
                     "onceonly: the Redis server at %s did not say its maxmemory-policy. Make sure it is noeviction: "
                     "a server that evicts keys loses records, and their calls run again",
-                    self._where,
+                    where,
                 )
             return
         policy = str(policy).lower()
@@ -845,16 +848,17 @@ class RedisStore:
             "set by anything else makes them evictable)"
         )
         raise StoreError(
-            f"the Redis server at {self._where} has maxmemory-policy {policy}, which {which}: an evicted record "
+            f"the Redis server at {where} has maxmemory-policy {policy}, which {which}: an evicted record "
             "is a call that runs again, an evicted index loses records from listings and the reconciler. Set "
             "CONFIG SET maxmemory-policy noeviction (and maxmemory-policy noeviction in redis.conf: a full server "
             "then refuses writes, which the ledger reports as StoreUnavailable, rather than forgetting calls), "
             "or open the ledger with allow_eviction=true if losing records is acceptable"
         )
 
-    def _check_persistence(self, appendonly: Any, save: Any) -> None:
+    def _check_persistence(self, appendonly: Any, save: Any, node: Any = None) -> None:
+        where = self._where if node is None else f"{self._where} (Cluster node {node.name})"
         if appendonly is None or save is None or isinstance(appendonly, Exception) or isinstance(save, Exception):
-            log.info("onceonly: could not read the persistence settings of %s (%s)", self._where, appendonly)
+            log.info("onceonly: could not read the persistence settings of %s (%s)", where, appendonly)
             return
         aof = (appendonly.get(b"appendonly") or appendonly.get("appendonly") or b"").lower()
         points = (save.get(b"save") or save.get("save") or b"").strip()
@@ -865,7 +869,7 @@ class RedisStore:
             "would lose the ledger, and calls that already ran would run again. Turn on the append-only "
             "file (CONFIG SET appendonly yes; appendfsync everysec, or always for no loss at all) and set "
             "it in redis.conf, or open the ledger with warn_persistence=false if this is intended",
-            self._where,
+            where,
         )
 
     # --- errors -----------------------------------------------------------------------------------
