@@ -1,6 +1,6 @@
 """A LangGraph agent that files one ticket, whatever happens on the way. Offline, SQLite everywhere.
 
-    pip install "onceonly[langchain]" langgraph-checkpoint-sqlite
+    pip install 'onceonly[langchain] @ git+<repository URL>' langgraph-checkpoint-sqlite
     python examples/langgraph_agent.py
 
 The model is LangChain's ``GenericFakeChatModel`` following a script (no API key, no network); the

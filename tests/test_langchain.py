@@ -957,7 +957,7 @@ def test_the_integration_is_imported_only_when_asked_for_and_names_its_extra() -
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout == "[]\n"
     missing = "import sys; sys.modules['langchain_core'] = None; import onceonly.langchain"
     done = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, check=False)
-    assert done.returncode != 0 and 'pip install "onceonly[langchain]"' in done.stderr
+    assert done.returncode != 0 and "pip install 'onceonly[langchain] @ git+" in done.stderr
 
 
 # --- the docs and the example -------------------------------------------------------------------

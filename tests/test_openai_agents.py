@@ -625,7 +625,7 @@ def test_the_sdk_is_imported_only_by_the_integration() -> None:
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout == "False\n"
     missing = "import sys; sys.modules['agents'] = None; import onceonly.openai_agents"
     done = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, check=False)
-    assert done.returncode != 0 and 'pip install "onceonly[openai-agents]"' in done.stderr
+    assert done.returncode != 0 and "pip install 'onceonly[openai-agents] @ git+" in done.stderr
 
 
 # --- the docs -----------------------------------------------------------------------------------------

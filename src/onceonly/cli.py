@@ -22,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - the cli extra is not installed
 else:
     _MISSING_CLI = None
 
+from onceonly._install import install_hint
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.states import UNSETTLED, Record, State
@@ -31,7 +32,7 @@ from onceonly.stores import redact_url
 def main() -> None:
     """Entry point of the ``onceonly`` script."""
     if _MISSING_CLI is not None:  # pragma: no cover
-        sys.stderr.write(f"the onceonly command needs its extra: pip install 'onceonly[cli]' ({_MISSING_CLI})\n")
+        sys.stderr.write(f"the onceonly command needs its extra: {install_hint('cli')} ({_MISSING_CLI})\n")
         sys.exit(2)
     cli()
 

@@ -33,6 +33,8 @@ import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from onceonly._install import install_hint
+
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
     from langchain_core.messages import BaseMessage, ToolMessage, message_to_dict, messages_from_dict
@@ -44,8 +46,7 @@ try:
     from pydantic import ConfigDict, PrivateAttr, SkipValidation, create_model
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
-        'onceonly.langchain needs langchain-core, langgraph and langchain: pip install "onceonly[langchain]" '
-        "(from a checkout: pip install -e '.[langchain]')"
+        f"onceonly.langchain needs langchain-core, langgraph and langchain: {install_hint('langchain')}"
     ) from exc
 
 from onceonly.errors import KeyConflict
@@ -72,7 +73,7 @@ else:
 
         class AgentMiddleware:
             def __init__(self, *args: Any, **kwargs: Any) -> None:
-                raise ImportError('OnceOnlyMiddleware needs langchain: pip install "onceonly[langchain]"')
+                raise ImportError(f"OnceOnlyMiddleware needs langchain: {install_hint('langchain')}")
 
 
 __all__ = ["GuardedTool", "OnceOnlyMiddleware", "guard", "guard_tools", "thread_scope"]

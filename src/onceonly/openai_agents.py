@@ -38,6 +38,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from onceonly._install import install_hint
+
 try:
     import agents
     from agents import (
@@ -62,10 +64,7 @@ try:
     from agents.tracing import get_current_trace
     from pydantic import TypeAdapter, ValidationError
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        'onceonly.openai_agents needs the OpenAI Agents SDK: pip install "onceonly[openai-agents]" '
-        "(from a checkout: pip install -e '.[openai-agents]')"
-    ) from exc
+    raise ImportError(f"onceonly.openai_agents needs the OpenAI Agents SDK: {install_hint('openai-agents')}") from exc
 
 from onceonly.drivers import current_call
 from onceonly.errors import OutcomeUnknown

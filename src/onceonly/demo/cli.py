@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from onceonly._cli import printable
+from onceonly._install import install_hint
 
 __all__ = ["COMMANDS", "demo"]
 
@@ -60,7 +61,7 @@ def demo(
         from onceonly.demo.run import DemoConfig, asks_of, run_demo
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise click.ClickException(
-            f"onceonly demo needs the server and http extras: pip install 'onceonly[server,http]' ({exc})"
+            f"onceonly demo needs the server and http extras: {install_hint('server,http')} ({exc})"
         ) from exc
     try:
         config = DemoConfig(agents=agents, ops=ops, fault_rate=fault_rate, seed=seed, url=url)

@@ -5,7 +5,7 @@
 - ``meta(key)`` / ``meta(scope=...)``: the ``_meta`` of a call that carries the client's own key.
 - ``onceonly mcp-proxy -- <upstream command …>``: the proxy (``onceonly.mcp.proxy``).
 
-The middlewares need the ``mcp`` extra (``pip install 'onceonly[mcp]'``) and are imported when first
+The middlewares need the ``mcp`` extra (see ``docs/mcp.md`` for installing it) and are imported when first
 used; ``meta`` and the policy types need nothing.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from onceonly._install import install_hint
 from onceonly.mcp.core import KEY_META, META_KEY, REPLAYED_META, SCOPE_META_KEY, ProbeTool, ToolPolicy, meta
 
 if TYPE_CHECKING:
@@ -48,5 +49,5 @@ def __getattr__(name: str) -> Any:
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"onceonly.mcp.{name} needs the mcp extra: pip install 'onceonly[mcp]' ({exc})") from exc
+        raise ImportError(f"onceonly.mcp.{name} needs the mcp extra: {install_hint('mcp')} ({exc})") from exc
     return getattr(mod, name)

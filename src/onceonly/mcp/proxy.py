@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import click
 
 from onceonly._cli import printable
+from onceonly._install import install_hint
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.mcp.config import ProxyConfig, load_config
 
@@ -128,7 +129,7 @@ def mcp_proxy(
     try:
         import fastmcp  # noqa: F401
     except ImportError as exc:
-        raise click.ClickException(f"mcp-proxy needs the mcp extra: pip install 'onceonly[mcp]' ({exc})") from exc
+        raise click.ClickException(f"mcp-proxy needs the mcp extra: {install_hint('mcp')} ({exc})") from exc
     try:
         config = load_config(config_path) if config_path else ProxyConfig()
     except (OSError, ValueError) as exc:

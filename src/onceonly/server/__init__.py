@@ -4,7 +4,7 @@
 
     app.add_middleware(IdempotencyMiddleware, store="sqlite:///idempotency.db")
 
-Needs the ``server`` extra (``pip install 'onceonly[server]'``) only for the Starlette/FastAPI glue
+Needs the ``server`` extra (installing it: README.md) only for the Starlette/FastAPI glue
 you bring yourself: the middleware is pure ASGI and imports no web framework.
 See docs/server.md.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from onceonly._install import install_hint
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import AsyncStore, Query, Store
 
@@ -26,13 +27,13 @@ def open_store(url: str) -> Store:
         try:
             from onceonly.stores.redis import RedisStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ImportError(f"{shown!r} needs the redis extra: pip install 'onceonly[redis]' ({exc})") from exc
+            raise ImportError(f"{shown!r} needs the redis extra: {install_hint('redis')} ({exc})") from exc
         return RedisStore(url)
     if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
         try:
             from onceonly.stores.postgres import PostgresStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ImportError(f"{shown!r} needs the postgres extra: pip install 'onceonly[postgres]' ({exc})") from exc
+            raise ImportError(f"{shown!r} needs the postgres extra: {install_hint('postgres')} ({exc})") from exc
         return PostgresStore(url)
     raise ValueError(
         f"no onceonly store for {shown!r}: use sqlite:///path.db, redis://host:6379/0 or postgresql://host/db"

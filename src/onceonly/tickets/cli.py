@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from onceonly._install import install_hint
 from onceonly.stores import redact_url
 
 __all__ = ["COMMANDS", "tickets"]
@@ -79,7 +80,7 @@ def tickets(
         from onceonly.tickets.faults import Faults
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise click.ClickException(
-            f"onceonly tickets needs the server extra: pip install 'onceonly[server]' ({exc})"
+            f"onceonly tickets needs the server extra: {install_hint('server')} ({exc})"
         ) from exc
     from onceonly.errors import StoreError
 
