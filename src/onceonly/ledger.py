@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar, get_args, overload
+from urllib.parse import urlsplit
 
 from onceonly import drivers
 from onceonly import states as st
@@ -121,7 +122,14 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        return cls(open_store(url or os.environ.get("ONCEONLY_URL") or DEFAULT_URL), **kwargs)
+        env = os.environ.get("ONCEONLY_URL")
+        source = "the url given" if url else "$ONCEONLY_URL" if env else "the default URL; set $ONCEONLY_URL to choose"
+        url = url or env or DEFAULT_URL
+        ledger = cls(open_store(url), **kwargs)
+        # A relative SQLite path depends on the working directory: say which file this is, so that an
+        # agent started from another folder does not silently get an empty ledger.
+        _log.info("onceonly: ledger at %s (%s)", _where_url(url), source)
+        return ledger
 
     def _observed(self) -> bool:
         return bool(self._listeners) or _transitions_log.isEnabledFor(logging.INFO)
@@ -521,6 +529,16 @@ def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
     if not isinstance(obj, Ledger):
         raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")
     return obj
+
+
+def _where_url(url: str) -> str:
+    """Where the ledger at ``url`` is, for a person: a SQLite file's absolute path, else the URL with
+    its password masked."""
+    if urlsplit(url).scheme.lower() == "sqlite":
+        from onceonly.stores.sqlite import parse_sqlite_url
+
+        return str(parse_sqlite_url(url)[0].resolve())
+    return redact_url(url)
 
 
 def _where(fn: Callable[..., Any]) -> str:
