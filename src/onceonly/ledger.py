@@ -206,13 +206,15 @@ class Ledger:
                 or a function of the arguments that returns the key.
             ignore: fields left out of the key and the fingerprint.
             normalize: field → function applied before hashing (``onceonly.normalize_text``…).
-            retry: persisted attempt limit and backoff; default ``Retry()``: 3 attempts.
+            retry: persisted attempt limit and backoff; default ``Retry()``: 3 attempts, base 1 s, cap 30 s.
             on_unknown: how an unknown outcome is settled: ``"review"`` (default), ``"probe"``,
-                ``"resend"`` (the other side honours the key), ``"retry"`` (naturally idempotent).
+                ``"resend"`` or ``"retry"``: run again with the same key (one behaviour; ``resend``
+                says the other side honours the key, ``retry`` that the tool is idempotent by nature).
             on_conflict: same key, other arguments: ``"raise"`` ``KeyConflict``, or ``"replay"``.
             probe: ``(args, key) -> result | onceonly.NOT_FOUND``: asks the other side.
-            settle: seconds to wait after an unknown before probing.
-            ttl: seconds a settled record is kept (``None``: forever).
+            settle: seconds to wait after an unknown before probing; default 0.
+            ttl: seconds a settled record is kept and replayed, default 86400 (a day); after it the same
+                call runs again (``None``: forever).
             lease: seconds a claim holds; heartbeats extend it while the tool runs.
             wait: the most seconds any one wait of a call lasts: for an in-flight outcome (then
                 ``InProgress``), a backoff or ``Retry-After`` (then ``RetryScheduled``, with its time), a
