@@ -3,7 +3,7 @@
     python benchmarks/bench.py --stores langchain          # or: python benchmarks/bench_langchain.py
 
 Each call is what a ``ToolNode`` sends: a tool call (name, arguments, id) with a config that names the
-thread, and a ``ToolMessage`` back. The floor is the same LangChain tool without onceonly. The goal's
+thread, and a ``ToolMessage`` back. The floor is the same LangChain tool without onceonly. The
 bound is that floor plus the guard by itself (``@ledger.tool`` on the tool's function, a first call on
 the same SQLite file), measured as one contender that does both: a guarded first call at most that
 bound (``guarded / bound`` <= 1) adds no more than the SQLite first-call cost, no framework round trip.
@@ -72,7 +72,7 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
     _, guarded_first, _, limit = contenders
     # Per round, like the table: the median of the per-round ratios.
     ratio = statistics.median(g / b for g, b in zip(guarded_first.per_call, limit.per_call, strict=True))
-    print(f"langchain: guarded first call / bound = {ratio:.2f} (goal: <= 1)")
+    print(f"langchain: guarded first call / bound = {ratio:.2f} (at most 1: no more than the guard's own cost)")
     rows.append({"store": "langchain", "what": "guarded first call / bound", "x_floor": round(ratio, 2)})
     return rows
 

@@ -78,8 +78,8 @@ def floor(store: RedisStore, prefix: str, *, direct: bool = False) -> Callable[[
 
     ``direct=True`` sends the same two ``SET`` on the path the store's primitives take: straight to
     the connection (``RedisStore._command``), below the Python that ``Redis.execute_command`` wraps
-    around every command. The table's ratios are to the redis-py floor (what the issue measures
-    against); this second floor shows how much of the store's lead is that path, so they read fairly.
+    around every command. The table's ratios are to the redis-py floor (what a user's own Redis code
+    would pay); this second floor shows how much of the store's lead is that path, so they read fairly.
     """
     client = store._thread()  # the single-connection client the store's primitives use
     history_1, history_2 = floor_histories()
@@ -268,9 +268,9 @@ _STRIPPED: dict[str, dict[str, tuple[str, ...]]] = {
         "claim": ("reindex(false, s, lease, expiry)", _ALL_KEYS),
         "swap": ("reindex(cur[2], s, lease, expiry)", "changed(v)\n"),
     },
-    # What the issue asks for (unknown, held-by-lease and expiry indexes, change notification),
+    # What the reconciler and waiters need (unknown, held-by-lease and expiry indexes, change notification),
     # without the all-keys index behind `ls` and the per-state counters behind `stats`.
-    "issue's indexes": {"claim": (_ALL_KEYS, *_COUNTERS), "swap": _COUNTERS},
+    "reconciler's indexes": {"claim": (_ALL_KEYS, *_COUNTERS), "swap": _COUNTERS},
 }
 
 
@@ -365,14 +365,14 @@ def guard_on_floor(store: RedisStore, prefix: str, ledgers: ExitStack) -> Callab
 def decompose(rounds: int, batch: int) -> list[dict[str, object]]:
     """One run, eight contenders: the floor, the floor below redis-py, two minimal scripts; the guard's
     Python alone on the floor's path and the store's scripts alone (each one half of a guarded call);
-    then the guarded call on scripts that keep no index, on scripts that keep only the indexes the issue
-    asks for, and the guarded call."""
+    then the guarded call on scripts that keep no index, on scripts that keep only the indexes the
+    reconciler needs, and the guarded call."""
     with _run_prefix() as prefix, ExitStack() as ledgers:  # the ledgers close before the keys go
         ledger = ledgers.enter_context(onceonly.Ledger.open(_url(prefix)))
         stripped = [
             (_strip(ledgers.enter_context(onceonly.Ledger.open(_url(f"{prefix}-bare"))), "record only"),
              "guarded first call, scripts without indexes"),
-            (_strip(ledgers.enter_context(onceonly.Ledger.open(_url(f"{prefix}-issue"))), "issue's indexes"),
+            (_strip(ledgers.enter_context(onceonly.Ledger.open(_url(f"{prefix}-reconciler"))), "reconciler's indexes"),
              "guarded, no all-keys index, no counters"),
         ]  # fmt: skip
         store = ledger.store

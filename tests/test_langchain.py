@@ -135,7 +135,7 @@ def react_graph(model: Scripted, tools: Sequence[Any], checkpointer: Any, **tool
     return graph.compile(checkpointer=checkpointer)
 
 
-# --- the issue's bugs, each in the frameworks' own terms ---------------------------------------------
+# --- the failures onceonly prevents, each in the frameworks' own terms -------------------------------
 
 
 def test_an_async_guarded_function_runs_as_a_langchain_tool(ledger: Ledger, effects: Effects) -> None:

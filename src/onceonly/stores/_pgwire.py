@@ -5,8 +5,8 @@ connection, with binary parameters and binary results, sent with psycopg's libpq
 (``PGconn.send_query_prepared``) and read by psycopg's own result reader (``generators.execute``,
 C-accelerated in psycopg's binary build) under the connection's ``wait()``, which also cancels the
 statement on Ctrl-C. A cursor's ``execute`` spends ~35 µs of client CPU per statement here (query
-conversion, adaptation, its preparation bookkeeping); this spends ~25 µs less per statement. It took
-a guarded first call from 1.19-1.22x of the floor to 1.15-1.19x (commit 7fd308c, docs/benchmarks.md).
+conversion, adaptation, its preparation bookkeeping); this spends ~25 µs less per statement, about 0.04x
+of the floor on a guarded first call (docs/benchmarks.md).
 
 One logic for both faces: ``run()`` is a generator that the sync connection's ``wait()`` drives, and
 the async connection's ``await wait()``.

@@ -201,7 +201,7 @@ class SQLiteStore:
         conn = self._connect()
         self._local.conn = conn
         # Reused by the hot primitives: conn.execute() would build a new cursor for every statement
-        # (one of the second session's cuts to the guard's Python, docs/benchmarks.md).
+        # (a few µs of Python on every call).
         self._local.cursor = conn.cursor()
         with self._lock:
             self._all.add(conn)
