@@ -5,8 +5,8 @@
 The ticket server commits the ticket and answers 3 s later; the client gives up waiting after 1 s and
 sends the same call again, with the same key in ``_meta``. Straight to the server that makes two
 tickets. Through ``onceonly mcp-proxy`` the retry waits for the first attempt and is answered with its
-result, marked as a replay: one ticket. Needs ``pip install 'onceonly[mcp] @ git+<repository URL>'``; writes into a temporary
-directory.
+result, marked as a replay: one ticket. Needs the ``mcp`` extra
+(``pip install 'onceonly[mcp] @ git+<repository URL>'``); writes into a temporary directory.
 """
 
 from __future__ import annotations
