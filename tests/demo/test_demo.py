@@ -60,7 +60,8 @@ def test_count_duplicates_missing_unsettled() -> None:
     assert row.duplicates_reasked == 2 and row.calls == 3
     assert row.to_dict() == {
         "name": "x", "asked": 5, "created": 5, "duplicates": 2, "missing": 1, "unsettled": 1,
-        "p50_ms": 20.0, "p99_ms": 30.0,
+        "p50_ms": 20.0, "p99_ms": 30.0, "calls": 3, "duplicates_reasked": 2, "faults": {}, "seconds": 0.0,
+        "reconciled": {}, "settled": {},
     }  # fmt: skip
 
 
@@ -86,9 +87,12 @@ def test_demo_json_numbers_at_the_default_fault_rate() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["seed"] == 1
+    assert data["settings"]["agents"] == 6 and data["settings"]["ops"] == 36 and data["settings"]["url"] is None
     assert [s["name"] for s in data["strategies"]] == ["naive", "key-only", "onceonly"]
-    keys = {"name", "asked", "created", "duplicates", "missing", "unsettled", "p50_ms", "p99_ms"}
+    keys = {"name", "asked", "created", "duplicates", "missing", "unsettled", "p50_ms", "p99_ms", "calls"}
+    keys |= {"duplicates_reasked", "faults", "seconds", "reconciled", "settled"}
     assert all(set(s) == keys for s in data["strategies"])
+    assert all(s["calls"] >= s["asked"] and sum(s["faults"].values()) > 0 for s in data["strategies"])
     naive, key_only, onceonly = data["strategies"]
     # Re-plans and second agents duplicate under both (each makes a new key, or none); only the faults
     # make naive's retries duplicate on top: more duplicates than key-only means the faults bit.
@@ -96,6 +100,9 @@ def test_demo_json_numbers_at_the_default_fault_rate() -> None:
     assert naive["duplicates"] > key_only["duplicates"], "the fault injection did not bite"
     assert (onceonly["duplicates"], onceonly["missing"], onceonly["unsettled"]) == (0, 0, 0)
     assert onceonly["created"] == onceonly["asked"] == 36
+    # How each operation was settled: every one confirmed, most by running, the rest by a probe or late.
+    assert sum(onceonly["settled"].values()) == 36
+    assert set(onceonly["settled"]) <= {"run", "probe", "late", "reconcile-probe"}
 
 
 @pytest.mark.slow

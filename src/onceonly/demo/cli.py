@@ -124,6 +124,8 @@ def _print_table(console: Console, result: Any) -> None:
                 f"Duplicates: {row.duplicates - row.duplicates_reasked} on operations asked once (lost or late "
                 f"answers), {row.duplicates_reasked} on operations asked again (a re-plan, a second agent)."
             )
+        if row.settled:
+            lines.append("Settled: " + ", ".join(f"{n} {how}" for how, n in row.settled.items()) + ".")
         if row.reconciled:
             lines.append("Reconciler: " + ", ".join(f"{n} {what}" for what, n in row.reconciled.items()) + ".")
         console.print(" ".join(lines), highlight=False)

@@ -29,6 +29,7 @@ from typing import Any
 
 from onceonly.demo.strategies import DONE, FAILED, STRATEGIES, UNSETTLED, Strategy
 from onceonly.demo.workload import Workload, make_workload
+from onceonly.stores import redact_url
 
 __all__ = ["DemoConfig", "DemoResult", "StrategyResult", "count", "percentile", "run_demo"]
 
@@ -97,6 +98,7 @@ class StrategyResult:
     faults: dict[str, int] = field(default_factory=dict)  # faults the service injected
     seconds: float = 0.0
     reconciled: dict[str, int] = field(default_factory=dict)  # onceonly: what its reconciler did
+    settled: dict[str, int] = field(default_factory=dict)  # onceonly: operations by how they were settled
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +110,12 @@ class StrategyResult:
             "unsettled": self.unsettled,
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
+            "calls": self.calls,
+            "duplicates_reasked": self.duplicates_reasked,
+            "faults": dict(self.faults),
+            "seconds": self.seconds,
+            "reconciled": dict(self.reconciled),
+            "settled": dict(self.settled),
         }
 
 
@@ -127,7 +135,14 @@ class DemoResult:
         return self.config.seed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "strategies": [s.to_dict() for s in self.strategies]}
+        c = self.config
+        settings = {
+            "agents": c.agents, "ops": c.ops, "fault_rate": c.fault_rate, "seed": c.seed,
+            "url": None if c.url is None else redact_url(c.url), "timeout": c.timeout,
+            "delay_seconds": c.delay_seconds, "settle": c.settle, "replan_rate": c.replan_rate,
+            "shared_rate": c.shared_rate,
+        }  # fmt: skip
+        return {"seed": self.seed, "settings": settings, "strategies": [s.to_dict() for s in self.strategies]}
 
     def __getitem__(self, name: str) -> StrategyResult:
         for row in self.strategies:
@@ -273,6 +288,7 @@ def run_strategy(
         faults={k: v for k, v in injected.items() if v},
         seconds=round(time.perf_counter() - started, 2),
         reconciled=reconciled,
+        settled=dict(getattr(strategy, "settled", {})),
     )
 
 

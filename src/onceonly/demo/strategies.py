@@ -144,6 +144,9 @@ class OnceOnly(Strategy):
         self.ledger: Ledger | None = None
         self.tool: Tool[..., Any] | None = None
         self.report: ReconcileReport | None = None
+        #: Operations by how their record was settled: its ``via`` (``run``, ``probe``, ``late``,
+        #: ``reconcile-probe``…), or its state when it is not confirmed.
+        self.settled: dict[str, int] = {}
 
     def start(self, url: str, workdir: Path) -> None:
         super().start(url, workdir)
@@ -202,6 +205,9 @@ class OnceOnly(Strategy):
         statuses: dict[int, str] = {}
         for op, (session_id, title) in enumerate(operations):
             rec = self.ledger.get(self.tool.key_for(session_id, title, ""))
+            how = "no record" if rec is None else rec.via or rec.state.value
+            how = "late" if how.startswith("late:") else how
+            self.settled[how] = self.settled.get(how, 0) + 1
             if rec is not None and rec.state is State.CONFIRMED:
                 statuses[op] = DONE
             elif rec is not None and rec.state in (State.FAILED, State.ABANDONED):
