@@ -10,12 +10,14 @@ import json
 import time
 from typing import Any, Unpack
 
+from onceonly._install import install_hint
+
 try:
     import requests
     from requests.adapters import HTTPAdapter
     from requests.structures import CaseInsensitiveDict
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
-    raise ImportError('onceonly.http.RequestsAdapter needs requests: pip install "onceonly[requests]"') from exc
+    raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
 from onceonly import drivers as _drivers
 from onceonly.http import _REPLAYED, Options, _close, _lookup_headers, _needs_mark_sent, _Rules, _run
