@@ -54,7 +54,7 @@ from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, safe_name
 from onceonly.policy import Verdict
 from onceonly.tell import TOLD, tell_model
-from onceonly.tools import ToolSpec, make_tool, same_definition
+from onceonly.tools import ToolSpec, frozen, make_tool, same_definition
 
 if TYPE_CHECKING:
     from langchain.agents.middleware import AgentMiddleware, ModelRequest
@@ -736,15 +736,6 @@ _made = weakref.WeakKeyDictionary()
 _made_lock = threading.Lock()
 
 
-def _frozen(value: Any) -> Any:
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
-    if isinstance(value, list | tuple | set | frozenset):
-        return ("seq", tuple(_frozen(v) for v in value))
-    hash(value)  # a callable, a number, a Retry: by value or identity; else TypeError (no reuse)
-    return value
-
-
 def guard(
     tool: BaseTool | Callable[..., Any],
     ledger: Ledger,
@@ -797,7 +788,7 @@ def guard(
             )
         tool = _as_tool(tool)
     try:
-        signature: tuple[Any, ...] | None = (name, tell_model, scope, _frozen(policy))
+        signature: tuple[Any, ...] | None = (name, tell_model, scope, frozen(policy))
     except TypeError:
         signature = None
     if signature is not None:

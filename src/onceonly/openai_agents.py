@@ -73,6 +73,7 @@ from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
 from onceonly.tell import TOLD
 from onceonly.tell import tell_model as _tell_model
+from onceonly.tools import frozen
 
 if TYPE_CHECKING:
     from agents.mcp import MCPToolMetaContext
@@ -403,15 +404,6 @@ _made = weakref.WeakKeyDictionary()
 _made_lock = threading.Lock()
 
 
-def _frozen(value: Any) -> Any:
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
-    if isinstance(value, list | tuple | set | frozenset):
-        return ("seq", tuple(_frozen(v) for v in value))
-    hash(value)  # a callable, a number, a Retry: by value or identity; else TypeError (no reuse)
-    return value
-
-
 def _identity(tool: FunctionTool) -> object:
     """What a tool invokes, to tell one function from another under one name."""
     try:
@@ -487,7 +479,7 @@ def _guard(
             "the schema"
         )
     try:
-        signature: tuple[Any, ...] | None = (name, tell_model, scope, _frozen(policy))
+        signature: tuple[Any, ...] | None = (name, tell_model, scope, frozen(policy))
     except TypeError:
         signature = None
     if signature is not None:

@@ -132,6 +132,18 @@ def default_name(fn: Callable[..., Any]) -> str:
     return name
 
 
+def frozen(value: Any) -> Any:
+    """A hashable form of an integration's settings (dicts, lists and sets by content), so that guarding
+    the same tool with the same settings again finds the wrapper made before. A value that cannot be
+    hashed raises ``TypeError``: then nothing is reused."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), frozen(v)) for k, v in value.items())))
+    if isinstance(value, list | tuple | set | frozenset):
+        return ("seq", tuple(frozen(v) for v in value))
+    hash(value)  # a callable, a number, a Retry: by value or identity
+    return value
+
+
 def refuse_framework_object(fn: object) -> None:
     """A framework's tool object is not a function to decorate: say which integration guards it."""
     for cls in type(fn).__mro__:
