@@ -29,7 +29,6 @@ import json
 import logging
 import threading
 import typing
-import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +53,7 @@ from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, safe_name
 from onceonly.policy import Verdict
 from onceonly.tell import TOLD, tell_model
-from onceonly.tools import ToolSpec, frozen, make_tool, same_definition
+from onceonly.tools import ToolSpec, Wrappers, make_tool, same_definition
 
 if TYPE_CHECKING:
     from langchain.agents.middleware import AgentMiddleware, ModelRequest
@@ -731,9 +730,7 @@ GuardedTool._arun.__annotations__ = {"config": RunnableConfig, "run_manager": As
 
 # One guarded tool per (ledger, original, settings): guarding the same tool again returns it, so the
 # ledger sees one definition under the tool's name.
-_made: weakref.WeakKeyDictionary[Ledger, dict[tuple[Any, ...], tuple[weakref.ref[BaseTool], GuardedTool]]]
-_made = weakref.WeakKeyDictionary()
-_made_lock = threading.Lock()
+_wrappers: Wrappers[GuardedTool] = Wrappers()
 
 
 def guard(
@@ -787,15 +784,18 @@ def guard(
                 "conversation's scope and the model's replay text)"
             )
         tool = _as_tool(tool)
-    try:
-        signature: tuple[Any, ...] | None = (name, tell_model, scope, frozen(policy))
-    except TypeError:
-        signature = None
-    if signature is not None:
-        with _made_lock:
-            found = _made.get(ledger, {}).get((id(tool), *signature))
-        if found is not None and found[0]() is tool:
-            return found[1]
+    settings = (name, tell_model, scope, policy)
+    return _wrappers.get(ledger, tool, settings, lambda: _make(tool, ledger, name, tell_model, scope, policy))
+
+
+def _make(
+    tool: BaseTool,
+    ledger: Ledger,
+    name: str | None,
+    tell_model: bool,
+    scope: Callable[[RunnableConfig | None], str | None],
+    policy: dict[str, Any],
+) -> GuardedTool:
     made = GuardedTool(
         inner=tool,
         name=tool.name,
@@ -812,9 +812,6 @@ def guard(
         extras=tool.extras,
     )
     made._spec = _Spec(tool, made, ledger, name or tool.name, tell_model, scope, dict(policy))
-    if signature is not None:
-        with _made_lock:
-            _made.setdefault(ledger, {})[(id(tool), *signature)] = (weakref.ref(tool), made)
     return made
 
 

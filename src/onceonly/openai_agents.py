@@ -32,9 +32,7 @@ import inspect
 import json
 import keyword
 import logging
-import threading
 import types
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +71,7 @@ from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
 from onceonly.tell import TOLD
 from onceonly.tell import tell_model as _tell_model
-from onceonly.tools import frozen
+from onceonly.tools import Wrappers
 
 if TYPE_CHECKING:
     from agents.mcp import MCPToolMetaContext
@@ -399,9 +397,7 @@ def _guarded_tool(tool: FunctionTool, spec: _Guard) -> FunctionTool:
 # --- guard(), guard_tools() -------------------------------------------------------------------------
 
 # One guarded tool per (ledger, original, settings): guarding the same tool again returns it.
-_made: weakref.WeakKeyDictionary[Ledger, dict[tuple[Any, ...], tuple[weakref.ref[FunctionTool], FunctionTool]]]
-_made = weakref.WeakKeyDictionary()
-_made_lock = threading.Lock()
+_wrappers: Wrappers[FunctionTool] = Wrappers()
 
 
 def _identity(tool: FunctionTool) -> object:
@@ -478,24 +474,15 @@ def _guard(
             "with @onceonly.openai_agents.function_tool(ledger), which fills the key in and leaves it out of "
             "the schema"
         )
-    try:
-        signature: tuple[Any, ...] | None = (name, tell_model, scope, frozen(policy))
-    except TypeError:
-        signature = None
-    if signature is not None:
-        with _made_lock:
-            cached = _made.get(ledger, {}).get((id(tool), *signature))
-        if cached is not None and cached[0]() is tool:
-            return cached[1]
-    spec = _Guard(
-        tool, ledger, name or tool.name, tell_model, scope, dict(policy),
-        identity if identity is not None else _identity(tool),
-    )  # fmt: skip
-    made = _guarded_tool(tool, spec)
-    if signature is not None:
-        with _made_lock:
-            _made.setdefault(ledger, {})[(id(tool), *signature)] = (weakref.ref(tool), made)
-    return made
+
+    def make() -> FunctionTool:
+        spec = _Guard(
+            tool, ledger, name or tool.name, tell_model, scope, dict(policy),
+            identity if identity is not None else _identity(tool),
+        )  # fmt: skip
+        return _guarded_tool(tool, spec)
+
+    return _wrappers.get(ledger, tool, (name, tell_model, scope, policy), make)
 
 
 def guard_tools(tools: Sequence[Any], ledger: Ledger, **options: Any) -> list[Any]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import threading
 import types
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
@@ -27,7 +29,7 @@ from onceonly.states import State
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
 
-__all__ = ["AsyncTool", "Tool", "ToolSpec", "make_tool"]
+__all__ = ["AsyncTool", "Tool", "ToolSpec", "Wrappers", "make_tool"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -142,6 +144,37 @@ def frozen(value: Any) -> Any:
         return ("seq", tuple(frozen(v) for v in value))
     hash(value)  # a callable, a number, a Retry: by value or identity
     return value
+
+
+W = TypeVar("W")
+
+
+class Wrappers(Generic[W]):
+    """One wrapper per (ledger, framework tool, settings), for integrations: guarding the same tool with
+    the same settings again returns the wrapper made before, so the ledger sees one definition under the
+    tool's name. Held weakly: a dropped ledger or tool takes its wrappers with it."""
+
+    def __init__(self) -> None:
+        self._made: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[weakref.ref[Any], W]]]
+        self._made = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, ledger: Any, original: Any, settings: tuple[Any, ...], make: Callable[[], W]) -> W:
+        """The wrapper of ``original`` under ``settings`` (made by ``make()`` the first time)."""
+        try:
+            key: tuple[Any, ...] | None = (id(original), *frozen(settings))
+        except TypeError:  # settings that cannot be compared: make a new one every time
+            key = None
+        if key is not None:
+            with self._lock:
+                found = self._made.get(ledger, {}).get(key)
+            if found is not None and found[0]() is original:
+                return found[1]
+        made = make()
+        if key is not None:
+            with self._lock:
+                self._made.setdefault(ledger, {})[key] = (weakref.ref(original), made)
+        return made
 
 
 def refuse_framework_object(fn: object) -> None:
