@@ -8,7 +8,6 @@ import gc
 import logging
 import random
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -24,7 +23,7 @@ from onceonly import states as st
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import HELD, Record, State
 from onceonly.stores import Query
-from tests._redis_server import PrivateRedis
+from tests._redis_server import PrivateRedis, free_cluster_port
 from tests.conftest import RUN_ID, join_url
 from tests.stores._records import NOW, make
 
@@ -78,30 +77,13 @@ def test_every_key_of_a_script_is_in_one_slot(store: RedisStore, key: str) -> No
     assert all(n.startswith(f"{store.prefix}:{{{store.prefix}:") for n in names)
 
 
-def _free_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too: a cluster node binds both and
-    exits at once when it cannot (ephemeral ports above 55535 have no bus port at all)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-
-
 @pytest.fixture(name="cluster_url")
 def fixture_cluster_url(tmp_path: Path) -> Iterator[str]:
     """A one-node Redis Cluster of our own (it owns all 16384 slots): it refuses cross-slot scripts."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.skip("redis-server is not installed: cannot start a cluster-mode node")
-    port = _free_port()
+    port = free_cluster_port()
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file",
          str(tmp_path / "nodes.conf"), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
@@ -579,7 +561,7 @@ def test_the_warning_can_be_turned_off(redis_base_url: str, caplog: pytest.LogCa
 
 def test_an_unreachable_server_is_store_unavailable() -> None:
     """Nothing listens there: opening says so as StoreUnavailable, with the address."""
-    port = _free_port()
+    port = free_cluster_port()
     with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}"):
         RedisStore(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=1")
 
