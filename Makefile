@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job: embedded, no servers needed
 	$(BIN)/onceonly demo
 
+TEST_WORKERS ?= 3
+
 test: $(STAMP)  ## the whole suite; Redis/PostgreSQL from ONCEONLY_TEST_REDIS_URL / ONCEONLY_TEST_POSTGRES_URL
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 bench: $(STAMP)  ## per-call overhead per store next to the store's own floor
 	$(BIN)/python benchmarks/bench.py
