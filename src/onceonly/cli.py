@@ -77,9 +77,7 @@ if _MISSING_CLI is None:
 
     def _when(ts: float | None) -> str:
         """An ISO 8601 time in UTC, to the millisecond."""
-        if ts is None:
-            return ""
-        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        return ops.iso(ts) or ""
 
     def _short_when(ts: float) -> str:
         return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
@@ -155,17 +153,7 @@ if _MISSING_CLI is None:
             short = {} if wide or as_json else ops.short_keys(ledger, [r.key for r in found.records])
         more = f"{found.more}{'+' if found.more_capped else ''}"
         if as_json:
-            click.echo(
-                dumps(
-                    {
-                        "records": [_record_json(r) for r in found.records],
-                        "more": found.more,
-                        "more_capped": found.more_capped,
-                        "next_after": found.next_after,
-                    },
-                    indent=2,
-                )
-            )
+            click.echo(dumps(found.to_dict(), indent=2))
             return
         # Sized for 80 columns: the key (its unique prefix), state and time whole; the tool is in the
         # key (scope:tool:digest) unless the key was given, then it is shown before the arguments.
@@ -215,20 +203,6 @@ if _MISSING_CLI is None:
             return rec.args_json
         return ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
 
-    def _iso(ts: float | None) -> str | None:
-        return None if ts is None else _when(ts)
-
-    def _record_json(rec: Record) -> dict[str, Any]:
-        """The record as JSON, its times also as ISO 8601 (UTC)."""
-        out = rec.to_dict()
-        for name in ("created_at", "updated_at", "lease_until", "next_attempt_at", "expires_at"):
-            out[f"{name}_iso"] = _iso(out[name])
-        for entry in out["history"]:
-            if isinstance(entry, dict) and isinstance(entry.get("at"), int | float):
-                entry["at_iso"] = _iso(entry["at"])
-        out["attempt_durations"] = ops.attempt_durations(rec)
-        return out
-
     @cli.command()
     @_url_option
     @click.argument("key")
@@ -239,7 +213,7 @@ if _MISSING_CLI is None:
         with _ledger(url) as ledger:
             rec = ops.find(ledger, key)
         if as_json:
-            click.echo(dumps(_record_json(rec), indent=2))
+            click.echo(dumps(ops.record_json(rec), indent=2))
             return
         lines = [
             ("key", rec.key),
@@ -316,7 +290,7 @@ if _MISSING_CLI is None:
         with _ledger(url) as ledger:
             rec = ledger.resolve(key, **kwargs)
         if as_json:
-            click.echo(dumps(_record_json(rec), indent=2))
+            click.echo(dumps(ops.record_json(rec), indent=2))
             return
         click.echo(printable(f"{key}: {rec.state.value}"))
 
@@ -497,7 +471,7 @@ if _MISSING_CLI is None:
             def once() -> None:
                 removed = ledger.purge()
                 if as_json:
-                    click.echo(json.dumps({"removed": removed, "at": _iso(time.time())}))
+                    click.echo(json.dumps({"removed": removed, "at": ops.iso(time.time())}))
                 else:
                     click.echo(f"{time.strftime('%H:%M:%S')} removed {removed} expired record(s)")
 

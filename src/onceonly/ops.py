@@ -13,6 +13,7 @@ import asyncio
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
@@ -34,10 +35,14 @@ __all__ = [
     "Page",
     "ToolStats",
     "attempt_durations",
+    "attempt_spans",
     "audit",
     "find",
+    "iso",
+    "latency",
     "page",
     "percentile",
+    "record_json",
     "short_keys",
     "stats",
     "suggest_timeout",
@@ -65,19 +70,45 @@ class Page:
     more_capped: bool = False
     next_after: str | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The page as JSON (``onceonly ls --json``, the dashboard's ``/api/records``)."""
+        return {
+            "records": [record_json(r) for r in self.records],
+            "more": self.more,
+            "more_capped": self.more_capped,
+            "next_after": self.next_after,
+        }
 
-def _walk(ledger: Ledger, query: Query, keep: Callable[[Record], bool]) -> Iterator[Record]:
+
+def _walk(ledger: Ledger, query: Query, keep: Callable[[Record], bool], prefix: str = "") -> Iterator[Record]:
     after = query.after
+    if prefix and (after is None or after < prefix):
+        # The key that is the prefix itself sorts before every longer key starting with it, and a
+        # scan from after=prefix leaves it out: read it alone, with the query's filters.
+        rec = ledger.store.get(prefix)
+        if rec is not None and _in_query(rec, query) and keep(rec):
+            yield rec
+        after = prefix
     while True:
         batch = ledger.store.scan(
             Query(states=query.states, tool=query.tool, scope=query.scope, after=after, limit=_BATCH)
         )
         for rec in batch:
+            if not rec.key.startswith(prefix):
+                return  # keys are in code point order: those starting with the prefix are together
             if keep(rec):
                 yield rec
         if len(batch) < _BATCH:
             return
         after = batch[-1].key
+
+
+def _in_query(rec: Record, query: Query) -> bool:
+    return (
+        (query.states is None or rec.state in query.states)
+        and query.tool in (None, rec.tool)
+        and query.scope in (None, rec.scope)
+    )
 
 
 def page(
@@ -87,15 +118,17 @@ def page(
     tool: str | None = None,
     scope: str | None = None,
     since: float | None = None,
+    prefix: str | None = None,
     after: str | None = None,
     limit: int = 50,
 ) -> Page:
-    """Records in key order matching the filters (``since``: updated at or after this time), at most
-    ``limit``, and a count of those after them (up to ``_COUNT_CAP`` more are read to count)."""
+    """Records in key order matching the filters (``since``: updated at or after this time;
+    ``prefix``: keys starting with it), at most ``limit``, and a count of those after them (up to
+    ``_COUNT_CAP`` more are read to count)."""
     query = Query(states=states, tool=tool, scope=scope, after=after)
     found: list[Record] = []
     more = 0
-    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since):
+    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since, prefix or ""):
         if len(found) < limit:
             found.append(rec)
             continue
@@ -103,6 +136,28 @@ def page(
         if more >= _COUNT_CAP:
             return Page(found, more, True, found[-1].key)
     return Page(found, more, False, found[-1].key if more else None)
+
+
+# --- records as JSON --------------------------------------------------------------------------------
+
+
+def iso(ts: float | None) -> str | None:
+    """An ISO 8601 time in UTC, to the millisecond (``2026-01-31T08:00:00.000Z``)."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def record_json(rec: Record) -> dict[str, Any]:
+    """The record as JSON, its times also as ISO 8601 (UTC), with its attempts' durations."""
+    out = rec.to_dict()
+    for name in ("created_at", "updated_at", "lease_until", "next_attempt_at", "expires_at"):
+        out[f"{name}_iso"] = iso(out[name])
+    for entry in out["history"]:
+        if isinstance(entry, dict) and isinstance(entry.get("at"), int | float):
+            entry["at_iso"] = iso(entry["at"])
+    out["attempt_durations"] = attempt_durations(rec)
+    return out
 
 
 # --- keys by prefix ---------------------------------------------------------------------------------
@@ -184,11 +239,11 @@ def _common(a: str, b: str) -> int:
 # --- stats ------------------------------------------------------------------------------------------
 
 
-def attempt_durations(rec: Record) -> list[float]:
-    """Seconds each attempt took that the history shows from its claim to its end (confirmed,
-    failed or unknown by the attempt's own outcome), oldest first."""
+def attempt_spans(rec: Record) -> list[tuple[float, float]]:
+    """When each attempt the history shows from its claim to its end (confirmed, failed or unknown by
+    the attempt's own outcome) began, and the seconds it took, oldest first."""
     started: dict[int, float] = {}
-    took: list[float] = []
+    spans: list[tuple[float, float]] = []
     for entry in rec.history:
         fence, to, at = entry.get("fence"), entry.get("to"), entry.get("at")
         if not isinstance(fence, int) or not isinstance(at, int | float):
@@ -203,8 +258,13 @@ def attempt_durations(rec: Record) -> list[float]:
                 continue
             if reason.startswith(("lease of ", "resolved by ", "released: ")):
                 continue
-            took.append(max(0.0, at - began))
-    return took
+            spans.append((began, max(0.0, at - began)))
+    return spans
+
+
+def attempt_durations(rec: Record) -> list[float]:
+    """Seconds each attempt took (``attempt_spans`` without their start), oldest first."""
+    return [took for _, took in attempt_spans(rec)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -221,6 +281,8 @@ class ToolStats:
     states: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
     durations: list[float] = field(default_factory=list)
+    #: Each timed attempt's start and duration (``attempt_spans``), for ``latency``.
+    spans: list[tuple[float, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tool": self.tool, "states": self.states, "conflicts": self.conflicts}
@@ -290,10 +352,50 @@ def stats(ledger: Ledger, *, tool: str | None = None, scope: str | None = None) 
         t.conflicts += rec.conflicts
         conflicts += rec.conflicts
         with_conflicts += rec.conflicts > 0
-        t.durations.extend(attempt_durations(rec))
+        spans = attempt_spans(rec)
+        t.spans.extend(spans)
+        t.durations.extend(took for _, took in spans)
         if rec.state in st.UNSETTLED and (oldest is None or rec.created_at < oldest.created_at):
             oldest = rec
     return LedgerStats(states, tools, conflicts, with_conflicts, oldest, ledger.clock())
+
+
+#: Bucket sizes ``latency`` picks from, in seconds: a minute up to a day.
+_BUCKETS = (60, 300, 900, 3600, 6 * 3600, 86400)
+
+
+def latency(
+    spans: Mapping[str, Sequence[tuple[float, float]]], *, bucket_seconds: float | None = None, buckets: int = 48
+) -> dict[str, Any]:
+    """Each tool's p50 and p99 of its attempts' durations by when they began, for a chart.
+
+    ``spans`` are each tool's ``(start, seconds)`` (``attempt_spans``, ``ToolStats.spans``). Attempts
+    are grouped by start into buckets of ``bucket_seconds``, aligned to UTC and the same for every tool
+    (default: the smallest of a minute, 5 and 15 minutes, an hour, 6 hours and a day that covers all
+    the spans in at most ``buckets`` buckets). Buckets without an attempt are left out.
+    """
+    starts = [start for tool_spans in spans.values() for start, _ in tool_spans]
+    if bucket_seconds is None:
+        width = max(starts) - min(starts) if starts else 0.0
+        bucket_seconds = next((b for b in _BUCKETS if width / b < buckets), _BUCKETS[-1])
+    if not (math.isfinite(bucket_seconds) and bucket_seconds > 0):
+        raise ValueError(f"bucket_seconds={bucket_seconds!r}: give a positive number of seconds")
+    tools: dict[str, list[dict[str, Any]]] = {}
+    for tool, tool_spans in sorted(spans.items()):
+        grouped: dict[float, list[float]] = {}
+        for start, took in tool_spans:
+            grouped.setdefault(math.floor(start / bucket_seconds) * bucket_seconds, []).append(took)
+        tools[tool] = [
+            {
+                "start": start,
+                "start_iso": iso(start),
+                "count": len(took),
+                "p50": percentile(took, 0.5),
+                "p99": percentile(took, 0.99),
+            }
+            for start, took in sorted(grouped.items())
+        ]
+    return {"bucket_seconds": bucket_seconds, "tools": tools}
 
 
 # --- audit ------------------------------------------------------------------------------------------
