@@ -460,6 +460,45 @@ if _MISSING_CLI is None:
 
     @cli.command()
     @_url_option
+    @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+    @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free one.")
+    @click.option(
+        "--token",
+        envvar="ONCEONLY_DASHBOARD_TOKEN",
+        default=None,
+        help="Every request must carry it (Authorization: Bearer, or ?token= in the page's address); needed "
+        "beyond loopback. Prefer $ONCEONLY_DASHBOARD_TOKEN: a command line is visible to other users.",
+    )
+    def dashboard(url: str, host: str, port: int, token: str | None) -> None:
+        """Serve a web page over the ledger until Ctrl-C: counts by state, records with filters, each
+        record's timeline, per-tool latency, resolving records in review; live. Its JSON API is under
+        /api/ (docs/operations.md)."""
+        try:
+            from onceonly.dashboard.app import check_binding, create_app
+            from onceonly.tickets._serve import serve
+        except ImportError as exc:
+            missing = f"no module named {exc.name!r}" if exc.name else str(exc)
+            raise click.ClickException(
+                f"onceonly dashboard needs its extra: {install_hint('dashboard')} ({missing})"
+            ) from exc
+        try:
+            check_binding(host, token)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+
+        def ready(address: str) -> None:
+            # The token is never printed: whoever started the dashboard has it.
+            page = f"{address}/?token=<token>" if token else f"{address}/"
+            click.echo(printable(f"onceonly dashboard of {redact_url(url)} at {page} (Ctrl-C stops it)"))
+
+        with _ledger(url) as ledger:
+            try:
+                serve(create_app(ledger, token=token), host=host, port=port, log_level="warning", on_ready=ready)
+            except OSError as exc:
+                raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+    @cli.command()
+    @_url_option
     @click.option("--every", type=Duration(), default=None, help="Purge every DURATION (1h) until stopped.")
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
     def purge(url: str, every: float | None, as_json: bool) -> None:

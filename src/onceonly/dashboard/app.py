@@ -1,0 +1,417 @@
+"""The dashboard's ASGI app: one page (``static/index.html``) and the JSON API under ``/api/`` it reads.
+
+It reads the ledger as ``onceonly ls``, ``show`` and ``stats`` do (``onceonly.ops``, the same JSON), and
+writes only through ``POST /api/resolve``, which calls ``Ledger.resolve`` with a reason and a name.
+
+Who may call it:
+
+- Bound to an address other machines reach, it needs a token (``check_binding``), and then every
+  request carries it: ``Authorization: Bearer T``, or ``?token=T`` on a GET (the page's address and its
+  event stream, which cannot send a header). Tokens are compared in constant time and never logged.
+- Without a token (loopback only) the ``Host`` header must name a loopback host: a web page whose
+  DNS name is made to point at 127.0.0.1 (DNS rebinding) is refused.
+- ``POST /api/resolve`` takes only ``Content-Type: application/json``, the token only in the header,
+  and an ``Origin`` (when the browser sends one) equal to the dashboard's own: a form or script on
+  another site can do none of these without a CORS preflight, which this app never grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
+from importlib.resources import files
+from typing import Any
+
+from onceonly._install import install_hint
+
+try:
+    import click
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.datastructures import MutableHeaders, QueryParams
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+except ImportError as exc:  # pragma: no cover - the dashboard extra is not installed
+    raise ImportError(
+        f"the onceonly dashboard needs the dashboard extra: {install_hint('dashboard')} ({exc})", name=exc.name
+    ) from exc
+
+from onceonly import ops
+from onceonly._cli import Since
+from onceonly.errors import InProgress, InvalidKey, NotSerializable, OnceOnlyError, StoreError
+from onceonly.ledger import Ledger
+from onceonly.states import State
+
+__all__ = ["MIN_TOKEN_LENGTH", "check_binding", "create_app", "is_loopback"]
+
+#: The shortest token accepted: a guessable one protects nothing.
+MIN_TOKEN_LENGTH = 16
+#: Records per page at most (``/api/records?limit=``).
+MAX_LIMIT = 500
+#: Seconds between two "has anything changed" reads of the event stream (one ``count_by_state``).
+POLL_SECONDS = 1.0
+#: Seconds of silence after which the event stream sends a comment, so proxies keep it open.
+KEEPALIVE_SECONDS = 15.0
+
+_SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",  # the page's address may carry ?token=
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",  # no other page frames the resolve button
+}
+_INLINE = re.compile(r"<(script|style)>(.*?)</\1>", re.DOTALL)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name, ``[::1]`` allowed) is reachable only from this machine."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to an address others reach
+
+
+def check_binding(host: str, token: str | None) -> None:
+    """Refuse to serve on ``host`` without a token unless it is a loopback address, and refuse a
+    token too short to protect anything.
+
+    Raises:
+        ValueError: what is wrong and what to give instead.
+
+    .. versionadded:: 0.1
+    """
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(
+            f"the token has {len(token)} characters; give at least {MIN_TOKEN_LENGTH}, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe())'"
+        )
+    if token is None and not is_loopback(host):
+        raise ValueError(
+            f"--host {host} is reachable from other machines: give a token (--token or "
+            "$ONCEONLY_DASHBOARD_TOKEN) that every request must carry, or serve on 127.0.0.1"
+        )
+
+
+def _host_name(header: str) -> str:
+    """The host of a ``Host`` header, without its port (``[::1]:8765`` gives ``::1``)."""
+    if header.startswith("["):
+        return header[1 : header.find("]")]
+    return header.rpartition(":")[0] if ":" in header else header
+
+
+def _presented_token(request: Request) -> str | None:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    # In the address only for GETs: a page, an API read, the event stream. A write takes the header,
+    # which no other site can make a browser send.
+    return request.query_params.get("token") if request.method in ("GET", "HEAD") else None
+
+
+def _refusal(request: Request, token: str | None) -> tuple[int, str] | None:
+    """Why ``request`` is refused (status, message), or ``None``: the rules of the module docstring."""
+    if token is None:
+        if not is_loopback(_host_name(request.headers.get("host", ""))):
+            return 403, "this dashboard answers only to a loopback Host (127.0.0.1, localhost)"
+    else:
+        presented = _presented_token(request)
+        if presented is None or not hmac.compare_digest(presented.encode(), token.encode()):
+            where = "the Authorization: Bearer header" if request.method == "POST" else "the header or ?token="
+            return 401, f"this dashboard needs its token, in {where}"
+    if request.method == "POST":
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
+            return 403, "a write must come from the dashboard's own page (Origin differs)"
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return 415, "send the body as JSON, with Content-Type: application/json"
+    return None
+
+
+class _Guard:
+    """Pure ASGI: refuse what ``_refusal`` refuses, and add the security headers to every answer."""
+
+    def __init__(self, app: ASGIApp, token: str | None, csp: str) -> None:
+        self.app = app
+        self.token = token
+        self.csp = csp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in _SECURITY_HEADERS.items():
+                    headers.setdefault(name, value)
+                headers.setdefault("Content-Security-Policy", self.csp)
+            await send(message)
+
+        refused = _refusal(Request(scope), self.token)
+        if refused is not None:
+            status, message = refused
+            extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            await JSONResponse({"error": message}, status, headers=extra)(scope, receive, send_secured)
+            return
+        await self.app(scope, receive, send_secured)
+
+
+def _csp(page: str) -> str:
+    """A Content-Security-Policy that runs only the page's own inline script and style (by hash)."""
+    hashes: dict[str, list[str]] = {"script": [], "style": []}
+    for tag, body in _INLINE.findall(page):
+        digest = base64.b64encode(hashlib.sha256(body.encode("utf-8")).digest()).decode("ascii")
+        hashes[tag].append(f"'sha256-{digest}'")
+    return (
+        f"default-src 'none'; script-src {' '.join(hashes['script'])}; style-src {' '.join(hashes['style'])}; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+
+
+# --- reading the query ------------------------------------------------------------------------------
+
+
+def _text(params: QueryParams, name: str) -> str | None:
+    value = params.get(name, "").strip()
+    return value or None
+
+
+def _states(params: QueryParams) -> list[State] | None:
+    names = [s for s in params.getlist("state") if s]
+    try:
+        return [State(s) for s in names] or None
+    except ValueError:
+        bad = next(s for s in names if s not in {x.value for x in State})
+        raise ValueError(f"state={bad!r}: give one of {', '.join(s.value for s in State)}") from None
+
+
+def _since(params: QueryParams) -> float | None:
+    text = _text(params, "since")
+    if text is None:
+        return None
+    try:
+        return Since().convert(text, None, None)
+    except click.BadParameter as exc:
+        raise ValueError(f"since: {exc.message}") from None
+
+
+def _number(params: QueryParams, name: str, default: float | None, low: float, high: float) -> float | None:
+    text = _text(params, name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={text!r}: give a number from {low:g} to {high:g}")
+    return value
+
+
+def records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
+    """``GET /api/records``: a page of records (``onceonly ls --json``) and each key's short form."""
+    limit = _number(params, "limit", 50, 1, MAX_LIMIT)
+    found = ops.page(
+        ledger,
+        states=_states(params),
+        tool=_text(params, "tool"),
+        scope=_text(params, "scope"),
+        since=_since(params),
+        prefix=_text(params, "prefix"),
+        after=_text(params, "after"),
+        limit=int(limit or 50),
+    )
+    out = found.to_dict()
+    out["short"] = ops.short_keys(ledger, [r.key for r in found.records])
+    return out
+
+
+def stats_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
+    """``GET /api/stats``: ``onceonly stats --json``, and each tool's latency by time (``ops.latency``)."""
+    figures = ops.stats(ledger, tool=_text(params, "tool"), scope=_text(params, "scope"))
+    out = figures.to_dict()
+    bucket = _number(params, "bucket", None, 1, 366 * 86400)
+    out["latency"] = ops.latency({t.tool: t.spans for t in figures.tools.values()}, bucket_seconds=bucket)
+    return out
+
+
+def counts_json(ledger: Ledger) -> dict[str, Any]:
+    """``GET /api/counts``: records per state from the store's counters (no record is read)."""
+    states = ledger.stats()
+    return {"states": states, "total": sum(states.values()), "url": ledger.url}
+
+
+def _resolve_args(body: Any) -> tuple[str, dict[str, Any], int | None]:
+    """The key, ``Ledger.resolve``'s keyword arguments and the version the page saw, from the body of
+    ``POST /api/resolve``; ``ValueError`` says what is missing."""
+    if not isinstance(body, dict):  # a client's body, answered 400: not a programming error
+        raise ValueError(  # noqa: TRY004
+            'send a JSON object: {"key": ..., "confirmed": RESULT or "failed": REASON, "by", "why"}'
+        )
+    key = body.get("key")
+    if not isinstance(key, str) or not key:
+        raise ValueError('"key": give the whole key of the record')
+    if ("confirmed" in body) == ("failed" in body):
+        raise ValueError('give exactly one of "confirmed": RESULT (it happened) or "failed": REASON (it did not)')
+    kwargs: dict[str, Any] = {}
+    for name in ("by", "why"):
+        value = body.get(name)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f'"{name}": give who resolves it and why; both are kept in the record\'s history')
+        kwargs[name] = value.strip()
+    if "confirmed" in body:
+        if body.get("reset"):
+            raise ValueError('"reset" goes with "failed": a confirmed record never runs again')
+        kwargs["confirmed"] = body["confirmed"]
+    else:
+        failed = body["failed"]
+        if not isinstance(failed, str) or not failed.strip():
+            raise ValueError('"failed": give the reason it did not happen, as text')
+        kwargs["failed"] = failed.strip()
+        kwargs["reset"] = body.get("reset") is True
+    version = body.get("version")
+    if version is not None and type(version) is not int:
+        raise ValueError('"version": the record\'s version as the page read it, an integer')
+    return key, kwargs, version
+
+
+def resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
+    """``POST /api/resolve``: settle a ``needs_review`` record by hand, as ``onceonly resolve`` does.
+
+    Only a record still in review (and at the ``version`` the page read, when given) is resolved: a page
+    left open must not settle a record the reconciler or a colleague settled meanwhile.
+    """
+    key, kwargs, version = _resolve_args(body)
+    rec = ledger.get(key)
+    if rec is None:
+        raise KeyError(f"no record with key {key!r}")
+    if rec.state is not State.NEEDS_REVIEW:
+        raise _Conflict(f"{key!r} is {rec.state.value}, not needs_review: reload; `onceonly resolve` settles others")
+    if version is not None and rec.version != version:
+        raise _Conflict(f"{key!r} changed since the page read it (version {version}, now {rec.version}): reload")
+    return ops.record_json(ledger.resolve(key, **kwargs))
+
+
+class _Conflict(Exception):
+    """The request is sound but the record is not in a state that allows it (HTTP 409)."""
+
+
+def _status(exc: Exception) -> int | None:
+    """The HTTP status of an error a read or a resolve raised, or ``None`` for a bug (500)."""
+    if isinstance(exc, InvalidKey | NotSerializable | ValueError):
+        return 400
+    if isinstance(exc, ops.AmbiguousKey | _Conflict | InProgress):
+        return 409
+    if isinstance(exc, KeyError):
+        return 404
+    if isinstance(exc, StoreError):
+        return 503
+    if isinstance(exc, OnceOnlyError):
+        return 409  # already confirmed, and the like: the message says which
+    return None
+
+
+async def _answer(work: Callable[[], Any]) -> Response:
+    """Run ``work`` (it reads the store: blocking) in a worker thread, its errors as JSON answers."""
+    try:
+        return JSONResponse(await run_in_threadpool(work))
+    except Exception as exc:
+        status = _status(exc)
+        if status is None:
+            raise
+        # str() of a KeyError is the repr of its message, quoted: send the message itself.
+        message = exc.args[0] if isinstance(exc, LookupError) and exc.args else str(exc)
+        return JSONResponse({"error": str(message)}, status)
+
+
+def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float = POLL_SECONDS) -> ASGIApp:
+    """The dashboard over ``ledger`` (which the caller opens and closes).
+
+    Args:
+        ledger: the ledger shown; read through ``onceonly.ops``, written only by ``/api/resolve``.
+        token: when given, every request must carry it (``Authorization: Bearer``, or ``?token=`` on
+            a GET). Serving beyond loopback without one is refused by ``check_binding``.
+        poll_seconds: how often the event stream asks the store whether anything changed.
+
+    .. versionadded:: 0.1
+    """
+    page = files("onceonly.dashboard").joinpath("static", "index.html").read_text(encoding="utf-8")
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    async def counts(request: Request) -> Response:
+        return await _answer(lambda: counts_json(ledger))
+
+    async def records(request: Request) -> Response:
+        return await _answer(lambda: records_json(ledger, request.query_params))
+
+    async def record(request: Request) -> Response:
+        key = request.query_params.get("key", "")
+
+        def read() -> dict[str, Any]:
+            found = ops.find(ledger, key)
+            return {**ops.record_json(found), "short": ops.short_keys(ledger, [found.key])[found.key]}
+
+        return await _answer(read)
+
+    async def stats(request: Request) -> Response:
+        return await _answer(lambda: stats_json(ledger, request.query_params))
+
+    async def resolve(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
+        return await _answer(lambda: resolve_json(ledger, body))
+
+    async def events(request: Request) -> Response:
+        return StreamingResponse(_changes(ledger, poll_seconds), media_type="text/event-stream")
+
+    routes = [
+        Route("/", index, methods=["GET"]),
+        Route("/api/counts", counts, methods=["GET"]),
+        Route("/api/records", records, methods=["GET"]),
+        Route("/api/record", record, methods=["GET"]),
+        Route("/api/stats", stats, methods=["GET"]),
+        Route("/api/events", events, methods=["GET"]),
+        Route("/api/resolve", resolve, methods=["POST"]),
+    ]
+    return _Guard(Starlette(routes=routes), token, _csp(page))
+
+
+def _event(name: str, data: Mapping[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _changes(ledger: Ledger, poll_seconds: float) -> AsyncIterator[str]:
+    """The event stream: ``counts`` now and whenever the records per state change, ``unavailable``
+    while the store cannot be read. The counts are the cheap check (one ``count_by_state``): every
+    transition moves a record from one state to another, and every new record adds one."""
+    yield "retry: 2000\n\n"  # the browser reconnects after 2 s when the stream drops
+    last: dict[str, Any] | None = None
+    quiet = 0.0
+    while True:
+        try:
+            now: dict[str, Any] = await run_in_threadpool(counts_json, ledger)
+        except StoreError as exc:
+            now = {"error": str(exc)}
+        if now != last:
+            yield _event("unavailable" if "error" in now else "counts", now)
+            last, quiet = now, 0.0
+        elif quiet >= KEEPALIVE_SECONDS:
+            yield ": still here\n\n"
+            quiet = 0.0
+        await asyncio.sleep(poll_seconds)
+        quiet += poll_seconds

@@ -1,0 +1,311 @@
+"""The dashboard's JSON API on every store, through Starlette's TestClient and a real uvicorn server:
+counts, filters and paging, a record's timeline, per-tool latency, resolving a record in review (the
+store changes, with who and why in its history), the token and the Host and Origin checks, and reads
+that leave the store exactly as it was. ``onceonly dashboard`` itself runs in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from starlette.testclient import TestClient
+
+from onceonly import Ledger, State, ops
+from onceonly.cli import cli
+from onceonly.dashboard.app import check_binding, create_app, is_loopback
+from onceonly.tickets import serve_in_thread
+from tests._dashboard import Events, Seeded, running, seed
+
+TOKEN = "t0ken-for-the-dashboard-tests"
+EVERY_GET = ["/", "/api/counts", "/api/records", "/api/stats", "/api/events"]
+
+
+@pytest.fixture(name="seeded")
+def fixture_seeded(store_url: str) -> Seeded:
+    """The store's ledger, filled by ``seed``."""
+    return seed(store_url)
+
+
+@pytest.fixture(name="api", params=["testclient", "uvicorn"])
+def fixture_api(request: pytest.FixtureRequest, store_url: str, seeded: Seeded) -> Iterator[httpx.Client]:
+    """A client of the dashboard over the seeded ledger: Starlette's TestClient, or httpx against the
+    app served by uvicorn on a free port of 127.0.0.1."""
+    with Ledger.open(store_url) as ledger:
+        app = create_app(ledger, poll_seconds=0.05)
+        if request.param == "testclient":
+            with TestClient(app, base_url="http://127.0.0.1:8765") as client:
+                yield client
+            return
+        with serve_in_thread(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+            yield client
+
+
+def _ok(response: httpx.Response) -> Any:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _everything(url: str) -> dict[str, Any]:
+    with Ledger.open(url) as ledger:
+        return {r.key: r for r in ledger.list(limit=1000)}
+
+
+def test_counts_filters_paging_and_timeline(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """The counts are the store's; filters by state, tool, scope, key prefix and time narrow the page;
+    ``after`` pages in key order; a short key opens the record with its whole timeline."""
+    counts = _ok(api.get("/api/counts"))
+    assert counts["states"]["confirmed"] == len(seeded.confirmed) == 21
+    assert (counts["states"]["needs_review"], counts["states"]["failed"], counts["states"]["unknown"]) == (2, 1, 1)
+    assert counts["total"] == 25
+
+    review = _ok(api.get("/api/records", params={"state": "needs_review"}))
+    assert [r["key"] for r in review["records"]] == sorted(seeded.review)
+    assert review["more"] == 0 and review["next_after"] is None
+    both = _ok(api.get("/api/records", params=[("state", "failed"), ("state", "unknown")]))
+    assert {r["key"] for r in both["records"]} == {seeded.failed, seeded.unknown}
+    assert [r["tool"] for r in _ok(api.get("/api/records", params={"tool": "email"}))["records"]] == ["email"]
+    assert _ok(api.get("/api/records", params={"scope": "elsewhere"}))["records"] == []
+    recent = _ok(api.get("/api/records", params={"tool": "charge", "since": "30m"}))
+    assert len(recent["records"]) == 3  # the charges made now, not those of hours ago
+    hour = _ok(api.get("/api/records", params={"prefix": "default:charge:h01"}))
+    assert [r["key"] for r in hour["records"]] == [f"default:charge:h01n{n}" for n in range(3)]
+    exact = _ok(api.get("/api/records", params={"prefix": seeded.failed, "state": "failed"}))
+    assert [r["key"] for r in exact["records"]] == [seeded.failed]
+
+    first = _ok(api.get("/api/records", params={"tool": "charge", "limit": 10}))
+    assert len(first["records"]) == 10 and first["more"] == 11
+    second = _ok(api.get("/api/records", params={"tool": "charge", "limit": 10, "after": first["next_after"]}))
+    keys = [r["key"] for r in first["records"] + second["records"]]
+    assert keys == sorted(keys) and len(set(keys)) == 20 and second["more"] == 1
+    assert all(first["short"][k].startswith("default:charge:") for k in keys[:10])
+
+    short = review["short"][seeded.review[0]]
+    assert len(short) < len(seeded.review[0])
+    rec = _ok(api.get("/api/record", params={"key": short}))
+    assert rec["key"] == seeded.review[0] and rec["state"] == "needs_review" and rec["args"] == {"order": "o-1"}
+    assert rec["error"] == "TimeoutError: read timed out" and rec["conflicts"] == 0
+    steps = [(h["from"], h["to"]) for h in rec["history"]]
+    assert steps == [(None, "in_flight"), ("in_flight", "unknown"), ("unknown", "needs_review")]
+    assert all(h["at_iso"].endswith("Z") and h["at_iso"].startswith("20") for h in rec["history"])
+    with Ledger.open(store_url) as ledger:
+        assert rec == {**ops.record_json(ops.find(ledger, short)), "short": short}  # what `show --json` says
+
+
+def test_bad_queries_are_answered_with_what_to_give(api: httpx.Client) -> None:
+    """A bad filter is a 400 naming it; an unknown key a 404, an ambiguous prefix a 409."""
+    for params, words in (
+        ({"state": "done"}, "give one of pending"),
+        ({"since": "yesterday"}, "neither a duration"),
+        ({"limit": "0"}, "limit='0': give a number from 1 to 500"),
+    ):
+        answer = api.get("/api/records", params=params)
+        assert answer.status_code == 400 and words in answer.json()["error"], answer.text
+    assert api.get("/api/record", params={"key": "nothing-like-it"}).status_code == 404
+    ambiguous = api.get("/api/record", params={"key": "default:charge:"})
+    assert ambiguous.status_code == 409 and "give more of the key" in ambiguous.json()["error"]
+
+
+def test_latency_by_tool(api: httpx.Client) -> None:
+    """``/api/stats`` is ``onceonly stats --json`` plus each tool's p50/p99 per time bucket: the
+    charges of six past hours fall in six buckets besides the current one."""
+    stats = _ok(api.get("/api/stats"))
+    charge = next(t for t in stats["tools"] if t["tool"] == "charge")
+    assert charge["attempts_timed"] == 21 and charge["p99"] >= charge["p50"] > 0
+    latency = stats["latency"]
+    assert latency["bucket_seconds"] == 900  # about six hours: 15 minutes gives at most 48 buckets
+    series = latency["tools"]["charge"]
+    assert len(series) >= 7 and sum(p["count"] for p in series) == 21
+    oldest = series[0]  # h05: durations 0.1, 0.15, 0.2
+    assert (oldest["count"], oldest["p50"], oldest["p99"]) == (3, pytest.approx(0.15), pytest.approx(0.2))
+    assert [p["start"] for p in series] == sorted(p["start"] for p in series)
+    hourly = _ok(api.get("/api/stats", params={"bucket": "3600"}))["latency"]
+    assert hourly["bucket_seconds"] == 3600 and all(p["start"] % 3600 == 0 for p in hourly["tools"]["charge"])
+
+
+@pytest.mark.parametrize("outcome", ["failed", "confirmed"])
+def test_resolve_with_reason_and_who(api: httpx.Client, store_url: str, seeded: Seeded, outcome: str) -> None:
+    """Resolving a record in review writes to the store: its state, ``via="resolve"``, and a history
+    entry naming who and why. A record not in review, a stale version, or no name or reason is refused
+    and changes nothing."""
+    key = seeded.review[0]
+    with Ledger.open(store_url) as ledger:
+        version = ledger.get(key).version  # type: ignore[union-attr]
+    body: dict[str, Any] = {"key": key, "version": version, "by": "alice", "why": "the bank shows no refund"}
+    body.update({"failed": "the bank shows no refund"} if outcome == "failed" else {"confirmed": {"refund": "r-9"}})
+
+    before = _everything(store_url)
+    for bad, status, words in (
+        ({**body, "by": " "}, 400, "give who resolves it and why"),
+        ({k: v for k, v in body.items() if k != "why"}, 400, "give who resolves it and why"),
+        ({**body, "version": version - 1}, 409, "changed since the page read it"),
+        ({**body, "key": seeded.failed}, 409, "is failed, not needs_review"),
+        ({**body, "key": "default:refund:nope"}, 404, "no record"),
+        ({**body, "failed": "x", "confirmed": 1}, 400, "exactly one of"),
+    ):
+        answer = api.post("/api/resolve", json=bad)
+        assert answer.status_code == status and words in answer.json()["error"], (bad, answer.text)
+    assert _everything(store_url) == before
+
+    done = _ok(api.post("/api/resolve", json=body))
+    assert done["state"] == outcome and done["via"] == "resolve"
+    with Ledger.open(store_url) as ledger:
+        rec = ledger.get(key)
+    assert rec is not None and rec.state is State(outcome) and rec.version > version
+    last = rec.history[-1]
+    assert (last["from"], last["to"], last["by"]) == ("needs_review", outcome, "alice")
+    assert last["reason"] == "resolved by alice: the bank shows no refund"
+    if outcome == "confirmed":
+        assert rec.result == {"refund": "r-9"}
+    else:
+        assert rec.error == "the bank shows no refund"
+    again = api.post("/api/resolve", json={**body, "version": rec.version})
+    assert again.status_code == 409 and "not needs_review" in again.json()["error"]
+    assert _ok(api.get("/api/counts"))["states"]["needs_review"] == 1
+
+
+def test_reads_leave_the_store_as_it_was(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """Every read endpoint, with and without filters, leaves each record (state, version, history)
+    exactly as it was."""
+    before = _everything(store_url)
+    for path in EVERY_GET[:-1]:
+        _ok(api.get(path)) if path != "/" else api.get(path).raise_for_status()
+    for params in ({"state": "needs_review"}, {"tool": "charge", "prefix": "default:charge:h0", "since": "1d"}):
+        _ok(api.get("/api/records", params=params))
+    for key in (seeded.review[0], seeded.unknown, seeded.confirmed[-1]):
+        _ok(api.get("/api/record", params={"key": key}))
+    if not isinstance(api, TestClient):  # TestClient reads whole answers, and the stream never ends
+        with api.stream("GET", "/api/events") as response:
+            assert Events(response).next()[0] == "counts"
+    assert _everything(store_url) == before
+
+
+# --- who may call it --------------------------------------------------------------------------------
+
+
+@pytest.fixture(name="guarded")
+def fixture_guarded(sqlite_url: str) -> Iterator[TestClient]:
+    """A TestClient of a dashboard that needs ``TOKEN``, over a seeded SQLite ledger."""
+    seed(sqlite_url, orders=1, reviews=1, spread_hours=0)
+    with Ledger.open(sqlite_url) as ledger, TestClient(create_app(ledger, token=TOKEN)) as client:
+        yield client
+
+
+def test_a_token_is_needed_for_every_request(guarded: TestClient) -> None:
+    """With a token set, the page and every API answer 401 without it or with another; with it, in
+    the header or (for a GET) in the address, they answer. The stream is refused before it starts."""
+    for path in EVERY_GET:
+        missing = guarded.get(path)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer", path
+        assert guarded.get(path, headers={"Authorization": f"Bearer {TOKEN}x"}).status_code == 401
+        assert guarded.get(path, params={"token": TOKEN[:-1]}).status_code == 401
+    for path in EVERY_GET[:-1]:
+        assert guarded.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200, path
+        assert guarded.get(path, params={"token": TOKEN}).status_code == 200, path
+    page = guarded.get("/", params={"token": TOKEN})
+    assert TOKEN not in page.text and page.headers["referrer-policy"] == "no-referrer"
+    assert "script-src 'sha256-" in page.headers["content-security-policy"]
+    assert page.headers["x-frame-options"] == "DENY"
+
+
+def test_a_write_takes_the_token_in_its_header_json_and_the_same_origin(guarded: TestClient, sqlite_url: str) -> None:
+    """``POST /api/resolve`` refuses the token in the address (a link or a form could carry it),
+    a body that is not JSON by its content type, and a request from another origin."""
+    (rec,) = Ledger.open(sqlite_url).list(state="needs_review")
+    body = {"key": rec.key, "failed": "no refund", "by": "alice", "why": "no refund"}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert guarded.post("/api/resolve", params={"token": TOKEN}, json=body).status_code == 401
+    as_form = guarded.post("/api/resolve", headers=auth, content=json.dumps(body), params={})
+    assert as_form.status_code == 415  # no Content-Type: application/json
+    other = guarded.post("/api/resolve", headers={**auth, "Origin": "https://evil.example"}, json=body)
+    assert other.status_code == 403 and "Origin" in other.json()["error"]
+    assert Ledger.open(sqlite_url).get(rec.key).state is State.NEEDS_REVIEW  # type: ignore[union-attr]
+    same = guarded.post("/api/resolve", headers={**auth, "Origin": "http://testserver"}, json=body)
+    assert same.status_code == 200 and same.json()["state"] == "failed"
+
+
+def test_without_a_token_only_a_loopback_host_is_answered(sqlite_url: str) -> None:
+    """With no token, a request whose Host is not a loopback name (a DNS name rebound to 127.0.0.1)
+    is refused; 127.0.0.1, localhost and [::1] are answered."""
+    seed(sqlite_url, orders=1, reviews=0, spread_hours=0)
+    with Ledger.open(sqlite_url) as ledger, TestClient(create_app(ledger)) as client:
+        for host in ("evil.example", "evil.example:8765", "192.168.1.5:8765"):
+            assert client.get("/api/counts", headers={"Host": host}).status_code == 403, host
+        for host in ("127.0.0.1:8765", "localhost:8765", "[::1]:8765", "127.0.0.1"):
+            assert client.get("/api/counts", headers={"Host": host}).status_code == 200, host
+
+
+def test_binding_beyond_loopback_needs_a_token() -> None:
+    """``check_binding`` refuses a non-loopback address without a token, and a short token."""
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert is_loopback(host)
+        check_binding(host, None)
+    for host in ("0.0.0.0", "::", "192.168.1.5", "dashboard.example"):
+        assert not is_loopback(host)
+        with pytest.raises(ValueError, match="reachable from other machines: give a token"):
+            check_binding(host, None)
+        check_binding(host, TOKEN)
+    with pytest.raises(ValueError, match="give at least 16"):
+        check_binding("0.0.0.0", "short")
+
+
+def test_the_command_refuses_to_serve_beyond_loopback_without_a_token(sqlite_url: str, tmp_path: Path) -> None:
+    """``onceonly dashboard --host 0.0.0.0`` without a token exits 2 with what to do, before opening
+    anything; a missing ledger is refused (exit 1) and not made."""
+    seed(sqlite_url, orders=1, reviews=0, spread_hours=0)
+    no_token = {"ONCEONLY_DASHBOARD_TOKEN": None}
+    refused = CliRunner().invoke(cli, ["dashboard", "--url", sqlite_url, "--host", "0.0.0.0"], env=no_token)
+    assert refused.exit_code == 2 and "give a token (--token or $ONCEONLY_DASHBOARD_TOKEN)" in refused.output
+    missing = tmp_path / "nowhere" / "ledger.db"
+    absent = CliRunner().invoke(cli, ["dashboard", "--url", f"sqlite:///{missing}", "--port", "0"])
+    assert absent.exit_code == 1 and "no ledger at" in absent.output
+    assert not missing.parent.exists()
+
+
+def test_the_command_serves_with_a_token_and_streams_changes(sqlite_url: str) -> None:
+    """``onceonly dashboard`` in its own process: 401 without the token, 200 with it; the token is not
+    in its output; the event stream sends the counts, then new counts when a call adds a record."""
+    seed(sqlite_url, orders=1, reviews=1, spread_hours=0)
+    with running(sqlite_url, env={"ONCEONLY_DASHBOARD_TOKEN": TOKEN}) as dashboard:
+        assert TOKEN not in dashboard.banner and "?token=<token>" in dashboard.banner
+        assert httpx.get(f"{dashboard.url}/api/counts").status_code == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"{dashboard.url}/api/counts", headers=auth).json()["total"] == 4
+        with httpx.stream("GET", f"{dashboard.url}/api/events", params={"token": TOKEN}, timeout=30) as response:
+            events = Events(response)
+            assert events.next() == ("counts", httpx.get(f"{dashboard.url}/api/counts", headers=auth).json())
+            with Ledger.open(sqlite_url) as ledger:
+
+                @ledger.tool(name="charge")
+                def charge(order: str, amount: int) -> None:
+                    return None
+
+                charge("o-new", 1)
+            began = time.monotonic()
+            name, counts = events.next()
+            assert name == "counts" and counts["total"] == 5 and time.monotonic() - began < 5
+
+
+def test_a_missing_extra_names_the_install_command(sqlite_url: str, tmp_path: Path) -> None:
+    """Without Starlette or uvicorn, ``onceonly dashboard`` exits 1 naming the extra and how to add it
+    from the repository."""
+    for module in ("starlette", "uvicorn"):
+        code = f"import sys; sys.modules[{module!r}] = None; from onceonly.cli import main; main()"
+        done = subprocess.run(
+            [sys.executable, "-c", code, "dashboard", "--url", sqlite_url],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert done.returncode == 1, done.stderr
+        assert "needs its extra: pip install 'onceonly[dashboard] @ git+" in done.stderr
+        assert f"no module named '{module}" in done.stderr
