@@ -171,12 +171,24 @@ def test_resolve_with_reason_and_who(api: httpx.Client, store_url: str, seeded: 
     assert _ok(api.get("/api/counts"))["states"]["needs_review"] == 1
 
 
+def _sqlite_files(url: str) -> dict[str, bytes]:
+    """A SQLite ledger's file and its write-ahead log, byte for byte (nothing for the other stores).
+    Not the -shm index, where readers mark what they read."""
+    if not url.startswith("sqlite:"):
+        return {}
+    path = Path(url.removeprefix("sqlite:///"))
+    found = {p.name: p.read_bytes() for p in (path, path.with_name(f"{path.name}-wal")) if p.exists()}
+    assert path.name in found
+    return found
+
+
 def test_reads_leave_the_store_as_it_was(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
     """Every read endpoint, with and without filters, leaves each record (state, version, history)
-    exactly as it was."""
-    before = _everything(store_url)
-    for path in EVERY_GET[:-1]:
-        _ok(api.get(path)) if path != "/" else api.get(path).raise_for_status()
+    exactly as it was; a SQLite ledger's files are not written at all."""
+    before, files = _everything(store_url), _sqlite_files(store_url)
+    assert api.get("/").status_code == 200
+    for path in EVERY_GET[1:-1]:
+        _ok(api.get(path))
     for params in ({"state": "needs_review"}, {"tool": "charge", "prefix": "default:charge:h0", "since": "1d"}):
         _ok(api.get("/api/records", params=params))
     for key in (seeded.review[0], seeded.unknown, seeded.confirmed[-1]):
@@ -184,6 +196,7 @@ def test_reads_leave_the_store_as_it_was(api: httpx.Client, store_url: str, seed
     if not isinstance(api, TestClient):  # TestClient reads whole answers, and the stream never ends
         with api.stream("GET", "/api/events") as response:
             assert Events(response).next()[0] == "counts"
+    assert _sqlite_files(store_url) == files
     assert _everything(store_url) == before
 
 

@@ -469,7 +469,14 @@ if _MISSING_CLI is None:
         help="Every request must carry it (Authorization: Bearer, or ?token= in the page's address); needed "
         "beyond loopback. Prefer $ONCEONLY_DASHBOARD_TOKEN: a command line is visible to other users.",
     )
-    def dashboard(url: str, host: str, port: int, token: str | None) -> None:
+    @click.option(
+        "--poll",
+        type=click.FloatRange(min=0.1),
+        default=1.0,
+        show_default=True,
+        help="Seconds between two checks for changes (a count of the records per state), for the live page.",
+    )
+    def dashboard(url: str, host: str, port: int, token: str | None, poll: float) -> None:
         """Serve a web page over the ledger until Ctrl-C: counts by state, records with filters, each
         record's timeline, per-tool latency, resolving records in review; live. Its JSON API is under
         /api/ (docs/operations.md)."""
@@ -493,7 +500,13 @@ if _MISSING_CLI is None:
 
         with _ledger(url) as ledger:
             try:
-                serve(create_app(ledger, token=token), host=host, port=port, log_level="warning", on_ready=ready)
+                serve(
+                    create_app(ledger, token=token, poll_seconds=poll),
+                    host=host,
+                    port=port,
+                    log_level="warning",
+                    on_ready=ready,
+                )
             except OSError as exc:
                 raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 

@@ -23,10 +23,14 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import re
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from importlib.resources import files
 from typing import Any
+from urllib.parse import urlsplit
 
 from onceonly._install import install_hint
 
@@ -129,8 +133,9 @@ def _refusal(request: Request, token: str | None) -> tuple[int, str] | None:
             where = "the Authorization: Bearer header" if request.method == "POST" else "the header or ?token="
             return 401, f"this dashboard needs its token, in {where}"
     if request.method == "POST":
+        # The host only, not the scheme: behind a proxy that ends TLS the page is https, the app sees http.
         origin = request.headers.get("origin")
-        if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
             return 403, "a write must come from the dashboard's own page (Origin differs)"
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return 415, "send the body as JSON, with Content-Type: application/json"
@@ -342,10 +347,13 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         ledger: the ledger shown; read through ``onceonly.ops``, written only by ``/api/resolve``.
         token: when given, every request must carry it (``Authorization: Bearer``, or ``?token=`` on
             a GET). Serving beyond loopback without one is refused by ``check_binding``.
-        poll_seconds: how often the event stream asks the store whether anything changed.
+        poll_seconds: how often the event stream asks the store whether anything changed (one count of
+            the records per state, shared by every page that listens).
 
     .. versionadded:: 0.1
     """
+    if not (math.isfinite(poll_seconds) and poll_seconds > 0):
+        raise ValueError(f"poll_seconds={poll_seconds!r}: give a positive number of seconds")
     page = files("onceonly.dashboard").joinpath("static", "index.html").read_text(encoding="utf-8")
 
     async def index(request: Request) -> Response:
@@ -376,8 +384,10 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
             return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
         return await _answer(lambda: resolve_json(ledger, body))
 
+    shared = _SharedCounts(ledger, poll_seconds)
+
     async def events(request: Request) -> Response:
-        return StreamingResponse(_changes(ledger, poll_seconds), media_type="text/event-stream")
+        return StreamingResponse(_changes(shared), media_type="text/event-stream")
 
     routes = [
         Route("/", index, methods=["GET"]),
@@ -395,23 +405,44 @@ def _event(name: str, data: Mapping[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
-async def _changes(ledger: Ledger, poll_seconds: float) -> AsyncIterator[str]:
+class _SharedCounts:
+    """The counts per state, read from the store at most once per ``every`` seconds however many
+    pages listen: each read counts the records (an index scan on the SQL stores)."""
+
+    def __init__(self, ledger: Ledger, every: float) -> None:
+        self.ledger = ledger
+        self.every = every
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._value: dict[str, Any] = {}
+
+    def read(self) -> dict[str, Any]:
+        with self._lock:
+            # 0.9: a stream that polls every `every` seconds still gets a fresh read each time.
+            if time.monotonic() - self._read_at >= 0.9 * self.every:
+                try:
+                    self._value = counts_json(self.ledger)
+                except StoreError as exc:
+                    self._value = {"error": str(exc)}
+                self._read_at = time.monotonic()
+            return self._value
+
+
+async def _changes(counts: _SharedCounts) -> AsyncIterator[str]:
     """The event stream: ``counts`` now and whenever the records per state change, ``unavailable``
-    while the store cannot be read. The counts are the cheap check (one ``count_by_state``): every
-    transition moves a record from one state to another, and every new record adds one."""
+    while the store cannot be read. The counts are the cheap check: a new record, and every move from
+    one state to another, changes them. A change that leaves them all as they were (a conflict counted
+    on a confirmed record, two records crossing) shows with the next one, or a reload."""
     yield "retry: 2000\n\n"  # the browser reconnects after 2 s when the stream drops
     last: dict[str, Any] | None = None
     quiet = 0.0
     while True:
-        try:
-            now: dict[str, Any] = await run_in_threadpool(counts_json, ledger)
-        except StoreError as exc:
-            now = {"error": str(exc)}
+        now = await run_in_threadpool(counts.read)
         if now != last:
             yield _event("unavailable" if "error" in now else "counts", now)
             last, quiet = now, 0.0
         elif quiet >= KEEPALIVE_SECONDS:
             yield ": still here\n\n"
             quiet = 0.0
-        await asyncio.sleep(poll_seconds)
-        quiet += poll_seconds
+        await asyncio.sleep(counts.every)
+        quiet += counts.every
