@@ -88,11 +88,13 @@ def seed(url: str, *, orders: int = 3, reviews: int = 2, spread_hours: int = 6) 
         with pytest.raises(Exception, match="unknown"):
             ship("o-1")
         made.unknown = ship.key_for("o-1")
-        now = time.time()
+        hour_start = time.time() // 3600 * 3600  # each hour's three charges in one 15-minute bucket
         for hour in range(spread_hours):
             for n in range(3):
                 rec = _timed(
-                    f"default:charge:h{hour:02d}n{n}", now - 3600 * (hour + 1) + 60 * n, 0.05 * (n + 1) + 0.01 * hour
+                    f"default:charge:h{hour:02d}n{n}",
+                    hour_start - 3600 * (hour + 1) + 60 * n,
+                    0.05 * (n + 1) + 0.01 * hour,
                 )
                 assert ledger.store.insert(rec)
                 made.confirmed.append(rec.key)
