@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from onceonly.cli import cli
 from onceonly.dashboard.app import check_binding, create_app, is_loopback
 from onceonly.tickets import serve_in_thread
 from tests._dashboard import Events, Seeded, running, seed
+from tests._urls import SECRET, with_password
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 EVERY_GET = ["/", "/api/counts", "/api/records", "/api/stats", "/api/events"]
@@ -322,3 +324,18 @@ def test_a_missing_extra_names_the_install_command(sqlite_url: str, tmp_path: Pa
         assert done.returncode == 1, done.stderr
         assert "needs its extra: pip install 'onceonly[dashboard] @ git+" in done.stderr
         assert f"no module named '{module}" in done.stderr
+
+
+def test_the_store_password_is_never_shown(store_url: str) -> None:
+    """A Redis or PostgreSQL URL with a password: the command's first line and every answer name the
+    store with the password masked."""
+    if store_url.startswith("sqlite"):
+        pytest.skip("a SQLite URL has no password")
+    url = with_password(store_url)
+    seed(url, orders=1, reviews=1, spread_hours=0)
+    with running(url) as dashboard:
+        assert SECRET not in dashboard.banner and urlsplit(store_url).hostname in dashboard.banner
+        for path in EVERY_GET[:-1]:
+            answer = httpx.get(f"{dashboard.url}{path}", timeout=30)
+            assert answer.status_code == 200 and SECRET not in answer.text, path
+        assert "***" in httpx.get(f"{dashboard.url}/api/counts", timeout=30).json()["url"]

@@ -109,14 +109,7 @@ def test_the_page_shows_filters_opens_resolves_and_updates_live(browser: Any, sq
 
             page.fill("#resolve-why", "the bank shows no refund")
             page.fill("#resolve-by", "alice")
-            page.click("#resolve-confirm")
-            page.wait_for_selector("#detail-body [data-state='failed'].state")
-            expect(page.locator('[data-count="needs_review"] b')).to_have_text("1")
-            with Ledger.open(sqlite_url) as ledger:
-                rec = ledger.get(key)
-                assert rec is not None and rec.state is State.FAILED and rec.via == "resolve"
-                assert rec.history[-1]["by"] == "alice"
-                assert rec.history[-1]["reason"] == "resolved by alice: the bank shows no refund"
+            with Ledger.open(sqlite_url) as ledger:  # a call elsewhere, while the form is being filled
 
                 @ledger.tool(name="charge")
                 def charge(order: str, amount: int) -> dict[str, Any]:
@@ -124,8 +117,18 @@ def test_the_page_shows_filters_opens_resolves_and_updates_live(browser: Any, sq
 
                 charge("o-late", 5)
                 late = charge.key_for("o-late", 5)
-            page.click("#f-clear")
             expect(page.locator('[data-count="total"] b')).to_have_text("26")
+            assert page.input_value("#resolve-why") == "the bank shows no refund"  # the update kept the form
+
+            page.click("#resolve-confirm")
+            page.wait_for_selector("#detail-body [data-state='failed'].state")
+            expect(page.locator('[data-count="needs_review"] b')).to_have_text("1")
+            with Ledger.open(sqlite_url) as ledger:
+                rec = ledger.get(key)
+            assert rec is not None and rec.state is State.FAILED and rec.via == "resolve"
+            assert rec.history[-1]["by"] == "alice"
+            assert rec.history[-1]["reason"] == "resolved by alice: the bank shows no refund"
+            page.click("#f-clear")
             page.wait_for_selector(f'#records tr[data-key="{late}"]')
             assert page.evaluate("window.notReloaded") is True
             shot = tmp_path / "dashboard.png"
