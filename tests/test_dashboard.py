@@ -79,8 +79,14 @@ def test_counts_filters_paging_and_timeline(api: httpx.Client, store_url: str, s
     assert len(recent["records"]) == 3  # the charges made now, not those of hours ago
     hour = _ok(api.get("/api/records", params={"prefix": "default:charge:h01"}))
     assert [r["key"] for r in hour["records"]] == [f"default:charge:h01n{n}" for n in range(3)]
+    hours = {"prefix": "default:charge:h0", "limit": 10}
+    early = _ok(api.get("/api/records", params=hours))
+    late = _ok(api.get("/api/records", params={**hours, "after": early["next_after"]}))
+    assert (len(early["records"]), early["more"], len(late["records"]), late["more"]) == (10, 8, 8, 0)
+    assert all(r["key"].startswith("default:charge:h0") for r in early["records"] + late["records"])
     exact = _ok(api.get("/api/records", params={"prefix": seeded.failed, "state": "failed"}))
     assert [r["key"] for r in exact["records"]] == [seeded.failed]
+    assert _ok(api.get("/api/records", params={"prefix": seeded.failed, "state": "confirmed"}))["records"] == []
 
     first = _ok(api.get("/api/records", params={"tool": "charge", "limit": 10}))
     assert len(first["records"]) == 10 and first["more"] == 11
