@@ -224,7 +224,7 @@ def _number(params: QueryParams, name: str, default: float | None, low: float, h
     return value
 
 
-def records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
+def _records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
     """``GET /api/records``: a page of records (``onceonly ls --json``) and each key's short form."""
     limit = _number(params, "limit", 50, 1, MAX_LIMIT)
     found = ops.page(
@@ -242,7 +242,7 @@ def records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
     return out
 
 
-def stats_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
+def _stats_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
     """``GET /api/stats``: ``onceonly stats --json``, and each tool's latency by time (``ops.latency``)."""
     figures = ops.stats(ledger, tool=_text(params, "tool"), scope=_text(params, "scope"))
     out = figures.to_dict()
@@ -251,7 +251,7 @@ def stats_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
     return out
 
 
-def counts_json(ledger: Ledger) -> dict[str, Any]:
+def _counts_json(ledger: Ledger) -> dict[str, Any]:
     """``GET /api/counts``: records per state from the store's counters (no record is read)."""
     states = ledger.stats()
     return {"states": states, "total": sum(states.values()), "url": ledger.url}
@@ -291,7 +291,7 @@ def _resolve_args(body: Any) -> tuple[str, dict[str, Any], int | None]:
     return key, kwargs, version
 
 
-def resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
+def _resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
     """``POST /api/resolve``: settle a ``needs_review`` record by hand, as ``onceonly resolve`` does.
 
     Only a record still in review (and at the ``version`` the page read, when given) is resolved: a page
@@ -360,10 +360,10 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         return HTMLResponse(page)
 
     async def counts(request: Request) -> Response:
-        return await _answer(lambda: counts_json(ledger))
+        return await _answer(lambda: _counts_json(ledger))
 
     async def records(request: Request) -> Response:
-        return await _answer(lambda: records_json(ledger, request.query_params))
+        return await _answer(lambda: _records_json(ledger, request.query_params))
 
     async def record(request: Request) -> Response:
         key = request.query_params.get("key", "")
@@ -375,14 +375,14 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         return await _answer(read)
 
     async def stats(request: Request) -> Response:
-        return await _answer(lambda: stats_json(ledger, request.query_params))
+        return await _answer(lambda: _stats_json(ledger, request.query_params))
 
     async def resolve(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
         except ValueError as exc:
             return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
-        return await _answer(lambda: resolve_json(ledger, body))
+        return await _answer(lambda: _resolve_json(ledger, body))
 
     shared = _SharedCounts(ledger, poll_seconds)
 
@@ -421,7 +421,7 @@ class _SharedCounts:
             # 0.9: a stream that polls every `every` seconds still gets a fresh read each time.
             if time.monotonic() - self._read_at >= 0.9 * self.every:
                 try:
-                    self._value = counts_json(self.ledger)
+                    self._value = _counts_json(self.ledger)
                 except StoreError as exc:
                     self._value = {"error": str(exc)}
                 self._read_at = time.monotonic()
