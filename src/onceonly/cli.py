@@ -532,6 +532,37 @@ if _MISSING_CLI is None:
                 return
             run_every(every, once)
 
+    @cli.command("metrics")
+    @_url_option
+    @click.option("--port", type=click.IntRange(0, 65535), default=9464, show_default=True, help="0: any free port.")
+    @click.option("--addr", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: all).")
+    def metrics_command(url: str, port: int, addr: str) -> None:
+        """Serve the ledger's records by state and the age of its oldest unsettled record as Prometheus
+        gauges on http://ADDR:PORT/metrics, read from the store at each scrape (reads only). Runs until
+        stopped. The counters of guarded calls live in the processes that make them: see
+        docs/operations.md, "Metrics"."""
+        try:
+            from prometheus_client import CollectorRegistry
+
+            from onceonly.metrics import LedgerCollector, start_http_server
+        except ImportError as exc:
+            raise _fail(exc) from exc
+        with _ledger(url) as ledger:
+            registry = CollectorRegistry()
+            registry.register(LedgerCollector(ledger))
+            try:
+                server, thread = start_http_server(port, addr, registry=registry)
+            except OSError as exc:
+                raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from exc
+            where = f"http://{addr}:{server.server_port}/metrics"
+            click.echo(printable(f"serving the metrics of {redact_url(url)} on {where}"), err=True)
+            try:
+                thread.join()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                server.shutdown()
+
     # Commands that live beside the things they run. Their modules import only click and rich at the
     # top (the ticket service and the demo load their extras when run), so `onceonly --help` stays fast.
     from onceonly import settle_cli

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, OnceOnlyError, StoreError, StoreUnavailable
-from onceonly.events import alert, alerting, emit
+from onceonly.events import alerting, emit, key_conflict
 from onceonly.guard import (
     Action,
     Call,
@@ -427,9 +427,10 @@ _REVIEW = State.NEEDS_REVIEW
 
 def _alert_conflict(exc: KeyConflict) -> None:
     rec = exc.record
-    alert(
-        "KeyConflict",
+    key_conflict(
+        exc,
         f"{exc.key}: the key was used before with other arguments",
+        source="guard",
         key=exc.key,
         tool=None if rec is None else rec.tool,
         scope=None if rec is None else rec.scope,

@@ -4,10 +4,15 @@ and alerts: WARNING events on ``onceonly.alerts`` whose ``event`` name is stable
 Alert names: ``KeyConflict`` (a key reused with other arguments), ``LateDuplicate`` (a late outcome that
 reveals the side effect happened twice, or where the record said it did not), ``ParkedForReview`` (a
 record moved to needs_review: a person must settle it), ``AuditDisagreement`` (``onceonly audit``).
+``KeyConflict`` comes from each place a key meets other arguments: the guard (``source="guard"``), the
+server middleware's 422 (``"server"``) and ``onceonly.http``'s 422 from a server (``"http"``).
+Alert listeners (``onceonly.metrics``) hear every alert of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -16,7 +21,7 @@ from typing import Any
 
 from onceonly.states import Record, State
 
-__all__ = ["ALERTS", "TransitionEvent", "alert", "event_of"]
+__all__ = ["ALERTS", "TransitionEvent", "alert", "event_of", "key_conflict", "listen_alerts", "short_key"]
 
 log = logging.getLogger("onceonly.transitions")
 #: The logger of alerts: each record carries ``extra={"onceonly": {"event": NAME, ...}}``.
@@ -25,12 +30,53 @@ alerts = logging.getLogger("onceonly.alerts")
 ALERTS = ("KeyConflict", "LateDuplicate", "ParkedForReview", "AuditDisagreement")
 
 
+AlertListener = Callable[[str, dict[str, Any]], None]
+_alert_listeners: list[AlertListener] = []
+
+
+def listen_alerts(listener: AlertListener) -> None:
+    """Call ``listener(event, fields)`` after every alert of this process (the metrics count them).
+
+    .. versionadded:: 0.1
+    """
+    _alert_listeners.append(listener)
+
+
 def alert(event: str, message: str, **fields: Any) -> None:
     """Log an alert: a WARNING on ``onceonly.alerts``, ``extra={"onceonly": {"event": event, **fields}}``.
 
     .. versionadded:: 0.1
     """
     alerts.warning("%s: %s", event, message, extra={"onceonly": {"event": event, **fields}})
+    for listener in _alert_listeners:
+        try:
+            listener(event, fields)
+        except Exception:  # a broken listener must not break the caller
+            log.exception("onceonly: an alert listener failed")
+
+
+def short_key(key: str) -> str:
+    """A key as an alert shows a key that came from outside (an HTTP client's, which may hold anything):
+    16 hex digits of its SHA-256, enough to match it against a suspected key, never the key itself.
+
+    .. versionadded:: 0.1
+    """
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def key_conflict(exc: BaseException | None, message: str, *, source: str, **fields: Any) -> None:
+    """The ``KeyConflict`` alert, once per exception ``exc`` (if there is one): a 422 that
+    ``onceonly.http`` alerted inside a guarded tool reaches the guard again as the tool's own error, and
+    must not count twice.
+
+    .. versionadded:: 0.1
+    """
+    if exc is not None:
+        if getattr(exc, "_onceonly_alerted", False):
+            return
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__: alert anyway
+            exc._onceonly_alerted = True  # type: ignore[attr-defined]
+    alert("KeyConflict", message, source=source, **fields)
 
 
 def alerting(record: Record) -> bool:
@@ -73,6 +119,8 @@ class TransitionEvent:
     reason: str
     by: str | None
     at: float
+    #: The record's ``via`` (how its outcome was settled: ``run``, ``probe``, ``late:N``…), if any.
+    via: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +146,7 @@ def event_of(record: Record) -> TransitionEvent:
         reason=last.get("reason", ""),
         by=last.get("by"),
         at=last["at"],
+        via=record.via,
     )
 
 

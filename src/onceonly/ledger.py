@@ -97,6 +97,8 @@ class Ledger:
         self.asleep = asleep
         self.rng = rng or random.Random()
         self._listeners: list[Listener] = []
+        #: ``onceonly.metrics.instrument``: ``tool spec -> context manager`` around each guarded call.
+        self._count_call: Callable[[ToolSpec], contextlib.AbstractContextManager[Any]] | None = None
         on_tick = None if self._store_clock is None else self._store_clock.sync_if_due
         self._beats = drivers.Heartbeats(store, self.clock, on_tick)
         self._late_tasks: set[asyncio.Task[Any]] = set()

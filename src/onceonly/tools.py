@@ -322,14 +322,24 @@ class ToolSpec:
         if self.readonly:
             return _readonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
-        return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs))
+        counted = self.ledger._count_call
+        if counted is None:  # no metrics: the call pays one attribute read for them
+            return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs))
+        with counted(self) as seen:
+            seen.outcome = drivers.drive(self.ledger, plan(call), self, call, args, kwargs)
+        return self.finish(seen.outcome)
 
     async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
         """Run (or replay) one call of an async tool."""
         if self.readonly:
             return await _areadonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
-        return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs))
+        counted = self.ledger._count_call
+        if counted is None:
+            return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs))
+        with counted(self) as seen:
+            seen.outcome = await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs)
+        return self.finish(seen.outcome)
 
     def __repr__(self) -> str:
         return f"<onceonly tool {self.name!r} on {self.ledger.url}>"

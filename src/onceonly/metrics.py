@@ -1,0 +1,439 @@
+"""Prometheus metrics: what guarded calls did (counters, histograms) and what a ledger holds (gauges read
+at scrape time).
+
+    instrument(ledger)        this ledger's calls, transitions and store latency, in the default REGISTRY
+    enable()                  the alerts of this process only (a server with the middleware and no ledger)
+    asgi_app()                /metrics for a Starlette or FastAPI app
+    start_http_server(9464)   /metrics from a thread, for a worker process
+    LedgerCollector(ledger)   records by state and the oldest unsettled age, read when scraped
+                              (``onceonly metrics --url STORE`` serves it)
+
+Counters are fed by what the ledger already announces: transition events (``Ledger.subscribe``) and
+alerts (``onceonly.events``); a guarded call's outcome and duration by one context manager around it, and
+the store's latency by a thin wrapper around the ledger's store. All three exist only on an instrumented
+ledger: one that is not pays one attribute read per call. Counters are per process, as Prometheus
+clients' always are; see docs/operations.md for several processes.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, cast
+
+try:
+    import prometheus_client
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    from onceonly._install import install_hint
+
+    raise ImportError(f"onceonly.metrics needs prometheus-client: {install_hint('metrics')}") from exc
+
+from onceonly import events, ops
+from onceonly.errors import (
+    AttemptsExhausted,
+    InProgress,
+    KeyConflict,
+    OnceOnlyError,
+    OutcomeUnknown,
+    RetryScheduled,
+    StoreError,
+)
+from onceonly.events import TransitionEvent
+from onceonly.states import UNSETTLED, State
+from onceonly.stores.base import Query, Store
+
+if TYPE_CHECKING:
+    from onceonly.guard import Outcome
+    from onceonly.ledger import Ledger
+    from onceonly.tools import ToolSpec
+
+__all__ = [
+    "LedgerCollector",
+    "Metrics",
+    "asgi_app",
+    "call_outcome",
+    "enable",
+    "instrument",
+    "settle_path",
+    "start_http_server",
+    "store_kind",
+]
+
+#: Seconds: SQLite answers in tens of microseconds, a remote store in milliseconds.
+STORE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+#: Seconds: a guarded call is a replay (one read) up to a slow tool's whole run.
+CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# The store operations that are timed: each sync one and its async twin (``aget`` is ``get``).
+_TIMED = ("get", "claim", "insert", "swap", "delete", "scan", "count_by_state")
+
+
+# --- decisions: pure, on events and outcomes --------------------------------------------------------
+
+
+def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
+    """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
+    or what it raised: ``failed`` (the tool's own error), ``unknown``, ``needs_review``, ``in_progress``,
+    ``scheduled`` (its retry is due later), ``conflict``, ``abandoned``, ``store_error``, ``error``.
+
+    .. versionadded:: 0.1
+    """
+    if out is not None:
+        return out.state.value
+    if isinstance(exc, KeyConflict):
+        return "conflict"
+    if isinstance(exc, RetryScheduled):
+        return "scheduled"
+    if isinstance(exc, InProgress):
+        return "in_progress"
+    if isinstance(exc, OutcomeUnknown):
+        rec = exc.record
+        return "needs_review" if rec is not None and rec.state is State.NEEDS_REVIEW else "unknown"
+    if isinstance(exc, AttemptsExhausted):
+        return "abandoned"
+    if isinstance(exc, StoreError):
+        return "store_error"
+    if isinstance(exc, OnceOnlyError):
+        return "error"
+    return "failed"
+
+
+def settle_path(event: TransitionEvent) -> str | None:
+    """How the transition settled its record, as the ``via`` label (``late:N`` becomes ``late``, so that
+    the label's values stay few), or ``None`` when it settled nothing.
+
+    A settle is a move into ``confirmed`` (``run``, ``probe``, ``late``, ``reconcile-probe``,
+    ``resolve``), or a record that was unknown or parked settled as not having happened (``failed`` by
+    ``probe``, ``reconcile-probe`` or ``resolve``).
+
+    .. versionadded:: 0.1
+    """
+    to, frm, reason = event.to_state, event.from_state, event.reason
+    if to == "confirmed" and frm != "confirmed":
+        via = event.via or "run"
+        return "late" if via.startswith("late:") else via
+    if to == "failed":
+        if reason.startswith("resolved by "):
+            return "resolve"
+        if frm in ("unknown", "needs_review"):
+            if reason.startswith("reconcile probe"):
+                return "reconcile-probe"
+            if reason.startswith("probe"):
+                return "probe"
+    return None
+
+
+def _is_takeover(event: TransitionEvent) -> bool:
+    """A caller or the reconciler took a record from a holder whose lease ran out (guard.py, settle.py:
+    "lease of OWNER expired", "the lease of OWNER expired before dispatch")."""
+    return event.from_state in ("pending", "in_flight") and "lease of " in event.reason and " expired" in event.reason
+
+
+def store_kind(store: object) -> str:
+    """The ``store`` label: ``sqlite``, ``redis``, ``postgres``, or a custom store's class name.
+
+    .. versionadded:: 0.1
+    """
+    name = type(store).__name__
+    known = {"SQLiteStore": "sqlite", "RedisStore": "redis", "PostgresStore": "postgres"}
+    return known.get(name, name.removesuffix("Store").lower() or name.lower())
+
+
+# --- the metrics of one registry -----------------------------------------------------------------------
+
+
+class Metrics:
+    """The onceonly metrics in one Prometheus registry. Made by ``enable``; one per registry.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.calls = Counter(
+            "onceonly_calls", "Guarded calls by tool and outcome (a replay counts as confirmed).",
+            ["tool", "outcome"], registry=r,
+        )  # fmt: skip
+        self.call_seconds = Histogram(
+            "onceonly_call_duration_seconds", "Guarded calls' duration, replays included.", ["tool"],
+            buckets=CALL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.replays = Counter(
+            "onceonly_replays", "Calls answered from the ledger without running the tool.", ["tool"], registry=r
+        )
+        self.unknowns = Counter(
+            "onceonly_unknowns", "Records that became unknown: sent, outcome not known.", ["tool"], registry=r
+        )
+        self.settles = Counter(
+            "onceonly_settles", "Records settled, by how (via) and into which state.", ["tool", "via", "state"],
+            registry=r,
+        )  # fmt: skip
+        self.takeovers = Counter(
+            "onceonly_lease_takeovers", "Records taken from a holder whose lease ran out.", ["tool"], registry=r
+        )
+        self.conflicts = Counter(
+            "onceonly_conflicts", "KeyConflict: a key reused with other arguments, by where it was seen.",
+            ["source", "tool"], registry=r,
+        )  # fmt: skip
+        self.audit_disagreements = Counter(
+            "onceonly_audit_disagreements", "Settled records the tool's probe contradicts.", ["tool"], registry=r
+        )
+        self.alerts = Counter("onceonly_alerts", "Alerts logged on onceonly.alerts, by name.", ["event"], registry=r)
+        self.store_seconds = Histogram(
+            "onceonly_store_operation_duration_seconds", "Store operations' latency.", ["store", "operation"],
+            buckets=STORE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.store_errors = Counter(
+            "onceonly_store_errors", "Store operations that failed.", ["store", "operation"], registry=r
+        )
+
+    def on_alert(self, event: str, fields: dict[str, Any]) -> None:
+        """Count an alert (an ``onceonly.events`` alert listener)."""
+        self.alerts.labels(event).inc()
+        tool = str(fields.get("tool") or "")
+        if event == "KeyConflict":
+            self.conflicts.labels(str(fields.get("source") or "guard"), tool).inc()
+        elif event == "AuditDisagreement":
+            self.audit_disagreements.labels(tool).inc()
+
+    def on_transition(self, event: TransitionEvent) -> None:
+        """Count a transition (a ``Ledger.subscribe`` listener)."""
+        if event.to_state == "unknown" and event.from_state != "unknown":
+            self.unknowns.labels(event.tool).inc()
+        via = settle_path(event)
+        if via is not None:
+            self.settles.labels(event.tool, via, event.to_state).inc()
+        if _is_takeover(event):
+            self.takeovers.labels(event.tool).inc()
+
+    def count_call(self, spec: ToolSpec) -> _Call:
+        """The context manager around one guarded call of ``spec`` (``Ledger._count_call``)."""
+        return _Call(self, spec.name, spec.is_control_flow)
+
+
+class _Call:
+    """One guarded call being counted: its outcome, or what it raised, and how long it took."""
+
+    __slots__ = ("control_flow", "metrics", "outcome", "started", "tool")
+
+    def __init__(self, metrics: Metrics, tool: str, control_flow: Callable[[BaseException], bool]) -> None:
+        self.metrics, self.tool, self.control_flow = metrics, tool, control_flow
+        self.outcome: Any = None
+
+    def __enter__(self) -> _Call:
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        m = self.metrics
+        m.call_seconds.labels(self.tool).observe(time.perf_counter() - self.started)
+        if exc is not None and self.control_flow(exc):
+            label = "passthrough"  # an interrupt is not an outcome
+        elif exc is not None and not isinstance(exc, Exception):
+            label = "interrupted"  # cancelled, KeyboardInterrupt: the record settles later
+        else:
+            label = call_outcome(self.outcome, exc)
+        m.calls.labels(self.tool, label).inc()
+        if exc is None and self.outcome.replayed:
+            m.replays.labels(self.tool).inc()
+
+
+# Every Metrics made, by its registry (held weakly: a test's registry goes away with its metrics).
+_made: weakref.WeakKeyDictionary[CollectorRegistry, Metrics] = weakref.WeakKeyDictionary()
+_listening = False
+
+
+def _on_alert(event: str, fields: dict[str, Any]) -> None:
+    for m in list(_made.values()):
+        m.on_alert(event, fields)
+
+
+def enable(registry: CollectorRegistry | None = None) -> Metrics:
+    """Make the onceonly metrics in ``registry`` (default: prometheus_client's ``REGISTRY``) and count
+    this process's alerts in them: key conflicts (guard, server middleware, ``onceonly.http``), late
+    duplicates, records parked for review, audit disagreements. Calling it again returns the same metrics.
+
+    ``instrument(ledger)`` calls it; call it alone where there is no ledger (a server with
+    ``IdempotencyMiddleware``).
+
+    .. versionadded:: 0.1
+    """
+    global _listening
+    reg = REGISTRY if registry is None else registry
+    m = _made.get(reg)
+    if m is None:
+        m = _made[reg] = Metrics(reg)
+    if not _listening:
+        events.listen_alerts(_on_alert)
+        _listening = True
+    return m
+
+
+def instrument(ledger: Ledger, *, registry: CollectorRegistry | None = None) -> Metrics:
+    """Count ``ledger``'s guarded calls, transitions and store latency in ``registry`` (default
+    ``REGISTRY``), with ``enable(registry)``'s alerts. Once per ledger; again is a no-op.
+
+    Args:
+        ledger: the ledger to count. Its ``store`` becomes a timing wrapper around the same store.
+        registry: the Prometheus registry (a ``CollectorRegistry``) the metrics live in.
+
+    Raises:
+        ValueError: the ledger is already counted in another registry.
+
+    .. versionadded:: 0.1
+    """
+    m = enable(registry)
+    known: Metrics | None = getattr(ledger, "_metrics", None)
+    if known is not None:
+        if known is not m:
+            raise ValueError(f"{ledger!r} is already counted in another registry: instrument it once")
+        return m
+    ledger._metrics = m  # type: ignore[attr-defined]
+    ledger.subscribe(m.on_transition)
+    ledger._count_call = m.count_call
+    timed = cast(Store, _TimedStore(ledger.store, m))
+    ledger.store = timed
+    ledger._beats._store = timed  # heartbeats write through it too
+    return m
+
+
+# --- the store's latency ---------------------------------------------------------------------------------
+
+
+class _TimedStore:
+    """The ledger's store, each operation timed into ``onceonly_store_operation_duration_seconds``.
+
+    Only the operations the store has are wrapped (an async twin only where there is one, so that the
+    wrapper is an ``AsyncStore`` exactly when the store is); everything else is the store's own.
+    """
+
+    def __init__(self, inner: Any, metrics: Metrics) -> None:
+        self._inner = inner
+        kind = store_kind(inner)
+        for op in _TIMED:
+            for name in (op, f"a{op}"):
+                fn = getattr(inner, name, None)
+                if fn is None:
+                    continue
+                observe = metrics.store_seconds.labels(kind, op).observe
+                failed = metrics.store_errors.labels(kind, op).inc
+                maker = _timed_async if name != op else _timed
+                setattr(self, name, maker(fn, observe, failed))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"<timed {self._inner!r}>"
+
+
+def _timed(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
+    def call(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except StoreError:
+            failed()
+            raise
+        finally:
+            observe(time.perf_counter() - started)
+
+    return call
+
+
+def _timed_async(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
+    async def call(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return await fn(*args)
+        except StoreError:
+            failed()
+            raise
+        finally:
+            observe(time.perf_counter() - started)
+
+    return call
+
+
+# --- what a ledger holds, read at scrape time --------------------------------------------------------
+
+
+class LedgerCollector(Collector):
+    """Gauges of what ``ledger`` holds, read from the store at each scrape (reads only):
+    ``onceonly_records{state}`` (the store's counts), ``onceonly_unsettled_oldest_age_seconds`` (the
+    oldest pending, in-flight, unknown or parked record; 0 when there is none) and ``onceonly_ledger_up``
+    (0 when the store could not be read, and then no other gauge).
+
+    Register one per ledger, in one process only (the exporter, ``onceonly metrics``): the figures are
+    the ledger's, the same from every process.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def describe(self) -> Iterator[Any]:
+        # Named without reading the store, so that registering never waits for it.
+        yield GaugeMetricFamily("onceonly_ledger_up", "1 when the ledger's store answered the scrape.")
+        yield GaugeMetricFamily("onceonly_records", "Records in the ledger, by state.", labels=["state"])
+        yield GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", "Age of the oldest unsettled record.")
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("onceonly_ledger_up", "1 when the ledger's store answered the scrape.")
+        try:
+            counts = self.ledger.stats()
+            age = self._oldest_unsettled_age()
+        except StoreError:
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        records = GaugeMetricFamily("onceonly_records", "Records in the ledger, by state.", labels=["state"])
+        for state, n in counts.items():
+            records.add_metric([state], n)
+        yield records
+        oldest = GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", "Age of the oldest unsettled record.")
+        oldest.add_metric([], age)
+        yield oldest
+
+    def _oldest_unsettled_age(self) -> float:
+        """Seconds since the oldest unsettled record was made (as ``onceonly stats`` reads it): only the
+        unsettled records are read, usually few."""
+        states = sorted(UNSETTLED, key=list(State).index)
+        first = min((r.created_at for r in ops._walk(self.ledger, Query(states=states), lambda r: True)), default=None)
+        return 0.0 if first is None else max(0.0, self.ledger.clock() - first)
+
+
+# --- serving /metrics --------------------------------------------------------------------------------------
+
+
+def asgi_app(registry: CollectorRegistry | None = None) -> Any:
+    """An ASGI app that serves ``registry`` (default ``REGISTRY``) in Prometheus' text format: mount it,
+    ``app.mount("/metrics", onceonly.metrics.asgi_app())``.
+
+    .. versionadded:: 0.1
+    """
+    return prometheus_client.make_asgi_app(REGISTRY if registry is None else registry)
+
+
+def start_http_server(
+    port: int, addr: str = "127.0.0.1", *, registry: CollectorRegistry | None = None
+) -> tuple[Any, Any]:
+    """Serve ``registry`` (default ``REGISTRY``) on ``http://addr:port/metrics`` from a daemon thread, for
+    a worker process with no web app. On 127.0.0.1 by default: give ``addr="0.0.0.0"`` for a scraper on
+    another host. Returns the server and its thread (``server.shutdown()`` stops it).
+
+    .. versionadded:: 0.1
+    """
+    server, thread = prometheus_client.start_http_server(
+        port, addr=addr, registry=REGISTRY if registry is None else registry
+    )
+    return server, thread
