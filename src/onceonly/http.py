@@ -56,12 +56,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
-from urllib.parse import quote, urljoin
+from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 
 from onceonly import drivers as _drivers
 from onceonly.errors import InProgress, KeyConflict, NotSerializable, OutcomeUnknown
+from onceonly.events import key_conflict, short_key
 from onceonly.keys import canonical_json, is_wire_key
 from onceonly.policy import (
     ConflictMeaning,
@@ -254,10 +255,14 @@ _A = TypeVar("_A", bound=_Answer)
 class _Attempts:
     """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
-    __slots__ = ("attempt", "busy", "busy_since", "key", "repeatable", "resendable", "safe", "waited")
+    __slots__ = ("attempt", "busy", "busy_since", "key", "repeatable", "resendable", "route", "safe", "waited")
 
-    def __init__(self, key: str | None, *, safe: bool, resendable: bool, repeatable: bool = True) -> None:
+    def __init__(
+        self, key: str | None, *, safe: bool, resendable: bool, repeatable: bool = True, route: str = ""
+    ) -> None:
         self.key = key
+        #: ``METHOD /path`` (no query: it may hold secrets), for the alert of a key conflict.
+        self.route = route
         #: A safe method (``SAFE_METHODS``): it changes nothing on the server, with or without a key.
         self.safe = safe
         #: Whether an unknown outcome may be sent again: the key makes it safe, or the method is.
@@ -448,7 +453,7 @@ class _Rules:
             identity = _sent_identity(method, url, body(), content_type if isinstance(content_type, str) else None)
             key = self._wire(_ledger_key(lease, identity))
             self._put(headers, key)
-        return _Attempts(key, safe=safe, resendable=self.resend_unknown or safe)
+        return _Attempts(key, safe=safe, resendable=self.resend_unknown or safe, route=_route(method, url))
 
     # --- each answer --------------------------------------------------------------------------
 
@@ -466,13 +471,15 @@ class _Rules:
                 return _Next.LOOKUP
             return self._busy(call, retry_after)
         if call.key is not None and status == 422 and _is_key_problem(response):
-            raise KeyConflict(
+            conflict = KeyConflict(
                 f"the server refused key {call.key!r}: it was used with another request "
                 f"({_detail(response)}). Use a new key for a new operation",
                 key=call.key,
                 record=None,
                 fingerprint="",
             )
+            _alert_conflict(conflict, call.route)
+            raise conflict
         verdict = classify_status(status, response.headers.get("retry-after")).verdict
         if self._again(call, verdict, retry_after):
             return self.retry.backoff(call.attempt, self.rng, floor=retry_after)
@@ -575,6 +582,26 @@ def _is_key_problem(response: _Answer) -> bool:
         return False
     named = f"{doc.get('type', '')} {doc.get('title', '')}".lower()
     return "idempot" in named or "key-reused" in named
+
+
+def _route(method: str, url: Any) -> str:
+    return f"{method} {urlsplit(str(url)).path or '/'}"
+
+
+def _alert_conflict(conflict: KeyConflict, route: str) -> None:
+    """The KeyConflict alert of a server's 422: the request's method and path and a hash of the key;
+    inside a guarded call, its tool and scope too."""
+    lease = _drivers.CURRENT.get()
+    rec = None if lease is None else lease.record
+    key_conflict(
+        conflict,
+        f"{route}: the server refused a key used before with another request (422)",
+        source="http",
+        key=short_key(conflict.key),
+        tool=None if rec is None else rec.tool,
+        scope=None if rec is None else rec.scope,
+        route=route,
+    )
 
 
 def _detail(response: _Answer) -> str:
@@ -770,7 +797,7 @@ class _BaseClient(_Rules, Generic[_H]):
             else:
                 wire = self._wire(_ledger_key(lease, _request_identity(method, url, kwargs)))
         self._put(headers, wire)
-        return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe)
+        return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe, route=_route(method, url))
 
     def _explicit(self, argument: str | None, headers: httpx.Headers) -> str | None:
         """The key the caller named: ``idempotency_key=``, else the key header of this request, else

@@ -37,6 +37,7 @@ from urllib.parse import quote, urlencode
 
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError, StoreUnavailable
+from onceonly.events import key_conflict, short_key
 from onceonly.guard import landed
 from onceonly.keys import canonical_json
 from onceonly.states import HELD, Record, State
@@ -343,7 +344,7 @@ class IdempotencyMiddleware:
             if isinstance(exc, Replay):
                 await _send(send, exc.response.messages(replayed=True))
             elif isinstance(exc, KeyConflict):
-                await _send(send, self._conflict(ctx))
+                await _send(send, self._conflict(scope, ctx, exc))
             else:
                 await _send(send, self._in_flight(ctx))
 
@@ -487,7 +488,7 @@ class IdempotencyMiddleware:
                     reason="expired",
                 )  # fmt: skip
             elif current.fingerprint != ctx.fingerprint:
-                return self._conflict(ctx)
+                return self._conflict(scope, ctx)
             elif current.state is State.CONFIRMED:
                 try:
                     return StoredResponse.from_json(current.result_json or "").messages(replayed=True)
@@ -743,7 +744,20 @@ class IdempotencyMiddleware:
     ) -> tuple[Message, Message]:
         return problem_messages(status, title, detail, slug=slug, headers=headers, extra=extra, docs=self.problem_docs)
 
-    def _conflict(self, ctx: IdempotencyContext) -> tuple[Message, Message]:
+    def _conflict(
+        self, scope: Scope, ctx: IdempotencyContext, exc: KeyConflict | None = None
+    ) -> tuple[Message, Message]:
+        # The alert names the request by route and a hash of the client's key (which may hold anything
+        # the client chose); never the body, the query or the client's identity.
+        key_conflict(
+            exc,
+            f"{scope['method'].upper()} {scope['path']}: an Idempotency-Key was reused with another request (422)",
+            source="server",
+            key=short_key(ctx.key),
+            tool=_TOOL,
+            route=f"{scope['method'].upper()} {scope['path']}",
+            client=ctx.client[:12],
+        )
         return self._problem(
             422,
             "Idempotency-Key reused",
