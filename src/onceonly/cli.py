@@ -541,12 +541,12 @@ if _MISSING_CLI is None:
         gauges on http://ADDR:PORT/metrics, read from the store at each scrape (reads only). Runs until
         stopped. The counters of guarded calls live in the processes that make them: see
         docs/operations.md, "Metrics"."""
-        try:
-            from prometheus_client import CollectorRegistry
-
+        try:  # onceonly.metrics first: without prometheus-client it says which extra to install
             from onceonly.metrics import LedgerCollector, start_http_server
         except ImportError as exc:
             raise _fail(exc) from exc
+        from prometheus_client import CollectorRegistry
+
         with _ledger(url) as ledger:
             registry = CollectorRegistry()
             registry.register(LedgerCollector(ledger))
