@@ -56,9 +56,32 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
         first,
         replay,
     ]
+    counted = _with_metrics(workdir / "counted.db")
+    if counted is not None:  # the same calls on a ledger instrumented by onceonly.metrics
+        on_first, on_replay = guarded_pair(counted.tool(name="bench.tool")(tool_body))
+        contenders += [
+            Contender("guarded first call, metrics on", on_first.run),
+            Contender("replay, metrics on", on_replay.run),
+        ]
     interleave(contenders, rounds, batch)
     ledger.close()
+    if counted is not None:
+        counted.close()
     return report("sqlite", contenders)
+
+
+def _with_metrics(path: Path) -> onceonly.Ledger | None:
+    """A ledger counted into a registry of its own, or ``None`` without the metrics extra."""
+    try:
+        from prometheus_client import CollectorRegistry
+
+        from onceonly.metrics import instrument
+    except ImportError:
+        print("sqlite: prometheus-client is not installed: no metrics rows", file=sys.stderr)
+        return None
+    ledger = onceonly.Ledger.open(f"sqlite:///{path}")
+    instrument(ledger, registry=CollectorRegistry())
+    return ledger
 
 
 # --- many processes, and a big ledger -------------------------------------------------------------

@@ -165,7 +165,10 @@ class Metrics:
             buckets=CALL_BUCKETS, registry=r,
         )  # fmt: skip
         self.replays = Counter(
-            "onceonly_replays", "Calls answered from the ledger without running the tool.", ["tool"], registry=r
+            "onceonly_replays",
+            "Calls whose result is not their own run's (Outcome.replayed): the ledger's or a probe's.",
+            ["tool"],
+            registry=r,
         )
         self.unknowns = Counter(
             "onceonly_unknowns", "Records that became unknown: sent, outcome not known.", ["tool"], registry=r
@@ -192,25 +195,35 @@ class Metrics:
         self.store_errors = Counter(
             "onceonly_store_errors", "Store operations that failed.", ["store", "operation"], registry=r
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: ``labels()`` validates and locks on every call, and a guarded
+        call counts several times."""
+        key = (metric, *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def on_alert(self, event: str, fields: dict[str, Any]) -> None:
         """Count an alert (an ``onceonly.events`` alert listener)."""
-        self.alerts.labels(event).inc()
+        self.child(self.alerts, event).inc()
         tool = str(fields.get("tool") or "")
         if event == "KeyConflict":
-            self.conflicts.labels(str(fields.get("source") or "guard"), tool).inc()
+            self.child(self.conflicts, str(fields.get("source") or "guard"), tool).inc()
         elif event == "AuditDisagreement":
-            self.audit_disagreements.labels(tool).inc()
+            self.child(self.audit_disagreements, tool).inc()
 
     def on_transition(self, event: TransitionEvent) -> None:
         """Count a transition (a ``Ledger.subscribe`` listener)."""
         if event.to_state == "unknown" and event.from_state != "unknown":
-            self.unknowns.labels(event.tool).inc()
+            self.child(self.unknowns, event.tool).inc()
         via = settle_path(event)
         if via is not None:
-            self.settles.labels(event.tool, via, event.to_state).inc()
+            self.child(self.settles, event.tool, via, event.to_state).inc()
         if _is_takeover(event):
-            self.takeovers.labels(event.tool).inc()
+            self.child(self.takeovers, event.tool).inc()
 
     def count_call(self, spec: ToolSpec) -> _Call:
         """The context manager around one guarded call of ``spec`` (``Ledger._count_call``)."""
@@ -232,16 +245,16 @@ class _Call:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         m = self.metrics
-        m.call_seconds.labels(self.tool).observe(time.perf_counter() - self.started)
+        m.child(m.call_seconds, self.tool).observe(time.perf_counter() - self.started)
         if exc is not None and self.control_flow(exc):
             label = "passthrough"  # an interrupt is not an outcome
         elif exc is not None and not isinstance(exc, Exception):
             label = "interrupted"  # cancelled, KeyboardInterrupt: the record settles later
         else:
             label = call_outcome(self.outcome, exc)
-        m.calls.labels(self.tool, label).inc()
+        m.child(m.calls, self.tool, label).inc()
         if exc is None and self.outcome.replayed:
-            m.replays.labels(self.tool).inc()
+            m.child(m.replays, self.tool).inc()
 
 
 # Every Metrics made, by its registry (held weakly: a test's registry goes away with its metrics).
