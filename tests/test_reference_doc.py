@@ -4,6 +4,7 @@ real default, and every ``via`` value the code writes is explained."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 from pathlib import Path
 
@@ -49,3 +50,23 @@ def test_every_via_the_code_writes_is_explained() -> None:
     assert "late" in source and written >= {"run", "probe", "reconcile-probe", "resolve", "readonly"}
     for via in written:
         assert f"| `{via}` |" in PAGE, via
+
+
+def test_every_parameter_of_the_metrics_api_has_a_row() -> None:
+    """Each public function of ``onceonly.metrics`` has a row, and each of its parameters a row (on the
+    function's row or the empty-named rows after it) with its real default."""
+    import onceonly.metrics
+
+    lines = PAGE[PAGE.index("## `onceonly.metrics`") :].splitlines()
+    for name in ("instrument", "enable", "asgi_app", "start_http_server", "LedgerCollector"):
+        at = next((i for i, line in enumerate(lines) if line.startswith(f"| `{name}(")), None)
+        assert at is not None, f"docs/reference.md has no row for onceonly.metrics.{name}"
+        rows = [lines[at], *(line for line in itertools.takewhile(lambda x: x.startswith("| |"), lines[at + 1 :]))]
+        defaults = {cells[1].strip("`"): cells[2].strip() for cells in (row.split(" | ") for row in rows)}
+        for p in inspect.signature(getattr(onceonly.metrics, name)).parameters.values():
+            assert p.name in defaults, f"no row for {name}({p.name})"
+            if p.default is inspect.Parameter.empty:
+                assert defaults[p.name] == "required", (name, p.name)
+            else:
+                shown = "`None`" if p.default is None else f"`{p.default!r}`".replace("'", '"')
+                assert defaults[p.name].startswith(shown), (name, p.name, defaults[p.name])
