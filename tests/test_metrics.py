@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from onceonly import KeyConflict, Ledger, OutcomeUnknown, Retry, ops
-from onceonly.metrics import LedgerCollector, asgi_app, instrument
+from onceonly import NOT_FOUND, KeyConflict, Ledger, OutcomeUnknown, Retry, State, ops
+from onceonly.errors import AttemptsExhausted, InProgress, OnceOnlyError, RetryScheduled, StoreUnavailable
+from onceonly.metrics import LedgerCollector, asgi_app, call_outcome, instrument
 from onceonly.stores.sqlite import SQLiteStore
 from onceonly.tickets import serve_in_thread
 from tests._clock import FakeClock
@@ -261,3 +263,65 @@ def test_without_prometheus_client_the_error_names_the_extra(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 1 and hint in done.stderr, done.stderr
     assert not (tmp_path / "l.db").exists()
+
+
+def test_late_outcomes_and_the_reconciler_are_counted_as_settles(sqlite_url: str) -> None:
+    """A timed-out call parked for review whose late result then confirms it counts as settled ``via``
+    ``late`` (not ``late:1``); an unknown the reconciler's probe finds never happened counts as
+    ``reconcile-probe`` into ``failed``."""
+    registry = CollectorRegistry()
+    probe_down = {"now": True}
+
+    def probe(args: dict[str, object], key: str) -> object:
+        if probe_down["now"]:
+            raise ConnectionError("the probe's service is down")
+        return NOT_FOUND
+
+    with Ledger.open(sqlite_url) as ledger:
+        instrument(ledger, registry=registry)
+
+        @ledger.tool(name="slow", timeout=0.1, on_unknown="review")
+        def slow(order: str) -> str:
+            time.sleep(0.4)
+            return "done"
+
+        @ledger.tool(name="maybe", on_unknown="probe", probe=probe)
+        def maybe(order: str) -> None:
+            raise TimeoutError("read timed out")
+
+        with pytest.raises(OutcomeUnknown):
+            slow("o-1")
+        with pytest.raises(OutcomeUnknown):
+            maybe("o-1")
+        probe_down["now"] = False
+        ledger.reconcile()
+        deadline = time.monotonic() + 10
+        while (rec := ledger.get(slow.key_for("o-1"))) is not None and rec.state is not State.CONFIRMED:
+            assert time.monotonic() < deadline, rec
+            time.sleep(0.05)
+        assert rec is not None and rec.via == "late:1"
+        assert ledger.stats()["failed"] == 1
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("onceonly_settles_total", tool="slow", via="late", state="confirmed") == 1
+    assert value("onceonly_settles_total", tool="maybe", via="reconcile-probe", state="failed") == 1
+    assert value("onceonly_calls_total", tool="slow", outcome="needs_review") == 1
+    assert value("onceonly_calls_total", tool="maybe", outcome="unknown") == 1
+
+
+def test_what_a_call_raised_names_its_outcome() -> None:
+    """Each outcome error has its label (a subclass before its base), and any other exception is the
+    tool's own failure."""
+    raised = {
+        "scheduled": RetryScheduled("due later", key="k", retry_at=0.0),
+        "in_progress": InProgress("held", key="k"),
+        "abandoned": AttemptsExhausted("no attempts left", key="k"),
+        "store_error": StoreUnavailable("down"),
+        "error": OnceOnlyError("misused"),
+        "unknown": OutcomeUnknown("not known", key="k"),
+        "conflict": KeyConflict("other arguments", key="k", record=None, fingerprint=""),
+        "failed": ValueError("card declined"),
+    }
+    assert {label: call_outcome(None, exc) for label, exc in raised.items()} == {k: k for k in raised}

@@ -75,6 +75,17 @@ _TIMED = ("get", "claim", "insert", "swap", "delete", "scan", "count_by_state")
 
 # --- decisions: pure, on events and outcomes --------------------------------------------------------
 
+# What a guarded call raised, as its outcome: the first type that matches (a subclass before its base:
+# RetryScheduled is an InProgress); anything else is the tool's own error, a failure.
+_RAISED: tuple[tuple[type[BaseException], str], ...] = (
+    (KeyConflict, "conflict"),
+    (RetryScheduled, "scheduled"),
+    (InProgress, "in_progress"),
+    (AttemptsExhausted, "abandoned"),
+    (StoreError, "store_error"),
+    (OnceOnlyError, "error"),
+)
+
 
 def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
@@ -85,22 +96,10 @@ def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """
     if out is not None:
         return out.state.value
-    if isinstance(exc, KeyConflict):
-        return "conflict"
-    if isinstance(exc, RetryScheduled):
-        return "scheduled"
-    if isinstance(exc, InProgress):
-        return "in_progress"
     if isinstance(exc, OutcomeUnknown):
         rec = exc.record
         return "needs_review" if rec is not None and rec.state is State.NEEDS_REVIEW else "unknown"
-    if isinstance(exc, AttemptsExhausted):
-        return "abandoned"
-    if isinstance(exc, StoreError):
-        return "store_error"
-    if isinstance(exc, OnceOnlyError):
-        return "error"
-    return "failed"
+    return next((label for kind, label in _RAISED if isinstance(exc, kind)), "failed")
 
 
 def settle_path(event: TransitionEvent) -> str | None:
@@ -346,30 +345,36 @@ class _TimedStore:
         return f"<timed {self._inner!r}>"
 
 
+class _Timing:
+    """One store operation being timed; a ``StoreError`` out of it is counted too."""
+
+    __slots__ = ("failed", "observe", "started")
+
+    def __init__(self, observe: Callable[[float], None], failed: Callable[[], None]) -> None:
+        self.observe, self.failed = observe, failed
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.observe(time.perf_counter() - self.started)
+        if kind is not None and issubclass(kind, StoreError):
+            self.failed()
+
+
 def _timed(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
     def call(*args: Any) -> Any:
-        started = time.perf_counter()
-        try:
+        with _Timing(observe, failed):
             return fn(*args)
-        except StoreError:
-            failed()
-            raise
-        finally:
-            observe(time.perf_counter() - started)
 
     return call
 
 
 def _timed_async(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
     async def call(*args: Any) -> Any:
-        started = time.perf_counter()
-        try:
+        with _Timing(observe, failed):
             return await fn(*args)
-        except StoreError:
-            failed()
-            raise
-        finally:
-            observe(time.perf_counter() - started)
 
     return call
 
