@@ -325,3 +325,22 @@ def test_what_a_call_raised_names_its_outcome() -> None:
         "failed": ValueError("card declined"),
     }
     assert {label: call_outcome(None, exc) for label, exc in raised.items()} == {k: k for k in raised}
+
+
+def test_a_store_that_fails_is_counted_and_the_gauges_say_down(sqlite_url: str) -> None:
+    """A store operation that raises ``StoreError`` counts as that operation's error (and is timed);
+    a scrape whose store does not answer reports ``onceonly_ledger_up 0`` and no other gauge."""
+    registry = CollectorRegistry()
+    ledger = Ledger.open(sqlite_url)
+    instrument(ledger, registry=registry)
+    registry.register(LedgerCollector(ledger))
+    ledger.tool(name="t")(lambda x: x)(1)
+    assert registry.get_sample_value("onceonly_ledger_up") == 1
+    ledger.close()  # every later operation raises StoreUnavailable
+    with pytest.raises(StoreUnavailable):
+        ledger.get("default:t:x")
+    labels = {"store": "sqlite", "operation": "get"}
+    assert registry.get_sample_value("onceonly_store_errors_total", labels) == 1
+    assert registry.get_sample_value("onceonly_store_operation_duration_seconds_count", labels) == 1
+    assert registry.get_sample_value("onceonly_ledger_up") == 0
+    assert registry.get_sample_value("onceonly_records", {"state": "confirmed"}) is None
