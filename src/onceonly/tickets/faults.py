@@ -1,6 +1,9 @@
 """Fault injection for the ticket service: what goes wrong around a ticket's commit, on purpose.
 
-One uniform draw per ``POST /tickets`` from a seeded RNG picks at most one fault:
+One uniform draw per ``POST /tickets`` picks at most one fault. The draw is a hash of the seed, the
+request (who sends it: its ``Authorization`` header; what it asks: its body) and how many times that
+same request came before: so a retry meets its own faults, the nth time, and the same requests meet
+the same faults in every run, whatever order their threads happen to send them in (``FaultInjector``).
 
 - ``fail``: the handler fails before its commit: 503, no ticket (and the key is released).
 - ``crash``: the process dies (``os._exit``) after the ticket's INSERT, before the commit.
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import hashlib
+import secrets
 import socket
 import struct
 import threading
@@ -26,9 +30,20 @@ from typing import Any, ClassVar
 
 from onceonly.server._http import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["ABORT_KEY", "FAULT_KEY", "KINDS", "FaultInjector", "FaultMiddleware", "Faults", "abort_transport"]
+__all__ = [
+    "ABORT_KEY",
+    "FAULT_KEY",
+    "KINDS",
+    "FaultInjector",
+    "FaultMiddleware",
+    "Faults",
+    "abort_transport",
+    "request_identity",
+    "uniform",
+]
 
-#: The fault kinds, in the order their probabilities are stacked on the one draw.
+#: The fault kinds, in the order their probabilities are stacked on the one draw. A new kind goes at
+#: the end (and gets its field in ``Faults``): the kinds before it keep the same requests.
 KINDS = ("fail", "crash", "crash_after_commit", "lost", "delay")
 #: The ASGI scope key holding the fault drawn for this request (read by the handler).
 FAULT_KEY = "onceonly.fault"
@@ -38,6 +53,40 @@ ABORT_KEY = "onceonly.abort"
 CRASH_EXIT_CODE = 75
 #: The longest ``delay_seconds``: a held answer past this is a stuck server, not a slow one.
 MAX_DELAY_SECONDS = 600.0
+#: How many distinct requests the injector counts the repeats of; past it, the oldest is forgotten
+#: (its next repeat counts as a first time), so that a long-running service stays in bounded memory.
+REMEMBERED_REQUESTS = 100_000
+#: The bytes of a body that name its request (a ticket is far smaller): a huge body is not held.
+MAX_IDENTITY_BODY = 64 * 1024
+
+
+def uniform(seed: int, *parts: object) -> float:
+    """A uniform draw in [0, 1) that is a pure function of ``seed`` and ``parts``.
+
+    A named draw instead of the next number of a shared generator: a decision keeps its value
+    whatever other decisions are drawn, and in whatever order threads ask for them. The fault
+    injector and the demo's workload draw this way.
+
+    .. versionadded:: 0.1
+    """
+    text = "\x1f".join(map(str, (seed, *parts)))
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def request_identity(scope: Scope, body: bytes) -> str:
+    """What makes two requests "the same request" for the fault draw: the client (its
+    ``Authorization`` header, as the service tells clients apart) and the body, as a digest.
+
+    .. versionadded:: 0.1
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            digest.update(value)
+    digest.update(b"\0")
+    digest.update(body)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +94,8 @@ class Faults:
     """Probabilities (0 to 1, summing to at most 1) of each fault per ``POST /tickets``.
 
     Attributes:
-        seed: seeds the RNG: the same seed and the same order of requests give the same faults.
+        seed: seeds the draws: the same seed and the same requests give the same faults, in any
+            order (``None``: a random seed per injector).
         delay_seconds: how long ``delay`` holds an answer.
 
     Validated by ``__post_init__``, so also where pydantic builds one (``PUT /admin/faults`` takes it
@@ -107,7 +157,14 @@ class Faults:
 
 
 class FaultInjector:
-    """Draws the fault of each request from ``Faults`` with its seeded RNG; counts what it injected.
+    """Draws the fault of each request from ``Faults``; counts what it injected.
+
+    The draw of a request is ``uniform(seed, identity, n)``, stacked over ``KINDS``: ``identity``
+    names the request (``request_identity``: its client and body) and ``n`` counts how many times
+    that identity was drawn for, this one included. A retry of a request is its next repeat, not the
+    next number of a shared generator: the faults do not depend on the order in which requests from
+    concurrent clients arrive. ``draw()`` without an identity draws for one anonymous request again
+    and again: a plain seeded sequence.
 
     Thread-safe: draws come from the event loop, ``configure`` from anywhere.
 
@@ -116,24 +173,26 @@ class FaultInjector:
 
     def __init__(self, faults: Faults | None = None) -> None:
         self._lock = threading.Lock()
-        self.faults = faults or Faults()
-        self._rng = random.Random(self.faults.seed)
-        self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
-        self.requests = 0
+        self.configure(faults or Faults())
 
     def configure(self, faults: Faults) -> None:
-        """New probabilities; the RNG restarts from the new seed and the counts from zero."""
+        """New probabilities; the draws restart from the new seed and the counts from zero."""
         with self._lock:
             self.faults = faults
-            self._rng = random.Random(faults.seed)
-            self.counts = dict.fromkeys(KINDS, 0)
+            self._seed = faults.seed if faults.seed is not None else secrets.randbits(64)
+            self._seen: dict[str, int] = {}
+            self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
             self.requests = 0
 
-    def draw(self) -> str | None:
-        """The fault of the next request, or ``None``."""
+    def draw(self, identity: str = "") -> str | None:
+        """The fault of this request (``identity``, see ``request_identity``), or ``None``."""
         with self._lock:
             self.requests += 1
-            u = self._rng.random()
+            n = self._seen.pop(identity, 0) + 1
+            self._seen[identity] = n  # re-inserted: the most recently seen is forgotten last
+            if len(self._seen) > REMEMBERED_REQUESTS:
+                del self._seen[next(iter(self._seen))]
+            u = uniform(self._seed, identity, n)
             edge = 0.0
             for kind in KINDS:
                 edge += getattr(self.faults, kind)
@@ -172,7 +231,9 @@ class FaultMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
             await self.app(scope, receive, send)
             return
-        kind = self.injector.draw()
+        # The body names the request for the draw: read it whole now, hand it on to the app unchanged.
+        body, receive = await _read_body(receive)
+        kind = self.injector.draw(request_identity(scope, body))
         if kind is None:
             await self.app(scope, receive, send)
             return
@@ -201,3 +262,25 @@ class FaultMiddleware:
         if held:
             await send(held[0])
         raise ConnectionAbortedError("fault 'lost': the answer was dropped after the commit")
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
+    """The request's body (its first ``MAX_IDENTITY_BODY`` bytes and a little more), and a ``receive``
+    that hands the app the same messages, then the server's own (the rest of a long body, a
+    disconnect). The app's own limits still apply: nothing is dropped or joined."""
+    held: list[Message] = []
+    size = 0
+    while size <= MAX_IDENTITY_BODY:
+        message = await receive()
+        held.append(message)
+        if message["type"] != "http.request":  # the client went away: the app sees it next
+            break
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(m.get("body", b"") for m in held if m["type"] == "http.request")[:MAX_IDENTITY_BODY]
+
+    async def replay() -> Message:
+        return held.pop(0) if held else await receive()
+
+    return body, replay
