@@ -308,7 +308,7 @@ def create_app(
         store: keep keys in this onceonly store (store mode) instead of in the tickets' own
             transaction (transactional mode, the default).
         faults: fault probabilities (``Faults`` or a dict such as ``{"lost": 0.2}``).
-        seed: the seed of the fault RNG (overrides ``faults.seed``).
+        seed: the seed of the fault draws (overrides ``faults.seed``).
         admin: serve ``/admin/faults`` to read and change the faults at run time.
         processing_timeout: the store mode's claim lease (seconds); see ``IdempotencyMiddleware``.
         ttl: seconds a completed key is replayed.
@@ -491,7 +491,7 @@ def create_app(
             "/admin/faults",
             response_model=FaultState,
             responses={422: _INVALID},
-            summary="Set the faults (restarts the RNG)",
+            summary="Set the faults (restarts the draws)",
         )
         def put_faults(settings: Faults) -> Any:
             # FastAPI validated the body as Faults (its __post_init__ included): a bad setting was a 422.

@@ -46,7 +46,7 @@ def _seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
     help="Inject a fault with probability P per POST /tickets; KIND is fail, crash, crash-after-commit, "
     "lost or delay. Repeat for several.",
 )
-@click.option("--seed", default=None, type=int, help="Seed of the fault RNG (reproducible faults).")
+@click.option("--seed", default=None, type=int, help="Seed of the fault draws: the same requests meet the same faults.")
 @click.option("--delay-seconds", default=3.0, show_default=True, type=float, help="How long 'delay' holds an answer.")
 @click.option(
     "--processing-timeout",
