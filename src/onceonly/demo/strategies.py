@@ -13,6 +13,13 @@
 
 Each strategy answers an ask with ``"done"``, ``"failed"`` (definitely not done) or ``"unsettled"``
 (it does not know). Its agents run in threads; every HTTP client here is per thread.
+
+Who sends a request is part of what the ticket service draws its fault from (with the body, and how
+many times that request came before: ``onceonly.tickets.faults``). A naive or key-only agent is a
+client of its own (``Authorization: Bearer demo-agent-N``): two agents asking for one ticket at once
+send two requests, each meeting its own faults, whichever arrives first. onceonly's agents share one
+tool, which speaks for the app (``demo-app``): its requests for a ticket go one at a time, whichever
+agent's call sends them, so the nth of them meets the same fault in every run.
 """
 
 from __future__ import annotations
@@ -84,6 +91,11 @@ class Strategy:
         return client
 
 
+def _as_agent(ask: Ask) -> dict[str, str]:
+    """The headers of a request sent by ``ask``'s agent, a client of its own."""
+    return {"Authorization": f"Bearer demo-agent-{ask.agent}"}
+
+
 class Naive(Strategy):
     """POST, and on any error or 5xx try again (up to ``attempts``), with a short backoff."""
 
@@ -95,7 +107,7 @@ class Naive(Strategy):
         body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
         for attempt in range(self.attempts):
             try:
-                response = client.post("/tickets", json=body)
+                response = client.post("/tickets", json=body, headers=_as_agent(ask))
             except httpx.HTTPError:
                 pass  # timeout, reset: "it failed", says the naive loop, and tries again
             else:
@@ -121,14 +133,19 @@ class KeyOnly(Strategy):
         )
         body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
         try:
-            # A new logical call: a new key (prefix:session:op:rand, as the sources make them). A
-            # re-planned call is a new call to this agent, and a second agent has its own keys.
-            client.post("/tickets", json=body, idempotency_key=f"demo:{ask.session_id}:{uuid.uuid4().hex}")
+            # A new logical call: a new key (prefix:session:call, as the sources make them). A re-planned
+            # call is a new call to this agent, and a second agent has its own keys.
+            key = f"demo:{ask.session_id}:{ask.call_id}"
+            client.post("/tickets", json=body, headers=_as_agent(ask), idempotency_key=key)
         except httpx.HTTPStatusError as exc:
             return FAILED if exc.response.status_code < 500 else UNSETTLED
         except (httpx.HTTPError, InProgress, KeyConflict):
             return UNSETTLED
         return DONE
+
+
+#: The one client onceonly's tool is, whichever agent calls it.
+_AS_APP = {"Authorization": "Bearer demo-app"}
 
 
 class OnceOnly(Strategy):
@@ -159,7 +176,8 @@ class OnceOnly(Strategy):
 
         def find_ticket(args: dict[str, Any], key: str) -> Any:
             """The probe: ask the service for the ticket by its business key."""
-            response = http().get("/tickets", params={"session_id": args["session_id"], "title": args["title"]})
+            params = {"session_id": args["session_id"], "title": args["title"]}
+            response = http().get("/tickets", params=params, headers=_AS_APP)
             response.raise_for_status()
             found = response.json()["tickets"]
             return found[0] if found else NOT_FOUND
@@ -178,7 +196,7 @@ class OnceOnly(Strategy):
             response = http().post(
                 "/tickets",
                 json={"session_id": session_id, "title": title, "body": body},
-                headers={"Idempotency-Key": idempotency_key},  # sent on; this server ignores it
+                headers={"Idempotency-Key": idempotency_key, **_AS_APP},  # the key is sent on; this server ignores it
             )
             response.raise_for_status()
             result: dict[str, Any] = response.json()

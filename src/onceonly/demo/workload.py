@@ -7,13 +7,16 @@ An *operation* is one ticket an agent means to create: a session and a title (th
   that lost track of what it did, or re-planned after an error);
 - shared: a second agent of the same session asks for the same ticket at about the same time.
 
-The same seed gives the same asks, in the same order per agent, to every strategy.
+The same seed gives the same asks, in the same order per agent, to every strategy. Each decision is
+a named draw (``uniform(seed, what, op)``), not the next number of one generator: adding a kind of
+decision leaves the others as they were.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
+
+from onceonly.tickets.faults import uniform
 
 __all__ = ["Ask", "Workload", "make_workload"]
 
@@ -32,6 +35,7 @@ class Ask:
         op: the operation's index (asks of the same operation share it).
         kind: ``"first"``, ``"replan"`` (the same agent again, body re-worded) or ``"shared"`` (another
             agent of the session).
+        agent: the agent that asks (a shared ask is the partner's).
     """
 
     op: int
@@ -39,6 +43,12 @@ class Ask:
     title: str
     body: str
     kind: str
+    agent: int = 0
+
+    @property
+    def call_id(self) -> str:
+        """This call's own name, the same in every run of its seed (a key-only call's key)."""
+        return f"{self.op}-{self.kind}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,23 +83,22 @@ def make_workload(
         raise ValueError(f"agents={agents}, operations={operations}: at least one of each")
     if not (0 <= replan_rate <= 1 and 0 <= shared_rate <= 1):
         raise ValueError("replan_rate and shared_rate are probabilities between 0 and 1")
-    rng = random.Random(seed)
     lists: list[list[Ask]] = [[] for _ in range(agents)]
     later: list[list[tuple[int, Ask]]] = [[] for _ in range(agents)]  # (position, ask) to insert
     for op in range(operations):
         agent = op % agents
         session = f"s{seed}-{agent // 2}"
-        title = f"{rng.choice(_TOPICS)} #{op}"
+        title = f"{_TOPICS[int(uniform(seed, 'topic', op) * len(_TOPICS))]} #{op}"
         body = f"Reported by agent {agent}: {title.lower()}, please look into it."
-        first = Ask(op, session, title, body, "first")
+        first = Ask(op, session, title, body, "first", agent)
         lists[agent].append(first)
         position = len(lists[agent])
-        if rng.random() < replan_rate:
-            reworded = Ask(op, session, title, f"{body} (Re-planned: the user asked again.)", "replan")
-            later[agent].append((position + rng.randint(1, 4), reworded))
+        if uniform(seed, "replan", op) < replan_rate:
+            reworded = Ask(op, session, title, f"{body} (Re-planned: the user asked again.)", "replan", agent)
+            later[agent].append((position + 1 + int(uniform(seed, "replan-after", op) * 4), reworded))
         partner = agent ^ 1
-        if partner < agents and rng.random() < shared_rate:
-            later[partner].append((len(lists[partner]), Ask(op, session, title, body, "shared")))
+        if partner < agents and uniform(seed, "shared", op) < shared_rate:
+            later[partner].append((len(lists[partner]), Ask(op, session, title, body, "shared", partner)))
     for agent, extra in enumerate(later):
         # Insert from the back so that earlier positions stay right.
         for position, ask in sorted(extra, key=lambda pa: pa[0], reverse=True):
