@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from onceonly.tickets.faults import KINDS, FaultInjector, Faults
+from onceonly.tickets.faults import KINDS, FaultInjector, Faults, request_identity
 
 
 def test_same_seed_same_faults() -> None:
@@ -20,7 +22,39 @@ def test_same_seed_same_faults() -> None:
     assert 30 <= counts["lost"] <= 90 and 15 <= counts["delay"] <= 65 and 5 <= counts["fail"] <= 40
 
 
-def test_configure_restarts_the_rng() -> None:
+def test_a_request_meets_its_own_faults_in_any_order() -> None:
+    """A request's fault depends on the request and how many times it came before, not on what
+    arrived before it: two orders of the same requests, one fault per (request, repeat)."""
+    faults = Faults(lost=0.3, delay=0.2, fail=0.1, seed=42)
+    sent = [f"request-{n}" for n in range(60)] * 3  # each sent three times: a first time and two retries
+    shuffled = random.Random(1).sample(sent, len(sent))
+    met = []
+    for order in (sent, shuffled):
+        injector, repeats, faults_met = FaultInjector(faults), dict[str, int](), {}
+        for identity in order:
+            repeats[identity] = repeats.get(identity, 0) + 1
+            faults_met[identity, repeats[identity]] = injector.draw(identity)
+        met.append((faults_met, injector.snapshot()["injected"]))
+    assert met[0] == met[1]
+    assert len(set(met[0][0].values())) == 4  # lost, delay, fail and none
+    other = FaultInjector(Faults(lost=0.3, delay=0.2, fail=0.1, seed=43))
+    assert [other.draw(i) for i in sent[:60]] != [met[0][0][i, 1] for i in sent[:60]]
+
+
+def test_a_request_is_its_client_and_its_body() -> None:
+    """Two clients sending one body are two requests; one client sending it twice is one, repeated."""
+
+    def scope(auth: bytes | None) -> dict[str, object]:
+        return {"headers": [(b"content-type", b"application/json")] + ([(b"authorization", auth)] if auth else [])}
+
+    a = request_identity(scope(b"Bearer a"), b'{"title": "t"}')
+    assert a == request_identity(scope(b"Bearer a"), b'{"title": "t"}')
+    assert a != request_identity(scope(b"Bearer b"), b'{"title": "t"}')
+    assert a != request_identity(scope(b"Bearer a"), b'{"title": "u"}')
+    assert request_identity(scope(None), b"x") != request_identity(scope(b"x"), b"")
+
+
+def test_configure_restarts_the_draws() -> None:
     """New settings restart the draws from their seed and the counts from zero."""
     inj = FaultInjector(Faults(lost=0.5, seed=1))
     first = [inj.draw() for _ in range(20)]
