@@ -35,7 +35,12 @@ _ABOUT = {
     help="Share of POST /tickets that meet a fault: answer lost after the commit, delayed past the "
     "client timeout, or failed before the commit.",
 )
-@click.option("--seed", default=7, show_default=True, help="Seeds the asks and the faults: same seed, same run.")
+@click.option(
+    "--seed",
+    default=7,
+    show_default=True,
+    help="Seeds the asks and the faults: same seed, same counts in the table (the latencies vary).",
+)
 @click.option(
     "--url",
     default=None,
@@ -56,6 +61,12 @@ def demo(
 
     Embedded: the reference ticket service runs on 127.0.0.1, SQLite files in a temporary directory.
     onceonly's row should read 0 duplicates and 0 missing.
+
+    One seed gives one run: the same asks, the same faults on the same requests, whatever order the
+    agents' threads send them in; so the same counts (asked, created, duplicates, missing, unsettled,
+    calls, faults, how onceonly settled). The latencies and seconds vary with the machine. On a machine
+    so busy that an answer without a fault takes longer than the client's timeout (0.5 s), that answer
+    counts as lost, and the counts move. docs/demo.md says more.
     """
     try:
         from onceonly.demo.run import DemoConfig, asks_of, run_demo
@@ -130,9 +141,13 @@ def _print_table(console: Console, result: Any) -> None:
             lines.append("Reconciler: " + ", ".join(f"{n} {what}" for what, n in row.reconciled.items()) + ".")
         console.print(" ".join(lines), highlight=False)
     console.print(
-        "[dim]duplicates: tickets beyond the first of an operation. missing: operations with no ticket that "
-        "were reported done or left unsettled. unsettled: operations whose outcome is unknown at the end. "
-        "Latency: one call as its agent saw it, retries and waits included. docs/demo.md explains.[/dim]"
+        "[dim]asked: tickets the agents asked for; calls: their tool calls, more than asked because a "
+        "re-plan or a second agent asks again for a ticket already asked for. duplicates: tickets beyond the "
+        "first of an operation. missing: operations with no ticket that were reported done or left "
+        "unsettled. unsettled: operations whose outcome is unknown at the end. Latency: one call as its "
+        "agent saw it, retries and waits included; onceonly's p99 is the price of knowing: a lost or late "
+        "answer costs its call the timeout, then the settle wait, then a probe. The same seed gives the same "
+        "counts; the latencies vary. docs/demo.md explains.[/dim]"
     )
 
 

@@ -46,7 +46,8 @@ class DemoConfig:
         ops: operations (distinct tickets) asked for, over all agents.
         fault_rate: probability that a ``POST /tickets`` meets a fault: its answer is lost after the
             commit, delayed past the client's timeout, or it fails before the commit (``FAULT_MIX``).
-        seed: seeds the asks and the service's faults; the same seed gives the same run.
+        seed: seeds the asks and the service's faults; the same seed gives the same counts, however
+            the agents' threads interleave (the latencies vary; docs/demo.md).
         url: the onceonly ledger's store (default: a SQLite file in a temporary directory).
         timeout: the client's timeout per request, in seconds.
         delay_seconds: how long a delayed answer is held (past ``timeout``).

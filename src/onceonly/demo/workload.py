@@ -98,6 +98,8 @@ def make_workload(
             later[agent].append((position + 1 + int(uniform(seed, "replan-after", op) * 4), reworded))
         partner = agent ^ 1
         if partner < agents and uniform(seed, "shared", op) < shared_rate:
+            # The same body: onceonly sends a ticket's requests one at a time, whichever agent's call
+            # sends them, and each must be the same request (and meet the same fault) in every run.
             later[partner].append((len(lists[partner]), Ask(op, session, title, body, "shared", partner)))
     for agent, extra in enumerate(later):
         # Insert from the back so that earlier positions stay right.
