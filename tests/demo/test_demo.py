@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from onceonly.cli import cli
 from onceonly.demo import DemoConfig, make_workload, run_demo
-from onceonly.demo.run import count, percentile
+from onceonly.demo.run import count, percentile, run_strategy
+from onceonly.demo.strategies import Naive
 
 # Smaller than the defaults so that the suite stays fast; the faults are the real ones.
 SMALL = {"agents": 6, "ops": 36}
@@ -122,3 +124,24 @@ def test_onceonly_on_every_store(store_url: str) -> None:
     config = DemoConfig(agents=4, ops=20, seed=11, fault_rate=0.3, url=store_url, strategies=("onceonly",))
     row = run_demo(config)["onceonly"]
     assert (row.duplicates, row.missing, row.unsettled, row.created) == (0, 0, 0, 20), row
+
+
+def test_an_agent_that_cannot_start_stops_the_run(tmp_path: Path) -> None:
+    """An agent whose warm-up fails releases the others from the start line: the run raises its
+    error instead of waiting forever."""
+
+    class Broken(Naive):
+        calls = 0
+
+        def warm(self) -> None:
+            with self._lock:
+                Broken.calls += 1
+                first = Broken.calls == 1
+            if first:  # one agent fails, the others reach the start line and wait there
+                raise RuntimeError("cannot reach the service")
+            super().warm()
+
+    config = DemoConfig(agents=3, ops=3, fault_rate=0.0, strategies=("naive",))
+    workload = make_workload(seed=1, agents=3, operations=3)
+    with pytest.raises(RuntimeError, match="cannot reach"):
+        run_strategy(Broken(timeout=0.5), workload, config, tmp_path)

@@ -250,6 +250,11 @@ def run_strategy(
 
         def agent(asks: Sequence[Any]) -> None:
             try:
+                try:
+                    strategy.warm()
+                except BaseException:
+                    barrier.abort()  # the other agents stop waiting for this one
+                    raise
                 barrier.wait()
                 for ask in asks:
                     t0 = time.perf_counter()
@@ -272,7 +277,8 @@ def run_strategy(
         for t in threads:
             t.join()
         if errors:
-            raise errors[0]
+            # The cause, not the other agents' broken barrier.
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         operations = workload.keys()
         final = strategy.finish(operations)
         statuses = final if final is not None else {op: _merge(got) for op, got in asked.items()}

@@ -45,6 +45,8 @@ from onceonly.states import State
 __all__ = ["STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "Strategy"]
 
 DONE, FAILED, UNSETTLED = "done", "failed", "unsettled"
+#: How long an agent's first request (a read, before the clock starts) may take on a busy machine.
+WARM_UP_SECONDS = 60.0
 
 
 class Strategy:
@@ -69,6 +71,18 @@ class Strategy:
     def ask(self, ask: Ask) -> str:
         """Run one ask in the calling agent's thread: ``"done"``, ``"failed"`` or ``"unsettled"``."""
         raise NotImplementedError
+
+    def warm(self) -> None:
+        """In an agent's thread, before its first ask: make its client and connect. A cold start (a
+        client's TLS context, the service's first requests) in the middle of the first asks, all at
+        once, can outlast the client's timeout on a busy machine and count as a lost answer; here it
+        has all the time it needs."""
+        client = self._client(self._new_client)
+        client.get("/tickets", params={"session_id": "demo-warm-up"}, timeout=WARM_UP_SECONDS).raise_for_status()
+
+    def _new_client(self) -> Any:
+        """This strategy's HTTP client for one agent's thread."""
+        return httpx.Client(base_url=self.url, timeout=self.timeout)
 
     def finish(self, operations: list[tuple[str, str]]) -> dict[int, str] | None:
         """After every agent is done: the final status of each operation (by its index in
@@ -103,7 +117,7 @@ class Naive(Strategy):
     idempotency = False
 
     def ask(self, ask: Ask) -> str:
-        client: httpx.Client = self._client(lambda: httpx.Client(base_url=self.url, timeout=self.timeout))
+        client: httpx.Client = self._client(self._new_client)
         body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
         for attempt in range(self.attempts):
             try:
@@ -125,12 +139,13 @@ class KeyOnly(Strategy):
     name = "key-only"
     idempotency = True
 
-    def ask(self, ask: Ask) -> str:
-        client: KeyClient = self._client(
-            lambda: KeyClient(
-                self.url, timeout=self.timeout, retry=Retry(attempts=self.attempts, base=0.05, cap=1.0), wait=30.0
-            )
+    def _new_client(self) -> KeyClient:
+        return KeyClient(
+            self.url, timeout=self.timeout, retry=Retry(attempts=self.attempts, base=0.05, cap=1.0), wait=30.0
         )
+
+    def ask(self, ask: Ask) -> str:
+        client: KeyClient = self._client(self._new_client)
         body = {"session_id": ask.session_id, "title": ask.title, "body": ask.body}
         try:
             # A new logical call: a new key (prefix:session:call, as the sources make them). A re-planned
@@ -172,7 +187,7 @@ class OnceOnly(Strategy):
         self.ledger = Ledger.open(self.ledger_url or f"sqlite:///{workdir / 'ledger.db'}", scope=scope)
 
         def http() -> httpx.Client:
-            return self._client(lambda: httpx.Client(base_url=url, timeout=self.timeout))  # type: ignore[no-any-return]
+            return self._client(self._new_client)  # type: ignore[no-any-return]
 
         def find_ticket(args: dict[str, Any], key: str) -> Any:
             """The probe: ask the service for the ticket by its business key."""
