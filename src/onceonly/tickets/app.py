@@ -288,6 +288,12 @@ def _printable(value: object) -> str:
 # --- the application ------------------------------------------------------------------------------
 
 
+# FastAPI builds each route's pydantic schemas when it is added, and pydantic's schema building is not
+# thread-safe: two services made at once in one process (the demo's strategies, tests) could fail with
+# AttributeError: __pydantic_core_schema__. One app is built at a time.
+_BUILDING = threading.Lock()
+
+
 def create_app(
     db_path: str | Path = ".onceonly/tickets.db",
     *,
@@ -319,204 +325,212 @@ def create_app(
 
     .. versionadded:: 0.1
     """
-    if isinstance(faults, dict):
-        faults = Faults.from_mapping(faults)
-    faults = faults or Faults()
-    if seed is not None:
-        faults = dataclasses.replace(faults, seed=seed)
-    transactional = idempotency and store is None
-    # Opened now, not by the middleware at the first request: a bad URL or an unreachable store
-    # fails here, before anything is served. A store opened here is closed at shutdown.
-    opened = open_store(store) if isinstance(store, str) and idempotency else None
-    try:
-        table = IdempotencyTable(ttl=ttl)
-        db = TicketDB(db_path, table)
-    except BaseException:
-        if opened is not None:
-            opened.close()
-        raise
-    injector = FaultInjector(faults)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        if opened is not None:
-            closer = getattr(opened, "aclose", None)
-            if closer is not None:
-                await closer()  # the async face's connections belong to this loop
-            opened.close()
-
-    app = FastAPI(
-        lifespan=lifespan,
-        title="onceonly tickets",
-        version="0.1.0",
-        description=(
-            "The reference ticket service of onceonly. POST /tickets takes an Idempotency-Key header "
-            "(IETF draft; also X-Idempotency-Key) when idempotency is on."
-        ),
-    )
-    app.state.db = db
-    app.state.store = opened or store
-    app.state.faults = injector
-    app.state.idempotency = "transactional" if transactional else ("store" if idempotency else "off")
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _invalid(exc)
-
-    @app.exception_handler(InjectedFailure)
-    async def injected_failure(request: Request, exc: InjectedFailure) -> JSONResponse:
-        return _problem(503, "Injected failure", str(exc), "injected-failure", {"Retry-After": "1"})
-
-    key_parameter = {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": idempotency,
-        "description": "One key per logical operation, the same on every retry: 1-255 visible ASCII "
-        "characters, bare or as a quoted sf-string (X-Idempotency-Key is accepted too).",
-        "schema": {"type": "string", "pattern": f"^{KEY_PATTERN}$"},
-    }
-
-    @app.post(
-        "/tickets",
-        status_code=201,
-        response_model=Ticket,
-        responses={
-            400: {
-                "description": "A bad key (problem+json), or a body that is not JSON (application/json)",
-                "content": {
-                    **_PROBLEM_CONTENT["content"],
-                    "application/json": {"schema": {"type": "object", "properties": {"detail": {}}}},
-                },
-            },
-            409: _PROBLEM,
-            413: _PROBLEM,
-            422: {
-                "description": "An invalid body (with errors), or the key was used with another body",
-                "content": {
-                    "application/problem+json": {
-                        "schema": {"anyOf": [_inlined(InvalidRequest), Problem.model_json_schema()]}
-                    }
-                },
-            },
-            503: _PROBLEM,
-        },
-        summary="Create a ticket",
-        openapi_extra={"parameters": [key_parameter]},
-    )
-    def create_ticket(ticket: TicketIn, request: Request) -> Response:
-        fault = request.scope.get(FAULT_KEY)
-        ctx = idempotency_context(request)
-        key: str | None
-        if ctx is not None:
-            client, key = ctx.client, ctx.key
-        else:
-            # Idempotency off: no middleware read the key, but the ticket still records it for the lookup.
-            client, key = client_hash(authorization_identity(request.scope), db.client_secret), _sent_key(request)
-        conn = db.conn()
-        # One writer at a time in this process: SQLite allows one anyway, and its busy handler would
-        # make the others sleep in steps of milliseconds instead of queueing behind a lock.
-        with db.write_lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                slot = table.begin_request(conn, ctx) if transactional and ctx is not None else None
-                if fault == "fail":
-                    _fail()
-                created = _now()
-                cur = conn.execute(
-                    "INSERT INTO tickets (session_id, title, body, created_at, client, idempotency_key) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (ticket.session_id, ticket.title, ticket.body, created, client, key),
-                )
-                if fault == "crash":
-                    os._exit(CRASH_EXIT_CODE)  # after the business write, before the commit
-                out = {"id": cur.lastrowid, **ticket.model_dump(), "created_at": created}
-                body = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-                headers = {"content-type": "application/json", "location": f"/tickets/{cur.lastrowid}"}
-                if slot is not None:
-                    slot.complete(201, body, headers)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        if fault == "crash_after_commit":
-            os._exit(CRASH_EXIT_CODE)
-        return Response(body, status_code=201, headers=headers)
-
-    @app.get(
-        "/tickets",
-        response_model=TicketList,
-        responses={422: _INVALID},
-        summary="Find tickets by business key (for probes)",
-    )
-    def find_tickets(
-        session_id: Annotated[str, Query(min_length=1, max_length=200)],
-        title: Annotated[str | None, Query(max_length=500)] = None,
-    ) -> dict[str, Any]:
-        return {"tickets": db.find(session_id, title)}
-
-    @app.get(
-        "/tickets/by-idempotency-key/{key}",
-        response_model=Ticket,
-        responses={404: _PROBLEM, 422: _INVALID},
-        summary="The ticket this client created with an idempotency key",
-    )
-    def ticket_by_key(key: Annotated[str, PathParam(min_length=1, max_length=MAX_KEY_LENGTH)], request: Request) -> Any:
-        client = client_hash(authorization_identity(request.scope), db.client_secret)
-        found = db.by_key(client, key)
-        if found is None:
-            return _problem(404, "No such ticket", f"no ticket of this client has the key {key!r}", "not-found")
-        return found
-
-    @app.get(
-        "/tickets/{ticket_id}", response_model=Ticket, responses={404: _PROBLEM, 422: _INVALID}, summary="One ticket"
-    )
-    def get_ticket(ticket_id: Annotated[int, PathParam(ge=1, le=_MAX_ID)]) -> Any:
-        found = db.get(ticket_id)
-        if found is None:
-            return _problem(404, "No such ticket", f"there is no ticket {ticket_id}", "not-found")
-        return found
-
-    @app.get("/health", summary="Liveness")
-    def health() -> dict[str, Any]:
-        return {"ok": True, "idempotency": app.state.idempotency}
-
-    if admin:
-
-        @app.get("/admin/faults", response_model=FaultState, summary="The faults and how many were injected")
-        def get_faults() -> dict[str, Any]:
-            return injector.snapshot()
-
-        @app.put(
-            "/admin/faults",
-            response_model=FaultState,
-            responses={422: _INVALID},
-            summary="Set the faults (restarts the draws)",
-        )
-        def put_faults(settings: Faults) -> Any:
-            # FastAPI validated the body as Faults (its __post_init__ included): a bad setting was a 422.
-            injector.configure(settings)
-            return injector.snapshot()
-
-    # Outermost first: the faults see the finished answer; the idempotency middleware sees the app.
-    if idempotency:
-        settings: dict[str, Any] = {
-            "store": opened or store,
-            "transactional": transactional,
-            "processing_timeout": processing_timeout,
-            "ttl": ttl,
-            "client_secret": db.client_secret,
-        }
+    with _BUILDING:
+        if isinstance(faults, dict):
+            faults = Faults.from_mapping(faults)
+        faults = faults or Faults()
+        if seed is not None:
+            faults = dataclasses.replace(faults, seed=seed)
+        transactional = idempotency and store is None
+        # Opened now, not by the middleware at the first request: a bad URL or an unreachable store
+        # fails here, before anything is served. A store opened here is closed at shutdown.
+        opened = open_store(store) if isinstance(store, str) and idempotency else None
         try:
-            IdempotencyMiddleware(app, **settings)  # checks the settings now: Starlette builds it at the first request
+            table = IdempotencyTable(ttl=ttl)
+            db = TicketDB(db_path, table)
         except BaseException:
-            db.close()
             if opened is not None:
                 opened.close()
             raise
-        app.add_middleware(IdempotencyMiddleware, **settings)
-    app.add_middleware(FaultMiddleware, injector=injector)
-    return app
+        injector = FaultInjector(faults)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            yield
+            if opened is not None:
+                closer = getattr(opened, "aclose", None)
+                if closer is not None:
+                    await closer()  # the async face's connections belong to this loop
+                opened.close()
+
+        app = FastAPI(
+            lifespan=lifespan,
+            title="onceonly tickets",
+            version="0.1.0",
+            description=(
+                "The reference ticket service of onceonly. POST /tickets takes an Idempotency-Key header "
+                "(IETF draft; also X-Idempotency-Key) when idempotency is on."
+            ),
+        )
+        app.state.db = db
+        app.state.store = opened or store
+        app.state.faults = injector
+        app.state.idempotency = "transactional" if transactional else ("store" if idempotency else "off")
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return _invalid(exc)
+
+        @app.exception_handler(InjectedFailure)
+        async def injected_failure(request: Request, exc: InjectedFailure) -> JSONResponse:
+            return _problem(503, "Injected failure", str(exc), "injected-failure", {"Retry-After": "1"})
+
+        key_parameter = {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": idempotency,
+            "description": "One key per logical operation, the same on every retry: 1-255 visible ASCII "
+            "characters, bare or as a quoted sf-string (X-Idempotency-Key is accepted too).",
+            "schema": {"type": "string", "pattern": f"^{KEY_PATTERN}$"},
+        }
+
+        @app.post(
+            "/tickets",
+            status_code=201,
+            response_model=Ticket,
+            responses={
+                400: {
+                    "description": "A bad key (problem+json), or a body that is not JSON (application/json)",
+                    "content": {
+                        **_PROBLEM_CONTENT["content"],
+                        "application/json": {"schema": {"type": "object", "properties": {"detail": {}}}},
+                    },
+                },
+                409: _PROBLEM,
+                413: _PROBLEM,
+                422: {
+                    "description": "An invalid body (with errors), or the key was used with another body",
+                    "content": {
+                        "application/problem+json": {
+                            "schema": {"anyOf": [_inlined(InvalidRequest), Problem.model_json_schema()]}
+                        }
+                    },
+                },
+                503: _PROBLEM,
+            },
+            summary="Create a ticket",
+            openapi_extra={"parameters": [key_parameter]},
+        )
+        def create_ticket(ticket: TicketIn, request: Request) -> Response:
+            fault = request.scope.get(FAULT_KEY)
+            ctx = idempotency_context(request)
+            key: str | None
+            if ctx is not None:
+                client, key = ctx.client, ctx.key
+            else:
+                # Idempotency off: no middleware read the key, but the ticket still records it for the lookup.
+                client, key = client_hash(authorization_identity(request.scope), db.client_secret), _sent_key(request)
+            conn = db.conn()
+            # One writer at a time in this process: SQLite allows one anyway, and its busy handler would
+            # make the others sleep in steps of milliseconds instead of queueing behind a lock.
+            with db.write_lock:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    slot = table.begin_request(conn, ctx) if transactional and ctx is not None else None
+                    if fault == "fail":
+                        _fail()
+                    created = _now()
+                    cur = conn.execute(
+                        "INSERT INTO tickets (session_id, title, body, created_at, client, idempotency_key) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        (ticket.session_id, ticket.title, ticket.body, created, client, key),
+                    )
+                    if fault == "crash":
+                        os._exit(CRASH_EXIT_CODE)  # after the business write, before the commit
+                    out = {"id": cur.lastrowid, **ticket.model_dump(), "created_at": created}
+                    body = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                    headers = {"content-type": "application/json", "location": f"/tickets/{cur.lastrowid}"}
+                    if slot is not None:
+                        slot.complete(201, body, headers)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            if fault == "crash_after_commit":
+                os._exit(CRASH_EXIT_CODE)
+            return Response(body, status_code=201, headers=headers)
+
+        @app.get(
+            "/tickets",
+            response_model=TicketList,
+            responses={422: _INVALID},
+            summary="Find tickets by business key (for probes)",
+        )
+        def find_tickets(
+            session_id: Annotated[str, Query(min_length=1, max_length=200)],
+            title: Annotated[str | None, Query(max_length=500)] = None,
+        ) -> dict[str, Any]:
+            return {"tickets": db.find(session_id, title)}
+
+        @app.get(
+            "/tickets/by-idempotency-key/{key}",
+            response_model=Ticket,
+            responses={404: _PROBLEM, 422: _INVALID},
+            summary="The ticket this client created with an idempotency key",
+        )
+        def ticket_by_key(
+            key: Annotated[str, PathParam(min_length=1, max_length=MAX_KEY_LENGTH)], request: Request
+        ) -> Any:
+            client = client_hash(authorization_identity(request.scope), db.client_secret)
+            found = db.by_key(client, key)
+            if found is None:
+                return _problem(404, "No such ticket", f"no ticket of this client has the key {key!r}", "not-found")
+            return found
+
+        @app.get(
+            "/tickets/{ticket_id}",
+            response_model=Ticket,
+            responses={404: _PROBLEM, 422: _INVALID},
+            summary="One ticket",
+        )
+        def get_ticket(ticket_id: Annotated[int, PathParam(ge=1, le=_MAX_ID)]) -> Any:
+            found = db.get(ticket_id)
+            if found is None:
+                return _problem(404, "No such ticket", f"there is no ticket {ticket_id}", "not-found")
+            return found
+
+        @app.get("/health", summary="Liveness")
+        def health() -> dict[str, Any]:
+            return {"ok": True, "idempotency": app.state.idempotency}
+
+        if admin:
+
+            @app.get("/admin/faults", response_model=FaultState, summary="The faults and how many were injected")
+            def get_faults() -> dict[str, Any]:
+                return injector.snapshot()
+
+            @app.put(
+                "/admin/faults",
+                response_model=FaultState,
+                responses={422: _INVALID},
+                summary="Set the faults (restarts the draws)",
+            )
+            def put_faults(settings: Faults) -> Any:
+                # FastAPI validated the body as Faults (its __post_init__ included): a bad setting was a 422.
+                injector.configure(settings)
+                return injector.snapshot()
+
+        # Outermost first: the faults see the finished answer; the idempotency middleware sees the app.
+        if idempotency:
+            settings: dict[str, Any] = {
+                "store": opened or store,
+                "transactional": transactional,
+                "processing_timeout": processing_timeout,
+                "ttl": ttl,
+                "client_secret": db.client_secret,
+            }
+            try:
+                IdempotencyMiddleware(
+                    app, **settings
+                )  # checks the settings now: Starlette builds it at the first request
+            except BaseException:
+                db.close()
+                if opened is not None:
+                    opened.close()
+                raise
+            app.add_middleware(IdempotencyMiddleware, **settings)
+        app.add_middleware(FaultMiddleware, injector=injector)
+        return app
 
 
 def _sent_key(request: Request) -> str | None:
