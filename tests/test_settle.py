@@ -14,7 +14,7 @@ import pytest
 
 from onceonly import NOT_FOUND, AttemptsExhausted, Ledger, OutcomeUnknown, Retry, State
 from onceonly import states as st
-from onceonly.errors import StoreUnavailable
+from onceonly.errors import OnceOnlyError, StoreUnavailable
 from onceonly.guard import Policy
 from onceonly.settle import (
     Leave,
@@ -464,6 +464,26 @@ def test_resolve_records_who_and_why(ledger: Ledger) -> None:
     assert done.state is State.FAILED and done.via == "resolve"
     last = done.history[-1]
     assert last["by"] == "bob" and "checked the PSP dashboard" in last["reason"] and last["from"] == "needs_review"
+
+
+def test_resolve_at_a_version_refuses_a_record_settled_meanwhile(ledger: Ledger) -> None:
+    """A person looked at version N; a colleague settled it since: resolving at N changes nothing."""
+
+    @ledger.tool(name="charge")
+    def charge(amount: int) -> None:
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(OutcomeUnknown) as info:
+        charge(5)
+    key = info.value.key
+    seen = ledger.get(key)
+    assert seen is not None and seen.state is State.NEEDS_REVIEW
+    colleague = ledger.resolve(key, failed="not in the PSP's list", by="carol", reset=True)
+    with pytest.raises(OnceOnlyError, match="changed since it was read"):
+        ledger.resolve(key, failed="declined", by="bob", version=seen.version)
+    assert ledger.get(key) == colleague
+    done = ledger.resolve(key, failed="declined", by="bob", version=colleague.version)
+    assert done.history[-1]["by"] == "bob"
 
 
 # --- the store fails mid-run ----------------------------------------------------------------------------

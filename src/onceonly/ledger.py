@@ -370,16 +370,20 @@ class Ledger:
         reset: bool = False,
         by: str | None = None,
         why: str | None = None,
+        version: int | None = None,
     ) -> Record:
         """Settle a record by hand: it happened (``confirmed=result``) or it did not (``failed=reason``).
 
         ``reset=True`` with ``failed`` also sets the attempts back to 0, so the operation may run again.
-        Who (``by``) and why are kept in the record's history.
+        Who (``by``) and why are kept in the record's history. ``version``: settle it only if it is still
+        at this version (the one the person looked at): a reconciler or a colleague may have settled it
+        meanwhile.
 
         Raises:
             KeyError: no such record.
             InProgress: a caller holds a live lease on it.
-            OnceOnlyError: the record is already confirmed, or neither outcome was given.
+            OnceOnlyError: the record is already confirmed, is no longer at ``version``, or neither
+                outcome was given.
             NotSerializable: ``confirmed`` has no strict JSON form (NaN, a set…): nothing is written.
 
         .. versionadded:: 0.1
@@ -400,6 +404,11 @@ class Ledger:
                 )
             if rec.state is State.CONFIRMED:
                 raise OnceOnlyError(f"{key!r} is already confirmed (via {rec.via}); nothing to resolve")
+            if version is not None and rec.version != version:
+                raise OnceOnlyError(
+                    f"{key!r} changed since it was read (version {version}, now {rec.version}, {rec.state.value}):"
+                    " look at it again with `onceonly show`"
+                )
             reason = f"resolved by {who}" + (f": {why}" if why else "")
             known = self.tools.get(rec.tool)
             ttl = known.spec.policy.ttl if known is not None else DEFAULT_TTL

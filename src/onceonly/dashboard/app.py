@@ -305,7 +305,7 @@ def _resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
         raise _Conflict(f"{key!r} is {rec.state.value}, not needs_review: reload; `onceonly resolve` settles others")
     if version is not None and rec.version != version:
         raise _Conflict(f"{key!r} changed since the page read it (version {version}, now {rec.version}): reload")
-    return ops.record_json(ledger.resolve(key, **kwargs))
+    return ops.record_json(ledger.resolve(key, **kwargs, version=rec.version))
 
 
 class _Conflict(Exception):
