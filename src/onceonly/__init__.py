@@ -22,6 +22,7 @@ from onceonly.errors import (
     OnceOnlyError,
     OutcomeUnknown,
     RetryScheduled,
+    SimilarCall,
     StoreCorrupt,
     StoreError,
     StoreUnavailable,
@@ -31,6 +32,7 @@ from onceonly.guard import NOT_FOUND, Outcome
 from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
 from onceonly.ledger import CallInfo, Ledger, amark_sent, current_call, mark_sent
 from onceonly.policy import Classification, Retry, Verdict, classify, conflict_classifier
+from onceonly.similar import Similar
 from onceonly.states import Record, State
 from onceonly.stores import Query, Store, open_store
 from onceonly.tell import tell_model
@@ -56,6 +58,8 @@ __all__ = [
     "Record",
     "Retry",
     "RetryScheduled",
+    "Similar",
+    "SimilarCall",
     "State",
     "Store",
     "StoreCorrupt",

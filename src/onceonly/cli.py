@@ -232,6 +232,9 @@ if _MISSING_CLI is None:
             lines.append(("expires", _when(rec.expires_at)))
         if rec.conflicts:
             lines.append(("CONFLICTS", f"{rec.conflicts}: the side effect happened more than once"))
+        similar_to = [e["similar_to"] for e in rec.history if isinstance(e.get("similar_to"), str)]
+        if similar_to:
+            lines.append(("similar to", f"{similar_to[-1]} (onceonly show '{similar_to[-1]}')"))
         lines.append(("args", dumps(rec.args)))
         if rec.result_json is not None:
             lines.append(("result", dumps(rec.result)))

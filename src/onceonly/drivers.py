@@ -34,6 +34,9 @@ from onceonly.guard import (
     Insert,
     Probe,
     Probed,
+    SimilarClaim,
+    SimilarLock,
+    SimilarUnlock,
     Sleep,
     Swap,
     WaitChange,
@@ -350,13 +353,14 @@ def drive(
             elif kind is Sleep:
                 ledger.sleep(action.seconds)  # type: ignore[union-attr]
                 send = None
-            else:
-                assert isinstance(action, WaitChange)
-                store.wait_for_change(action.key, action.version, action.seconds)
+            elif kind is WaitChange:
+                store.wait_for_change(action.key, action.version, action.seconds)  # type: ignore[union-attr]
                 send = None
+            else:
+                send = _similar(ledger, store, action)
         except StoreError as exc:
             error = exc
-            if kind is Claim or kind is Insert or kind is Swap:
+            if kind is Claim or kind is Insert or kind is Swap or kind is SimilarClaim:
                 # The plan re-reads next (it never guesses); if this write landed, it is announced then.
                 lost = action.record  # type: ignore[union-attr]
 
@@ -411,18 +415,49 @@ async def adrive(
             elif kind is Sleep:
                 await ledger.asleep(action.seconds)  # type: ignore[union-attr]
                 send = None
-            else:
-                assert isinstance(action, WaitChange)
-                await store.await_for_change(action.key, action.version, action.seconds)
+            elif kind is WaitChange:
+                await store.await_for_change(action.key, action.version, action.seconds)  # type: ignore[union-attr]
                 send = None
+            else:
+                send = await _asimilar(ledger, store, action)
         except StoreError as exc:
             error = exc
-            if kind is Claim or kind is Insert or kind is Swap:
+            if kind is Claim or kind is Insert or kind is Swap or kind is SimilarClaim:
                 # The plan re-reads next (it never guesses); if this write landed, it is announced then.
                 lost = action.record  # type: ignore[union-attr]
 
 
 _REVIEW = State.NEEDS_REVIEW
+
+
+def _similar(ledger: Ledger, store: Any, action: Action) -> Any:
+    """The store calls of a near-duplicate lookup (``onceonly.Similar``): off the path of other tools."""
+    if isinstance(action, SimilarLock):
+        return store.similar_lock(action.group, action.token, action.now, action.until, action.since, action.limit)
+    if isinstance(action, SimilarClaim):
+        got = store.similar_claim(action.record, action.group, action.token)
+        if got is None:
+            emit(action.record, ledger._listeners)
+        return got
+    assert isinstance(action, SimilarUnlock)
+    store.similar_unlock(action.group, action.token)
+    return None
+
+
+async def _asimilar(ledger: Ledger, store: Any, action: Action) -> Any:
+    """``_similar`` for async tools."""
+    if isinstance(action, SimilarLock):
+        return await store.asimilar_lock(
+            action.group, action.token, action.now, action.until, action.since, action.limit
+        )
+    if isinstance(action, SimilarClaim):
+        got = await store.asimilar_claim(action.record, action.group, action.token)
+        if got is None:
+            emit(action.record, ledger._listeners)
+        return got
+    assert isinstance(action, SimilarUnlock)
+    await store.asimilar_unlock(action.group, action.token)
+    return None
 
 
 def _alert_conflict(exc: KeyConflict) -> None:

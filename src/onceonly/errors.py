@@ -5,6 +5,7 @@
     │   └── RetryScheduled     its next attempt is due later than the call may wait
     ├── OutcomeUnknown         the operation may have happened; a probe or a person must settle it
     ├── KeyConflict            the same key was used with other arguments
+    ├── SimilarCall            a call much like this one was made earlier (on_similar="raise")
     ├── AttemptsExhausted      the persisted attempt limit was reached
     ├── InvalidKey             a key, scope or tool name that cannot be stored (also ValueError)
     ├── NotSerializable        an argument or result that has no canonical JSON form (also TypeError)
@@ -32,6 +33,7 @@ __all__ = [
     "OnceOnlyError",
     "OutcomeUnknown",
     "RetryScheduled",
+    "SimilarCall",
     "StoreCorrupt",
     "StoreError",
     "StoreUnavailable",
@@ -108,6 +110,28 @@ class KeyConflict(_RecordError):
         super().__init__(message, key=key, record=record)
         self.fingerprint = fingerprint
         self.conflicting_record = record
+
+
+class SimilarCall(_RecordError):
+    """A call much like this one was made earlier in its group (``on_similar="raise"``): this one did
+    not run. ``key`` and ``record`` are the earlier call's.
+
+    Attributes:
+        outcome: the earlier call's ``Outcome`` (its result when it is confirmed; ``None`` when its
+            record could not be read).
+        score: how similar the two calls are, 0..1.
+        new_key: the key this call would have had.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, message: str, *, key: str, record: Record | None, outcome: Any, score: float, new_key: str
+    ) -> None:
+        super().__init__(message, key=key, record=record)
+        self.outcome = outcome
+        self.score = score
+        self.new_key = new_key
 
 
 class AttemptsExhausted(_RecordError):

@@ -21,7 +21,7 @@ import datetime
 import logging
 import random
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from onceonly import states as st
@@ -32,10 +32,12 @@ from onceonly.errors import (
     NotSerializable,
     OutcomeUnknown,
     RetryScheduled,
+    SimilarCall,
     StoreError,
 )
 from onceonly.keys import canonical_json
 from onceonly.policy import Classification, Classifier, Retry, Verdict, classify
+from onceonly.similar import Candidate, Lookup, best_match
 from onceonly.states import HELD, Record, State
 
 __all__ = [
@@ -50,6 +52,9 @@ __all__ = [
     "Policy",
     "Probe",
     "Probed",
+    "SimilarClaim",
+    "SimilarLock",
+    "SimilarUnlock",
     "Sleep",
     "Swap",
     "WaitChange",
@@ -153,7 +158,38 @@ class WaitChange:
     seconds: float
 
 
-Action = Get | Claim | Insert | Swap | Execute | Probe | Sleep | WaitChange
+@dataclass(slots=True)
+class SimilarLock:
+    """Take the lock of a group of near-duplicate calls (``onceonly.Similar``) for ``token`` until
+    ``until``, and read its candidates claimed since ``since`` (at most ``limit``, newest first).
+    Answered with the candidates, or ``None`` while another call holds the lock."""
+
+    group: str
+    token: str
+    now: float
+    until: float
+    since: float
+    limit: int
+
+
+@dataclass(slots=True)
+class SimilarClaim:
+    """``Claim`` of ``record`` that also files it in ``group`` and frees the group's lock, only while
+    ``token`` holds that lock. Answered as ``Claim`` is, or ``False`` when the lock was lost (nothing
+    written)."""
+
+    record: Record
+    group: str
+    token: str
+
+
+@dataclass(slots=True)
+class SimilarUnlock:
+    group: str
+    token: str
+
+
+Action = Get | Claim | Insert | Swap | Execute | Probe | Sleep | WaitChange | SimilarLock | SimilarClaim | SimilarUnlock
 Plan = Generator[Action, Any, "Outcome"]
 
 
@@ -170,7 +206,10 @@ class Outcome:
         via: how the outcome was settled: ``run``, ``probe``, ``reconcile-probe``, ``resolve``, ``late:N``
             (attempt N's result arrived late), ``readonly``.
         fence: the fencing token of the attempt that produced it.
-        conflict: ``True`` when other arguments were replayed (``on_conflict="replay"``).
+        conflict: ``True`` when other arguments were replayed (``on_conflict="replay"``, or a similar call).
+        settled_at: when the record was last written (for a replay: when it was done).
+        similar_to: the key of the earlier call this one was taken for (``similar=``), else ``None``.
+        similar_args: that earlier call's arguments.
 
     .. versionadded:: 0.1
     """
@@ -184,6 +223,8 @@ class Outcome:
     fence: int = 0
     conflict: bool = False
     settled_at: float | None = None
+    similar_to: str | None = None
+    similar_args: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +263,8 @@ class Call:
     #: ``created_at`` of the record this call last ran an attempt on. With the fence it names the attempt:
     #: a record lost from the store and made again by another caller starts again at fence 1.
     created_at: float | None = None
+    #: The near-duplicate lookup of a tool with ``similar=`` (``None``: exact keys only).
+    similar: Lookup | None = None
 
 
 def encode_result(value: Any, key: str) -> str:
@@ -363,6 +406,119 @@ def _unsettled_until(rec: Record, what: str, due: float, now: float, wait: float
     )
 
 
+#: Seconds a group lock of near-duplicate calls holds (``SimilarLock``): reading, scoring and claiming
+#: take far less; a holder that died frees its group after this long.
+SIMILAR_LOCK_SECONDS = 10.0
+
+
+def _group_claim(call: Call, record: Record) -> Generator[Action, Any, tuple[bool, Record | None] | None]:
+    """``SimilarClaim`` of ``record``: (claimed, the record as it is), or ``None`` to look again (the
+    group's lock was lost, or the store refused the write)."""
+    look = call.similar
+    assert look is not None
+    try:
+        got = yield SimilarClaim(record, look.group, call.owner)
+    except StoreError as exc:
+        cur = yield Get(record.key)
+        if landed(record, cur):
+            return True, record
+        if cur is None:
+            yield from _refused(call, exc, record.key)
+            return None  # our lock is still ours, or has run out: either way, take it again
+        return False, cur
+    if got is False:
+        return None
+    call.refusals = 0
+    return (True, record) if got is None else (False, got)
+
+
+def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Record | None, bool]]:
+    """The first claim of a tool with ``similar=``: under the lock of the call's group, score the
+    group's recent calls and claim ``first`` only if none is alike; else take this call for that one
+    (``on_similar``). Returns (the record, whether we claim it) for the plan's loop, whose key is then
+    the earlier call's when this call was taken for it.
+
+    The lock makes "no alike call exists, so claim" one step: two alike calls racing with different
+    keys would each find nothing and both run. The second to take the lock finds the first's claim.
+    """
+    look = call.similar
+    assert look is not None
+    sim = look.similar
+    deadline = call.clock() + call.policy.wait
+    pause = 0.002
+    while True:
+        now = call.clock()
+        found: list[Candidate] | None = yield SimilarLock(
+            look.group, call.owner, now, now + SIMILAR_LOCK_SECONDS, now - sim.window, sim.candidates
+        )
+        if found is None:  # another call of this group is deciding: its claim may be the one we join
+            if now >= deadline:
+                raise InProgress(
+                    f"another call of the group {look.group!r} held its similar-calls lock for the whole "
+                    f"wait ({call.policy.wait:g} s): call again shortly (nothing ran)",
+                    key=call.key,
+                )
+            yield Sleep(min(pause, max(deadline - now, 0.0)) + 0.0005)
+            pause = min(pause * 2, 0.05)
+            continue
+        try:
+            match = best_match(sim, look.texts, found, call.key)
+        except BaseException:
+            yield SimilarUnlock(look.group, call.owner)  # a score function that failed: free the group
+            raise
+        if match is None or match.key == call.key:
+            claimed = yield from _group_claim(call, first)
+            if claimed is None:
+                continue
+            return (first, True) if claimed[0] else (claimed[1], False)
+
+        look.joined, look.score, look.earlier = match.key, match.score, match.args
+        said = f"similar to {match.key!r} (score {match.score:.2f})"
+        if look.on_similar == "review":
+            # This call's own record, parked beside the earlier one: a person says whether it is the same.
+            now = call.clock()
+            unsure = st.transition(
+                first, State.UNKNOWN, now=now, reason=f"not run: {said}", by=call.owner, similar_to=match.key,
+                lease_owner=None, lease_until=None,
+            )  # fmt: skip
+            parked = st.park(unsure, now=now, reason="on_similar='review': a person decides", by=call.owner)
+            claimed = yield from _group_claim(call, parked)
+            if claimed is None:
+                continue
+            look.joined = None  # this call keeps its own key
+            if not claimed[0]:
+                return claimed[1], False  # our own key was made meanwhile: that record decides
+            raise OutcomeUnknown(
+                _message(
+                    parked,
+                    f"this call was not run: it is {said}, and this tool has on_similar='review'",
+                    f"if it is the same operation: onceonly resolve '{call.key}' --confirmed JSON (the earlier "
+                    f"result); if it is another one: onceonly resolve '{call.key}' --failed REASON --reset, and "
+                    "call again",
+                ),
+                key=call.key,
+                record=parked,
+            )
+        yield SimilarUnlock(look.group, call.owner)
+        earlier: Record | None = yield Get(match.key)
+        if look.on_similar == "raise":
+            raise SimilarCall(
+                f"a call {said} was made earlier (its state: "
+                f"{'gone' if earlier is None else earlier.state.value}); this one was not run "
+                "(on_similar='raise'): if it is really another operation, change its identifying details",
+                key=match.key,
+                record=earlier,
+                outcome=None if earlier is None else _outcome(earlier, replayed=True),
+                score=match.score,
+                new_key=call.key,
+            )
+        # Replay: this call is that operation from here on; its other arguments are kept beside the
+        # earlier ones in the record's history, as on_conflict="replay" keeps them.
+        call.key = match.key
+        call.policy = replace(call.policy, on_conflict="replay")
+        return earlier, False
+
+
 def plan(call: Call) -> Plan:
     """Decide one guarded call. Yields actions; returns an ``Outcome`` or raises.
 
@@ -384,17 +540,21 @@ def plan(call: Call) -> Plan:
         key=key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
         args_json=call.args_json, state=held_state, owner=owner, now=call.clock(), lease_seconds=p.lease,
     )  # fmt: skip
-    try:
-        rec = yield Claim(first)
-        claimed = rec is None
-    except StoreError as exc:
-        # Did the claim land before the store failed? Only the record can say: ours, someone
-        # else's, or none at all (then the loop below inserts it; we must not run without one).
-        rec = yield Get(key)
-        claimed = landed(first, rec)
-        if rec is None:
-            yield from _refused(call, exc, key)
-    rec = first if claimed else rec
+    if call.similar is not None:
+        rec, claimed = yield from _claim_similar(call, first)
+        key, p = call.key, call.policy  # the earlier call's key, when this one was taken for it
+    else:
+        try:
+            rec = yield Claim(first)
+            claimed = rec is None
+        except StoreError as exc:
+            # Did the claim land before the store failed? Only the record can say: ours, someone
+            # else's, or none at all (then the loop below inserts it; we must not run without one).
+            rec = yield Get(key)
+            claimed = landed(first, rec)
+            if rec is None:
+                yield from _refused(call, exc, key)
+        rec = first if claimed else rec
     while True:
         now = call.clock()
 
@@ -450,9 +610,10 @@ def plan(call: Call) -> Plan:
                     )
                 conflict = True
                 if rec.state is State.CONFIRMED:
+                    look = call.similar
+                    why = "other arguments" if look is None else f"a similar call (score {look.score:.2f})"
                     noted = st.transition(
-                        rec, rec.state, now=now, reason=f"replayed for other arguments: {call.args_json[:500]}",
-                        by=owner,
+                        rec, rec.state, now=now, reason=f"replayed for {why}: {call.args_json[:500]}", by=owner,
                     )  # fmt: skip
                     ok, cur = yield from _write(rec, noted, call)
                     if not ok:

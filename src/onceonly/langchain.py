@@ -463,7 +463,8 @@ class _Spec:
             twin = ToolSpec(
                 ledger, _body(definition, True, self), name=made.name, key=made.key_fields, ignore=ignore,
                 normalize=made.normalize, policy=made.policy, probe=made.probe, timeout=made.timeout,
-                readonly=made.readonly, decode=None, passthrough=made.passthrough,
+                readonly=made.readonly, decode=None, passthrough=made.passthrough, similar=made.similar,
+                on_similar=made.on_similar,
             )  # fmt: skip
             self.async_fn = make_tool(twin)
 

@@ -31,9 +31,10 @@ from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
 from onceonly.keys import Normalizer, canonical_json, validate_name
 from onceonly.policy import Classifier, Retry, check_seconds
 from onceonly.settle import ReconcileReport, reconcile
+from onceonly.similar import OnSimilar, Similar
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store, redact_url
-from onceonly.stores.base import Query, Store
+from onceonly.stores.base import Query, SimilarStore, Store
 from onceonly.tools import AsyncTool, Tool, ToolSpec, default_name, make_tool, refuse_framework_object, same_definition
 
 __all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "load_ledger", "mark_sent"]
@@ -173,6 +174,8 @@ class Ledger:
         classify: Classifier | None = None,
         decode: Callable[[Any], Any] | None = None,
         passthrough: Sequence[type[BaseException]] = (),
+        similar: Similar | None = None,
+        on_similar: OnSimilar = "replay",
     ) -> Callable[[Callable[P, R]], Any]: ...
 
     def tool(
@@ -198,6 +201,8 @@ class Ledger:
         classify: Classifier | None = None,
         decode: Callable[[Any], Any] | None = None,
         passthrough: Sequence[type[BaseException]] = (),
+        similar: Similar | None = None,
+        on_similar: OnSimilar = "replay",
     ) -> Any:
         """Guard a function with side effects so that each logical call happens once.
 
@@ -231,6 +236,12 @@ class Ledger:
             passthrough: exception types that are control flow, not outcomes: they propagate, the
                 claim is given back and no attempt is counted. LangGraph's ``GraphBubbleUp`` family
                 (``interrupt()``) always is.
+            similar: an ``onceonly.Similar``: a call whose other key fields match an earlier call's
+                within its window, and whose ``Similar.fields`` are alike above its threshold, is taken
+                for that earlier operation (docs/similar.md). Default ``None``: exact keys only.
+            on_similar: what such a call does: ``"replay"`` (default) the earlier outcome (waiting while
+                it runs), flagged ``Outcome.similar_to``; ``"review"`` park it as ``needs_review`` for a
+                person (``OutcomeUnknown``); ``"raise"`` ``SimilarCall`` with the earlier outcome.
 
         Returns:
             A real function (``async def`` for a coroutine function) with the original's name,
@@ -243,6 +254,17 @@ class Ledger:
             raise ValueError(f"on_unknown={on_unknown!r}: use one of {', '.join(map(repr, get_args(OnUnknown)))}")
         if on_conflict not in get_args(OnConflict):
             raise ValueError(f"on_conflict={on_conflict!r}: use one of {', '.join(map(repr, get_args(OnConflict)))}")
+        if on_similar not in get_args(OnSimilar):
+            raise ValueError(f"on_similar={on_similar!r}: use one of {', '.join(map(repr, get_args(OnSimilar)))}")
+        if similar is not None and not isinstance(similar, Similar):
+            raise TypeError(f"similar={similar!r}: give an onceonly.Similar, such as Similar(fields=('title',))")
+        if similar is not None and not isinstance(self.store, SimilarStore):
+            raise TypeError(
+                f"similar= needs a store with the near-duplicate primitives (onceonly.stores.base.SimilarStore), "
+                f"and {type(self.store).__name__} has none: use a SQLite, Redis or PostgreSQL ledger"
+            )
+        if similar is not None and readonly:
+            raise ValueError("similar= guards calls with side effects, and readonly=True skips the ledger: drop one")
         if on_unknown == "probe" and probe is None:
             raise ValueError("on_unknown='probe' needs probe=(args, key) -> result | onceonly.NOT_FOUND")
         if retry is not None and not isinstance(retry, Retry):
@@ -280,6 +302,7 @@ class Ledger:
             spec = ToolSpec(
                 self, f, name=name or default_name(f), key=key, ignore=ignore, normalize=normalize, policy=policy,
                 probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=passing,
+                similar=similar, on_similar=on_similar,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)

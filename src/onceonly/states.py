@@ -344,13 +344,15 @@ def transition(
     reason: str = "",
     by: str | None = None,
     effect: bool | None = None,
+    similar_to: str | None = None,
     **changes: Any,
 ) -> Record:
     """Move ``rec`` to ``to``: checks the table, bumps ``version``, appends one history entry.
 
     ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…). ``effect=False`` marks
     the entry as the end of an attempt that cannot have had an effect (``may_have_happened``); ``None``
-    (the default) and ``True`` leave it unmarked.
+    (the default) and ``True`` leave it unmarked. ``similar_to`` links the entry to the key of another
+    record (a call taken for a near-duplicate of it, ``onceonly.Similar``).
 
     Raises:
         IllegalTransition: the table in ``ALLOWED`` does not allow it, or a time is not finite.
@@ -367,6 +369,8 @@ def transition(
     version = rec.version + 1
     fence = changes.get("fence", rec.fence)
     mark = _NO_EFFECT if effect is False else ""
+    if similar_to is not None:
+        mark += f',"similar_to":{_quote(_storable(similar_to))}'
     if changes.get("error") is not None:
         changes["error"] = _storable(changes["error"])
     return replace(

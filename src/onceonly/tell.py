@@ -12,7 +12,15 @@ import datetime as _dt
 import json
 from typing import Any
 
-from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OnceOnlyError, OutcomeUnknown, RetryScheduled
+from onceonly.errors import (
+    AttemptsExhausted,
+    InProgress,
+    KeyConflict,
+    OnceOnlyError,
+    OutcomeUnknown,
+    RetryScheduled,
+    SimilarCall,
+)
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json
 from onceonly.states import Record, State
@@ -21,7 +29,7 @@ __all__ = ["TOLD", "result_text", "tell_model"]
 
 #: The errors an integration turns into text for the model (``tell_model``) instead of raising: outcomes
 #: of the operation, not faults of the program.
-TOLD: tuple[type[OnceOnlyError], ...] = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted)
+TOLD: tuple[type[OnceOnlyError], ...] = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted, SimilarCall)
 
 #: The longest result a model is shown in these texts; longer ones are cut, with a note.
 MAX_RESULT_CHARS = 2000
@@ -54,6 +62,21 @@ def _recorded(rec: Record | None) -> str | None:
     return result_text(json.loads(rec.result_json))
 
 
+def _earlier(args: dict[str, Any] | None) -> str:
+    """What an earlier similar call asked for, as the model reads it: its arguments as JSON, cut."""
+    if not args:
+        return ""
+    return f" (the earlier action: {result_text(args)})"
+
+
+def _similar_done(settled_at: float | None, args: dict[str, Any] | None, result: str | None) -> str:
+    done = f"Its result: {result}" if result is not None else "It is not finished yet or its outcome is not known."
+    return (
+        f"A similar action was already done {_when(settled_at)}{_earlier(args)}, so this one was not done again. "
+        f"{done} If this is really a different action, it needs clearly different details."
+    )
+
+
 def tell_model(what: Outcome | BaseException) -> str:
     """The text a model should read for a guarded call's outcome or error.
 
@@ -63,6 +86,8 @@ def tell_model(what: Outcome | BaseException) -> str:
     - ``RetryScheduled``: it has not happened; it may be issued again after the time given;
     - ``InProgress``: another call is doing it now;
     - ``KeyConflict``: done earlier with other details, and that result;
+    - an ``Outcome`` with ``similar_to``, or ``SimilarCall``: a similar action was done, what it was, and
+      its result;
     - ``AttemptsExhausted``: it failed and will not be retried automatically;
     - any other exception: its type and message.
 
@@ -72,6 +97,8 @@ def tell_model(what: Outcome | BaseException) -> str:
     .. versionadded:: 0.1
     """
     if isinstance(what, Outcome):
+        if what.similar_to is not None and what.replayed:
+            return _similar_done(what.settled_at, what.similar_args, result_text(what.result))
         if not what.replayed:
             return result_text(what.result)
         if what.conflict:
@@ -83,6 +110,9 @@ def tell_model(what: Outcome | BaseException) -> str:
             f"This action was already done {_when(what.settled_at)} and was not repeated. "
             f"Its result: {result_text(what.result)}"
         )
+    if isinstance(what, SimilarCall):
+        rec = what.record
+        return _similar_done(None if rec is None else rec.updated_at, None if rec is None else rec.args, _recorded(rec))
     if isinstance(what, OutcomeUnknown):
         return (
             "The outcome of this action is unknown: it may have happened, and it is being checked. "

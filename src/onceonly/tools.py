@@ -24,6 +24,7 @@ from onceonly.errors import InvalidKey
 from onceonly.guard import Call, Outcome, Policy, plan
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Verdict, classify
+from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
 from onceonly.states import State
 
 if TYPE_CHECKING:
@@ -238,6 +239,8 @@ class ToolSpec:
         readonly: bool,
         decode: Callable[[Any], Any] | None,
         passthrough: tuple[type[BaseException], ...] = (),
+        similar: Similar | None = None,
+        on_similar: OnSimilar = "replay",
     ) -> None:
         self.ledger = ledger
         self.fn = fn
@@ -266,6 +269,12 @@ class ToolSpec:
         self.readonly = readonly
         self.decode = decode
         self.passthrough = passthrough
+        self.similar = similar
+        self.on_similar = on_similar
+        #: The key fields compared exactly when ``similar`` is set: they form a call's group.
+        self.exact_fields: tuple[str, ...] = ()
+        if similar is not None:
+            self.exact_fields = _exact_fields(similar, key, self.binder, name)
 
     def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
         """The ledger ``Call`` of one invocation: its key, fingerprint and arguments."""
@@ -293,14 +302,25 @@ class ToolSpec:
         scope = ledger._scope()
         full = compose_key(scope, self.name, digest)
         # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
-        return Call(full, scope, self.name, fp, args_json, drivers.new_owner(), self.policy, ledger.clock, ledger.rng)
+        made = Call(full, scope, self.name, fp, args_json, drivers.new_owner(), self.policy, ledger.clock, ledger.rng)
+        if self.similar is not None and key is None and occurrence == 1:
+            # An explicit key or a later occurrence names its operation: only derived keys look for near-duplicates.
+            sim = self.similar
+            made.similar = Lookup(
+                sim, self.on_similar, group_of(scope, self.name, select(hashed, self.exact_fields)),
+                {name: field_text(fields[name]) for name in sim.fields},
+            )  # fmt: skip
+        return made
 
     def tool_kwargs(self, call: Call, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.takes_key:
             return {**kwargs, KEY_PARAM: call.key}
         return kwargs
 
-    def finish(self, out: Outcome) -> Outcome:
+    def finish(self, out: Outcome, call: Call | None = None) -> Outcome:
+        look = None if call is None else call.similar
+        if look is not None and look.joined is not None:
+            out = replace(out, similar_to=look.joined, similar_args=look.earlier)
         if out.replayed and self.decode is not None:
             return replace(out, result=self.decode(out.result))
         return out
@@ -324,10 +344,10 @@ class ToolSpec:
         call = self.call(args, kwargs, key, occurrence)
         counted = self.ledger._count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
-            return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs))
+            return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs), call)
         with counted(self) as seen:
             seen.outcome = drivers.drive(self.ledger, plan(call), self, call, args, kwargs)
-        return self.finish(seen.outcome)
+        return self.finish(seen.outcome, call)
 
     async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
         """Run (or replay) one call of an async tool."""
@@ -336,13 +356,34 @@ class ToolSpec:
         call = self.call(args, kwargs, key, occurrence)
         counted = self.ledger._count_call
         if counted is None:
-            return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs))
+            return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs), call)
         with counted(self) as seen:
             seen.outcome = await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs)
-        return self.finish(seen.outcome)
+        return self.finish(seen.outcome, call)
 
     def __repr__(self) -> str:
         return f"<onceonly tool {self.name!r} on {self.ledger.url}>"
+
+
+def _exact_fields(
+    similar: Similar, key: Sequence[str] | Callable[[dict[str, Any]], Any] | None, binder: _Binder, tool: str
+) -> tuple[str, ...]:
+    """The key fields that are not ``similar.fields``: compared exactly, they form a call's group."""
+    if not isinstance(similar, Similar):
+        raise TypeError(f"similar={similar!r}: give an onceonly.Similar, such as Similar(fields=('title',))")
+    if callable(key):
+        raise TypeError(
+            f"tool {tool!r}: similar= compares key fields, and key= is a function: give key= as a tuple of "
+            "field names, such as key=('session_id', 'title')"
+        )
+    fields = tuple(key) if key is not None else tuple(n for n in binder.sig.parameters if n not in binder.skip)
+    outside = [f for f in similar.fields if f not in fields]
+    if outside:
+        raise TypeError(
+            f"tool {tool!r}: Similar(fields={similar.fields!r}) names {outside}, which are not key fields "
+            f"{fields!r}: the similar fields are the key fields compared by meaning, so add them to key="
+        )
+    return tuple(f for f in fields if f not in similar.fields)
 
 
 def _key_from_function(value: Any, tool: str) -> str:

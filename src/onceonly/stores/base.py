@@ -22,6 +22,19 @@ proven by one conformance suite (``tests/stores/``):
 - ``scan(...)``: records by state, tool, scope and due time, in key order, paged by ``after``.
 - ``wait_for_change(key, version, timeout)``: return when the record may have changed, or after
   ``timeout``; a store without notifications just sleeps.
+Tools with ``similar=`` need three more, in ``SimilarStore`` / ``AsyncSimilarStore``:
+
+- ``similar_lock(group, token, now, until, since, limit)``: take the lock of a group of near-duplicate
+  calls (``onceonly.Similar``) for ``token`` until ``until`` (free, held by ``token`` already, or held
+  past its time at ``now``), then return the group's candidates claimed at or after ``since``, newest
+  first, at most ``limit``; ``None`` (nothing read) while another token holds the lock. Read through
+  an index of the group (SQL: a table and its index; Redis: a sorted set per group), never a scan.
+  A group lives in one hash slot of its own on Redis Cluster.
+- ``similar_claim(record, group, token)``: ``claim`` that also files the record in ``group`` and
+  frees the lock, only while ``token`` holds it (else ``False``, nothing written). Filed records
+  leave their group with the record (purge), or, on Redis, once older than the window.
+- ``similar_unlock(group, token)``: free the lock if ``token`` holds it.
+  Only tools with ``similar=`` call these three: the other tools' calls cost what they did.
 - ``time()`` (optional, not part of the protocol): the store's own clock in seconds since the epoch,
   one round trip. A store that has one offers it (Redis ``TIME``, PostgreSQL ``clock_timestamp()``), and
   the ledger then reads leases and due times on it (``onceonly.clock``), so hosts whose clocks differ
@@ -36,11 +49,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
+from onceonly.similar import Candidate
 from onceonly.states import Record, State
 
-__all__ = ["AsyncStore", "Query", "Store"]
+__all__ = ["AsyncSimilarStore", "AsyncStore", "Candidate", "Query", "SimilarStore", "Store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +133,37 @@ class AsyncStore(Protocol):
     async def await_for_change(self, key: str, version: int, timeout: float) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SimilarStore(Protocol):
+    """The primitives of near-duplicate calls (``onceonly.Similar``), sync face: a store that offers them
+    guards tools with ``similar=``. Apart from ``Store`` so that a store of one's own needs them only
+    for such tools. All three stores of onceonly have them, and ``AsyncSimilarStore``.
+
+    .. versionadded:: 0.1
+    """
+
+    def similar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None: ...
+
+    def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None: ...
+
+    def similar_unlock(self, group: str, token: str) -> None: ...
+
+
+@runtime_checkable
+class AsyncSimilarStore(Protocol):
+    """``SimilarStore``, awaited.
+
+    .. versionadded:: 0.1
+    """
+
+    async def asimilar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None: ...
+
+    async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None: ...
+
+    async def asimilar_unlock(self, group: str, token: str) -> None: ...

@@ -40,10 +40,10 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -52,6 +52,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
+from onceonly.similar import Candidate
 from onceonly.states import UNSETTLED, Record, State
 from onceonly.stores import _pgwire as wire
 from onceonly.stores._sql import (
@@ -89,6 +90,8 @@ _FIELD_AT = {f: i for i, f in enumerate(Record.__dataclass_fields__)}
 _SWAP_TYPES = tuple(wire.COLUMN_TYPES[_FIELD_AT[f]] for f in SWAP_FIELDS)
 _SWAP_ENCODERS = tuple(wire.FIELD_ENCODERS[_FIELD_AT[f]] for f in SWAP_FIELDS)
 _ALL, _COUNT = 1, 2  # what _run returns of a statement: all its rows, or its row count
+# A record's values in COLUMNS order (similar_claim inserts through psycopg's cursor, not _pgwire).
+_record_values = operator.attrgetter(*Record.__dataclass_fields__)
 
 
 def _installed_version() -> str:
@@ -670,6 +673,8 @@ class PostgresStore:
         self._tag = tag
         self._stmt_get = wire.Statement(f"onceonly_{tag}_get", select, [wire.TEXT])
         self._stmt_insert = wire.Statement(f"onceonly_{tag}_insert", insert, wire.COLUMN_TYPES)
+        self._sql_insert = insert
+        self._similar_ready = False
         self._sql_delete = f"DELETE FROM {t} WHERE key = %s AND version = %s"
         self._sql_delete_at = f"DELETE FROM {t} WHERE key = %s AND version = %s AND created_at = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
@@ -1089,6 +1094,119 @@ class PostgresStore:
         finally:
             listener.unregister(key, waiter)
 
+    # --- near-duplicate calls (onceonly.Similar): only tools with similar= come here -------------------
+
+    def _similar_tables(self) -> tuple[str, str]:
+        s = _ident(self.schema)
+        return f"{s}.onceonly_similar", f"{s}.onceonly_similar_locks"
+
+    def _ensure_similar(self) -> None:
+        """Make the group tables on first use, so that a ledger without similar= tools never has them:
+        members (key → group, claimed at; indexed by group and time) and group locks. A record's
+        membership goes with it (a trigger on delete: purge); no trigger on update, so the other
+        tools' writes cost what they did."""
+        if self._similar_ready:
+            return
+        members, locks = self._similar_tables()
+        s = _ident(self.schema)
+        statements = [
+            f"""CREATE TABLE IF NOT EXISTS {members} (
+                key text COLLATE "C" PRIMARY KEY,
+                grp text COLLATE "C" NOT NULL,
+                at  double precision NOT NULL
+            )""",
+            f"CREATE INDEX IF NOT EXISTS onceonly_similar_group ON {members} (grp, at)",
+            f"""CREATE TABLE IF NOT EXISTS {locks} (
+                grp   text COLLATE "C" PRIMARY KEY,
+                token text NOT NULL,
+                until double precision NOT NULL
+            )""",
+            f"""CREATE OR REPLACE FUNCTION {s}.onceonly_similar_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                DELETE FROM {members} WHERE key = OLD.key;
+                RETURN NULL;
+            END
+            $$""",
+            f"""CREATE OR REPLACE TRIGGER onceonly_similar_gone AFTER DELETE ON {self._table} FOR EACH ROW
+                EXECUTE FUNCTION {s}.onceonly_similar_gone()""",
+        ]
+
+        def op(conn: _Connection) -> None:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._lock_id(),))
+                found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (locks,)).fetchone()
+                if not (found and found[0]):
+                    for statement in statements:
+                        conn.execute(statement)
+
+        self._on_connection(op, cursor=True)
+        self._similar_ready = True
+
+    def _similar_lock_sql(self) -> tuple[str, str]:
+        members, locks = self._similar_tables()
+        lock = (
+            f"INSERT INTO {locks} (grp, token, until) VALUES (%s, %s, %s) ON CONFLICT (grp) DO UPDATE "
+            f"SET token = EXCLUDED.token, until = EXCLUDED.until WHERE {locks}.token = EXCLUDED.token "
+            f"OR {locks}.until <= %s"
+        )
+        read = (
+            f"SELECT m.key, m.at, r.args FROM {members} m JOIN {self._table} r ON r.key = m.key "
+            "WHERE m.grp = %s AND m.at >= %s ORDER BY m.at DESC LIMIT %s"
+        )
+        return lock, read
+
+    def _similar_claim_steps(
+        self, record: Record, group: str, token: str
+    ) -> Generator[tuple[str, tuple[Any, ...]], int, bool | None]:
+        """The statements of ``similar_claim``, in one transaction: each is sent its row count. Returns
+        ``None`` (inserted), ``True`` (the key existed), ``False`` (the lock was lost: roll back)."""
+        members, locks = self._similar_tables()
+        if (yield (f"DELETE FROM {locks} WHERE grp = %s AND token = %s", (group, token))) != 1:
+            return False
+        values = tuple(v.value if isinstance(v, State) else v for v in _record_values(record))
+        if (yield (self._sql_insert, values)) != 1:
+            return True
+        yield (f"INSERT INTO {members} (key, grp, at) VALUES (%s, %s, %s)", (record.key, group, record.created_at))
+        return None
+
+    def similar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        self._ensure_similar()
+        lock, read = self._similar_lock_sql()
+        # Two statements, not one: the read must see every claim committed before the lock was taken
+        # (a statement's snapshot is its start, and the lock may have waited for the last holder).
+        taken, _ = self._run(lock, (group, token, until, now), _COUNT)
+        if taken != 1:
+            return None
+        rows, _ = self._run(read, (group, since, limit), _ALL)
+        return [Candidate(k, float(at), args) for k, at, args in rows]
+
+    def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        def op(conn: _Connection) -> bool | None:
+            steps = self._similar_claim_steps(record, group, token)
+            with conn.transaction() as tx, conn.cursor() as cur:
+                answer: int | None = None
+                try:
+                    while True:
+                        sql, params = steps.send(answer)  # type: ignore[arg-type]
+                        cur.execute(sql, params)
+                        answer = cur.rowcount
+                except StopIteration as stop:
+                    if stop.value is False:
+                        raise psycopg.Rollback(tx) from None
+                    return stop.value  # type: ignore[no-any-return]
+            return False  # rolled back: the lock was not ours
+
+        outcome, _ = self._on_connection(op, rerun=False, cursor=True)
+        if outcome is False:
+            return False
+        return None if outcome is None else self.get(record.key)
+
+    def similar_unlock(self, group: str, token: str) -> None:
+        _, locks = self._similar_tables()
+        self._run(f"DELETE FROM {locks} WHERE grp = %s AND token = %s", (group, token), _COUNT)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -1214,6 +1332,43 @@ class PostgresStore:
             await asyncio.wait((waiter.future,), timeout=timeout)
         finally:
             listener.unregister(key, waiter)
+
+    async def asimilar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        if not self._similar_ready:
+            await asyncio.to_thread(self._ensure_similar)  # once per store
+        lock, read = self._similar_lock_sql()
+        taken, _ = await self._arun(lock, (group, token, until, now), _COUNT)
+        if taken != 1:
+            return None
+        rows, _ = await self._arun(read, (group, since, limit), _ALL)
+        return [Candidate(k, float(at), args) for k, at, args in rows]
+
+    async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        async def op(conn: _AsyncConnection) -> bool | None:
+            steps = self._similar_claim_steps(record, group, token)
+            async with conn.transaction() as tx, conn.cursor() as cur:
+                answer: int | None = None
+                try:
+                    while True:
+                        sql, params = steps.send(answer)  # type: ignore[arg-type]
+                        await cur.execute(sql, params)
+                        answer = cur.rowcount
+                except StopIteration as stop:
+                    if stop.value is False:
+                        raise psycopg.Rollback(tx) from None
+                    return stop.value  # type: ignore[no-any-return]
+            return False
+
+        outcome, _ = await self._aon_connection(op, rerun=False, cursor=True)
+        if outcome is False:
+            return False
+        return None if outcome is None else await self.aget(record.key)
+
+    async def asimilar_unlock(self, group: str, token: str) -> None:
+        _, locks = self._similar_tables()
+        await self._arun(f"DELETE FROM {locks} WHERE grp = %s AND token = %s", (group, token), _COUNT)
 
     async def aclose(self) -> None:
         conns = self._aconnections.get(asyncio.get_running_loop())

@@ -13,6 +13,12 @@ Key layout (``P`` is the ``prefix`` URL option, ``S`` a shard number, ``K`` the 
     P:{P:S}:e                sorted set: keys with an expiry, scored by expires_at (purge)
     P:{P:S}:n                hash: state → number of records (count_by_state in O(shards))
     P:{P:S}:c                pub/sub channel: "<version> <key>" after every change (waiters)
+    P:{P:S}:gs:G             sorted set: the keys filed in group G of near-duplicate calls
+                             (``onceonly.Similar``), scored by their claim time; ``S`` is then
+                             ``crc32(G) % shards``, so a group's keys share a slot of their own
+    P:{P:S}:ga:G             hash: key → its arguments' JSON, for G's members (scored without
+                             reading the records, which live in other slots)
+    P:{P:S}:gl:G             string: G's lock, "<token>|<window in ms>", with a PX expiry
 
 ``S`` is ``crc32(K) % shards``. Every key a script touches carries the hash tag ``{P:S}``, which is
 the first ``{…}`` of the name because the prefix may not contain braces: whatever braces the ledger
@@ -48,7 +54,7 @@ import time
 import weakref
 import zlib
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -64,6 +70,7 @@ except ImportError:  # pragma: no cover - the redis extra installs hiredis
     _pack_command = None  # type: ignore[assignment]
 
 from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
+from onceonly.similar import Candidate
 from onceonly.states import HELD, Record, State, misplaced
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
@@ -228,6 +235,67 @@ for s = 0, tonumber(ARGV[2]) - 1 do
 end
 return -1
 """
+
+
+# Near-duplicate calls (onceonly.Similar), only for tools with similar=. KEYS, all in the group's slot:
+# 1 the lock, 2 the members by claim time, 3 the members' arguments. A group's members leave it once
+# older than the window (trimmed at each lock) and the group's keys expire a window after the last
+# claim filed in it. Run with EVAL (the server caches them by digest): the hot scripts stay as they are.
+#
+# ARGV: 1 token, 2 the lock's life in ms, 3 since (the window's start), 4 limit, 5 the window in ms.
+# Returns nil while another token holds the lock, else {key, at, args, key, at, args, ...}, newest first.
+_SIMILAR_LOCK = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.match(cur, '^(.*)|%d+$') ~= ARGV[1] then return false end
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[5], 'PX', ARGV[2])
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3], 'LIMIT', 0, 500)
+if #old > 0 then
+  redis.call('ZREM', KEYS[2], unpack(old))
+  redis.call('HDEL', KEYS[3], unpack(old))
+end
+local found = redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', ARGV[3], 'WITHSCORES', 'LIMIT', 0, ARGV[4])
+local out = {}
+for i = 1, #found, 2 do
+  out[#out + 1] = found[i]
+  out[#out + 1] = found[i + 1]
+  out[#out + 1] = redis.call('HGET', KEYS[3], found[i]) or '{}'
+end
+return out
+"""
+# ARGV: 1 token, 2 key, 3 its claim time, 4 its arguments. Files the key and frees the lock, only while
+# the token holds it: 1, else 0 (nothing written). The record itself is claimed next, in its own slot:
+# a call that takes the lock in between finds the key filed, joins it, and one of the two claims wins.
+_SIMILAR_FILE = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local token, keep = string.match(cur, '^(.*)|(%d+)$')
+if token ~= ARGV[1] then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], keep)
+redis.call('PEXPIRE', KEYS[3], keep)
+redis.call('DEL', KEYS[1])
+return 1
+"""
+# ARGV: 1 token.
+_SIMILAR_UNLOCK = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.match(cur, '^(.*)|%d+$') == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+def _one(command: tuple[Any, ...]) -> Generator[list[tuple[Any, ...]], list[Any], Any]:
+    """A read plan (``RedisStore._run``) of one command: its answer."""
+    answers = yield [command]
+    return answers[0]
+
+
+def _candidates(found: Any) -> list[Candidate] | None:
+    if found is None:
+        return None
+    text = [x.decode() if isinstance(x, bytes) else str(x) for x in found]
+    return [Candidate(text[i], float(text[i + 1]), text[i + 2]) for i in range(0, len(text), 3)]
 
 
 def _scripts_for(shards: int) -> tuple[str, ...]:
@@ -1065,6 +1133,52 @@ class RedisStore:
             return bool(self._script(self._delete, self._keys(key), args) == 1)
         except _FAILURES as exc:
             raise self._unavailable(exc, f"deleting {key!r}") from exc
+
+    # --- near-duplicate calls (onceonly.Similar) --------------------------------------------------------
+
+    def _group_keys(self, group: str) -> tuple[str, str, str]:
+        """The lock, members and arguments of ``group``: one hash slot, the shard of the group's name."""
+        tag = self._tags[self._shard(group)]
+        return f"{tag}:gl:{group}", f"{tag}:gs:{group}", f"{tag}:ga:{group}"
+
+    def _similar_lock_command(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> tuple[Any, ...]:
+        life_ms = max(1, int((until - now) * 1000))
+        window_ms = max(1, int((now - since) * 1000))
+        return ("EVAL", _SIMILAR_LOCK, 3, *self._group_keys(group), token, life_ms, repr(since), limit, window_ms)
+
+    def _similar_file_command(self, record: Record, group: str, token: str) -> tuple[Any, ...]:
+        keys = self._group_keys(group)
+        return ("EVAL", _SIMILAR_FILE, 3, *keys, token, record.key, repr(record.created_at), record.args_json)
+
+    def similar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        command = self._similar_lock_command(group, token, now, until, since, limit)
+        return _candidates(self._run(_one(command), f"looking up calls similar to group {group!r}"))
+
+    def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        filed = self._run(_one(self._similar_file_command(record, group, token)), f"filing {record.key!r}")
+        return False if filed != 1 else self.claim(record)
+
+    def similar_unlock(self, group: str, token: str) -> None:
+        command = ("EVAL", _SIMILAR_UNLOCK, 1, self._group_keys(group)[0], token)
+        self._run(_one(command), f"freeing the group {group!r}")
+
+    async def asimilar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        command = self._similar_lock_command(group, token, now, until, since, limit)
+        return _candidates(await self._arun(_one(command), f"looking up calls similar to group {group!r}"))
+
+    async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        filed = await self._arun(_one(self._similar_file_command(record, group, token)), f"filing {record.key!r}")
+        return False if filed != 1 else await self.aclaim(record)
+
+    async def asimilar_unlock(self, group: str, token: str) -> None:
+        command = ("EVAL", _SIMILAR_UNLOCK, 1, self._group_keys(group)[0], token)
+        await self._arun(_one(command), f"freeing the group {group!r}")
 
     def _run(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
         """Drive a read plan: each batch of commands it yields is one pipeline, one round trip."""

@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import compress
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
+from onceonly.similar import Candidate
 from onceonly.states import Record, State
 from onceonly.stores._sql import (
     COLUMN_OF,
@@ -77,6 +78,36 @@ CREATE TABLE IF NOT EXISTS onceonly_records (
 # No secondary index: a partial index on the open states cost ~15 µs on each of the two writes of every
 # guarded call (about a quarter of the floor, docs/benchmarks.md), while the reconciler and purge that
 # would use it run every few seconds at most, over one host's records.
+
+# The tables of near-duplicate calls (onceonly.Similar), made on first use so that a ledger without
+# similar= tools never has them: members (key → group, claimed at; indexed by group and time) and group
+# locks. A record's membership goes with it (a trigger on delete: purge); nothing fires on the other
+# tools' writes.
+_SIMILAR_TABLES = (
+    """CREATE TABLE IF NOT EXISTS onceonly_similar (
+        key TEXT PRIMARY KEY,
+        grp TEXT NOT NULL,
+        at  REAL NOT NULL
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS onceonly_similar_group ON onceonly_similar (grp, at)",
+    """CREATE TABLE IF NOT EXISTS onceonly_similar_locks (
+        grp   TEXT PRIMARY KEY,
+        token TEXT NOT NULL,
+        until REAL NOT NULL
+    ) WITHOUT ROWID""",
+    """CREATE TRIGGER IF NOT EXISTS onceonly_similar_gone AFTER DELETE ON onceonly_records
+    BEGIN DELETE FROM onceonly_similar WHERE key = OLD.key; END""",
+)
+_SIMILAR_LOCK = (
+    "INSERT INTO onceonly_similar_locks (grp, token, until) VALUES (?, ?, ?) ON CONFLICT (grp) DO UPDATE "
+    "SET token = excluded.token, until = excluded.until "
+    "WHERE onceonly_similar_locks.token = excluded.token OR onceonly_similar_locks.until <= ?"
+)
+_SIMILAR_READ = (
+    "SELECT m.key, m.at, r.args FROM onceonly_similar m JOIN onceonly_records r ON r.key = m.key "
+    "WHERE m.grp = ? AND m.at >= ? ORDER BY m.at DESC LIMIT ?"
+)
+_SIMILAR_UNLOCK = "DELETE FROM onceonly_similar_locks WHERE grp = ? AND token = ?"
 
 # version reached → the statements that reach it from the one before.
 _MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
@@ -423,6 +454,64 @@ class SQLiteStore:
         # SQLite has no notifications across processes: the caller polls with a growing interval.
         time.sleep(timeout)
 
+    # --- near-duplicate calls (onceonly.Similar): only tools with similar= come here ---------------------
+
+    def _ensure_similar(self, conn: sqlite3.Connection) -> None:
+        if getattr(self, "_similar_ready", False):
+            return
+
+        def make() -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SIMILAR_TABLES:
+                    conn.execute(statement)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        with self._errors():
+            self._retry_locked(make)
+        self._similar_ready = True
+
+    def similar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        conn = self._conn()
+        self._ensure_similar(conn)
+        with self._errors():
+            # Two statements: the read's snapshot starts after the lock is ours, so it sees every claim
+            # committed by the group's last holder.
+            if conn.execute(_SIMILAR_LOCK, (group, token, until, now)).rowcount != 1:
+                return None
+            rows = conn.execute(_SIMILAR_READ, (group, since, limit)).fetchall()
+        return [Candidate(k, float(at), args) for k, at, args in rows]
+
+    def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        conn = self._conn()
+        with self._errors():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if conn.execute(_SIMILAR_UNLOCK, (group, token)).rowcount != 1:
+                    conn.execute("ROLLBACK")
+                    return False  # the lock ran out and another call took it: nothing written
+                inserted = conn.execute(_INSERT, _record_values(record)).rowcount == 1
+                if inserted:
+                    conn.execute(
+                        "INSERT OR REPLACE INTO onceonly_similar (key, grp, at) VALUES (?, ?, ?)",
+                        (record.key, group, record.created_at),
+                    )
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        return None if inserted else self.get(record.key)
+
+    def similar_unlock(self, group: str, token: str) -> None:
+        with self._errors():
+            self._conn().execute(_SIMILAR_UNLOCK, (group, token))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -454,6 +543,17 @@ class SQLiteStore:
 
     async def await_for_change(self, key: str, version: int, timeout: float) -> None:
         await asyncio.sleep(timeout)
+
+    async def asimilar_lock(
+        self, group: str, token: str, now: float, until: float, since: float, limit: int
+    ) -> list[Candidate] | None:
+        return await asyncio.to_thread(self.similar_lock, group, token, now, until, since, limit)
+
+    async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
+        return await asyncio.to_thread(self.similar_claim, record, group, token)
+
+    async def asimilar_unlock(self, group: str, token: str) -> None:
+        await asyncio.to_thread(self.similar_unlock, group, token)
 
     async def aclose(self) -> None:
         self.close()

@@ -1,0 +1,371 @@
+"""Near-duplicate calls (``similar=``): a reworded re-plan is the operation already asked for, on every store.
+
+Side effects are counted in a real SQLite file (tests/_workers.py), never inferred from return values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import onceonly
+from onceonly import Ledger, OutcomeUnknown, Similar, SimilarCall, State
+from onceonly.cli import cli
+from tests._clock import FakeClock
+from tests._workers import count_effects, effects_db
+
+SIM = Similar(fields=("title",), threshold=0.85, window=3600)
+
+
+@pytest.fixture(name="effects")
+def fixture_effects(tmp_path: Path) -> Path:
+    """A side-effect log: one row per real run of a tool body."""
+    path = tmp_path / "effects.db"
+    effects_db(path).close()
+    return path
+
+
+def _ticket_tool(ledger: Ledger, effects: Path, *, on_similar: Any = "replay", **kw: Any) -> Any:
+    conn = effects_db(effects)
+
+    @ledger.tool(name=kw.pop("name", "create_ticket"), key=("session_id", "title"), similar=kw.pop("similar", SIM),
+                 on_similar=on_similar, **kw)  # fmt: skip
+    def create_ticket(session_id: str, title: str) -> dict[str, Any]:
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (session_id, title, time.time()))
+        return {"ticket": title, "session": session_id}
+
+    return create_ticket
+
+
+def _runs(effects: Path) -> int:
+    return sum(count_effects(effects).values())
+
+
+def test_a_reworded_replan_replays_the_first(ledger: Ledger, effects: Path) -> None:
+    """'Printer on fire' re-planned as 'The printer is on fire!' in the same session: one ticket, and the
+    second call is flagged as a replay of the first, which keeps both argument sets."""
+    create = _ticket_tool(ledger, effects)
+    first = create.outcome("s1", "Printer on fire")
+    second = create.outcome("s1", "The printer is on fire!")
+    assert _runs(effects) == 1
+    assert (first.replayed, first.similar_to) == (False, None)
+    assert second.replayed and second.similar_to == first.key
+    assert second.result == first.result == {"ticket": "Printer on fire", "session": "s1"}
+    assert second.similar_args == {"session_id": "s1", "title": "Printer on fire"}
+    rec = ledger.get(first.key)
+    assert rec is not None and rec.args["title"] == "Printer on fire"
+    assert "The printer is on fire!" in rec.history[-1]["reason"]
+    assert "similar call" in rec.history[-1]["reason"]
+    text = onceonly.tell_model(second)
+    assert "similar action was already done" in text and "Printer on fire" in text and '"ticket"' in text
+
+
+def test_same_words_in_another_session_run_twice(ledger: Ledger, effects: Path) -> None:
+    """The exact key fields (the session) still tell operations apart: two sessions, two tickets."""
+    create = _ticket_tool(ledger, effects)
+    create("s1", "Printer on fire")
+    other = create.outcome("s2", "The printer is on fire!")
+    assert _runs(effects) == 2 and other.similar_to is None and not other.replayed
+
+
+def test_a_dissimilar_title_runs(ledger: Ledger, effects: Path) -> None:
+    """Another problem in the same session is another ticket."""
+    create = _ticket_tool(ledger, effects)
+    create("s1", "Printer on fire")
+    create("s1", "Email is down")
+    create("s1", "Reset the password for alice")
+    create("s1", "Reset the password for bob")
+    assert _runs(effects) == 4
+
+
+def test_numbers_compare_exactly(ledger: Ledger, effects: Path) -> None:
+    """'refund order 1234' and 'refund order 1235' score high as text, and are two operations."""
+    create = _ticket_tool(ledger, effects)
+    create("s1", "refund order 1234")
+    assert create.outcome("s1", "Refund order 1235").similar_to is None
+    assert create.outcome("s1", "please refund order 1234!").similar_to is not None
+    assert _runs(effects) == 2
+
+
+def test_outside_the_window_runs_again(ledger: Ledger, clock: FakeClock, effects: Path) -> None:
+    """A call after the window of the earlier one is a new operation."""
+    create = _ticket_tool(ledger, effects)
+    create("s1", "Printer on fire")
+    clock.now += 3600.5
+    assert create.outcome("s1", "The printer is on fire!").similar_to is None
+    assert _runs(effects) == 2
+
+
+def test_explicit_key_and_occurrence_skip_the_lookup(ledger: Ledger, effects: Path) -> None:
+    """A caller that names the operation (an explicit key, a second occurrence) is taken at its word."""
+    create = _ticket_tool(ledger, effects)
+    create("s1", "Printer on fire")
+    create.using(key="my-own-key")("s1", "The printer is on fire!")
+    create.using(occurrence=2)("s1", "Printer on fire")
+    assert _runs(effects) == 3
+
+
+def test_review_parks_the_new_call_with_a_link(ledger: Ledger, effects: Path, store_url: str) -> None:
+    """on_similar='review': the new call is not run, its record waits for a person beside the earlier
+    one, and ``onceonly show`` names the earlier call."""
+    create = _ticket_tool(ledger, effects, on_similar="review")
+    first = create.outcome("s1", "Printer on fire")
+    with pytest.raises(OutcomeUnknown) as info:
+        create("s1", "The printer is on fire!")
+    assert _runs(effects) == 1
+    parked = info.value.record
+    assert parked is not None and parked.state is State.NEEDS_REVIEW
+    assert first.key in str(info.value) and "on_similar='review'" in str(info.value)
+    stored = ledger.get(parked.key)
+    assert stored is not None and stored.state is State.NEEDS_REVIEW
+    assert any(e.get("similar_to") == first.key for e in stored.history)
+    # The same call again waits for the person; it is not run and not parked twice.
+    with pytest.raises(OutcomeUnknown):
+        create("s1", "The printer is on fire!")
+    shown = CliRunner().invoke(cli, ["show", "--url", store_url, parked.key])
+    assert shown.exit_code == 0, shown.output
+    assert "similar to" in shown.output and first.key in shown.output
+    # A person says it is another operation: reset, and the call runs under its own key.
+    ledger.resolve(parked.key, failed="a different printer", reset=True)
+    assert create.outcome("s1", "The printer is on fire!").key == parked.key
+    assert _runs(effects) == 2
+
+
+def test_raise_carries_the_earlier_outcome(ledger: Ledger, effects: Path) -> None:
+    """on_similar='raise': ``SimilarCall`` with the earlier outcome; nothing runs."""
+    create = _ticket_tool(ledger, effects, on_similar="raise")
+    first = create.outcome("s1", "Printer on fire")
+    with pytest.raises(SimilarCall) as info:
+        create("s1", "the printer is on fire")
+    err = info.value
+    assert err.key == first.key and err.new_key != first.key and err.score >= 0.85
+    assert err.outcome is not None and err.outcome.result == first.result and err.outcome.state is State.CONFIRMED
+    assert _runs(effects) == 1
+    text = onceonly.tell_model(err)
+    assert "similar action was already done" in text and "Printer on fire" in text
+
+
+def test_a_held_similar_call_is_waited_on(store_url: str, effects: Path) -> None:
+    """While the first call runs, a reworded one waits for it (single-flight) and replays its result."""
+    ledger = Ledger.open(store_url)
+    started, release = threading.Event(), threading.Event()
+    conn = effects_db(effects)
+
+    @ledger.tool(name="slow_ticket", key=("session_id", "title"), similar=SIM, wait=20)
+    def slow_ticket(session_id: str, title: str) -> str:
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (session_id, title, time.time()))
+        started.set()
+        release.wait(10)
+        return f"ticket for {title}"
+
+    box: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("first", slow_ticket.outcome("s1", "Printer on fire")))
+    runner.start()
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    second = slow_ticket.outcome("s1", "The printer is on fire!")
+    runner.join(10)
+    assert _runs(effects) == 1
+    assert second.replayed and second.similar_to == box["first"].key and second.result == "ticket for Printer on fire"
+    ledger.close()
+
+
+def _race(store_url: str, effects: Path, titles: list[str], session: str) -> list[onceonly.Outcome]:
+    """Each title called at once from its own thread and its own ledger (its own connections)."""
+    barrier = threading.Barrier(len(titles))
+    out: list[Any] = [None] * len(titles)
+
+    def work(i: int) -> None:
+        ledger = Ledger.open(store_url)
+        try:
+            create = _ticket_tool(ledger, effects, wait=30)
+            barrier.wait(10)
+            out[i] = create.outcome(session, titles[i])
+        except BaseException as exc:  # checked below
+            out[i] = exc
+        finally:
+            ledger.close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(titles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_racing_similar_calls_run_once(store_url: str, effects: Path, round_: int) -> None:
+    """Four reworded calls with four different keys, at once: one side effect; the others replay it."""
+    titles = ["Printer on fire", "The printer is on fire!", "printer on fire!!", "Printer is on fire"]
+    outs = _race(store_url, effects, titles, f"race-{round_}")
+    assert not [o for o in outs if isinstance(o, BaseException)], outs
+    assert _runs(effects) == 1
+    ran = [o for o in outs if not o.replayed]
+    assert len(ran) == 1
+    assert all(o.similar_to == ran[0].key for o in outs if o is not ran[0])
+    assert all(o.result == ran[0].result for o in outs)
+
+
+def test_async_reworded_replan_and_race(store_url: str, effects: Path) -> None:
+    """The async driver: a reworded re-plan replays, and racing reworded tasks run once."""
+
+    async def main() -> None:
+        ledger = Ledger.open(store_url)
+        conn = effects_db(effects)
+
+        @ledger.tool(name="acreate", key=("session_id", "title"), similar=SIM, wait=20)
+        async def acreate(session_id: str, title: str) -> str:
+            conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (session_id, title, time.time()))
+            await asyncio.sleep(0.05)
+            return f"ticket {title}"
+
+        first = await acreate.outcome("s1", "Printer on fire")
+        second = await acreate.outcome("s1", "The printer is on fire!")
+        assert second.replayed and second.similar_to == first.key
+        raced = await asyncio.gather(
+            acreate.outcome("s2", "Laptop screen broken"),
+            acreate.outcome("s2", "The laptop screen is broken"),
+            acreate.outcome("s2", "laptop screen broken!"),
+        )
+        assert sum(not o.replayed for o in raced) == 1
+        await ledger.store.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(main())
+    assert _runs(effects) == 2
+
+
+def test_async_review_and_raise(store_url: str, effects: Path) -> None:
+    """The async driver parks for review and raises ``SimilarCall`` as the sync one does."""
+
+    async def main() -> None:
+        ledger = Ledger.open(store_url)
+        runs: list[str] = []
+
+        @ledger.tool(name="areview", key=("session_id", "title"), similar=SIM, on_similar="review")
+        async def areview(session_id: str, title: str) -> str:
+            runs.append(title)
+            return title
+
+        @ledger.tool(name="araise", key=("session_id", "title"), similar=SIM, on_similar="raise")
+        async def araise(session_id: str, title: str) -> str:
+            runs.append(title)
+            return title
+
+        await areview("s1", "Printer on fire")
+        with pytest.raises(OutcomeUnknown):
+            await areview("s1", "The printer is on fire!")
+        await araise("s1", "Printer on fire")
+        with pytest.raises(SimilarCall) as info:
+            await araise("s1", "The printer is on fire!")
+        assert info.value.outcome.result == "Printer on fire"
+        assert runs == ["Printer on fire", "Printer on fire"]
+        await ledger.store.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(main())
+
+
+def test_purge_takes_records_out_of_their_group(ledger: Ledger, clock: FakeClock, effects: Path) -> None:
+    """A purged record is forgotten, as with exact keys: a later reworded call runs (ttl < window)."""
+    create = _ticket_tool(ledger, effects, ttl=60)
+    create("s1", "Printer on fire")
+    clock.now += 61
+    assert ledger.purge() == 1
+    create("s1", "The printer is on fire!")
+    assert _runs(effects) == 2
+
+
+def test_a_plain_tool_beside_a_similar_one_is_unchanged(ledger: Ledger, effects: Path) -> None:
+    """A tool without similar= keeps exact keys: a reworded call is another operation."""
+    create = _ticket_tool(ledger, effects, similar=None)
+    create("s1", "Printer on fire")
+    assert create.outcome("s1", "The printer is on fire!").similar_to is None
+    assert _runs(effects) == 2
+
+
+# --- settings and the score --------------------------------------------------------------------------
+
+
+def test_a_custom_score_is_used(ledger: Ledger, effects: Path) -> None:
+    """``Similar(score=...)`` replaces the default score; exact tokens still hold unless switched off."""
+    seen: list[tuple[str, str]] = []
+
+    def always(a: str, b: str) -> float:
+        seen.append((a, b))
+        return 1.0
+
+    create = _ticket_tool(ledger, effects, similar=Similar(fields=("title",), score=always))
+    create("s1", "anything")
+    assert create.outcome("s1", "something else").similar_to is not None
+    assert seen == [("anything", "something else")]
+    assert create.outcome("s1", "order 7").similar_to is None  # a number the earlier calls lack
+    loose = _ticket_tool(ledger, effects, name="loose", similar=Similar(("title",), score=always, exact_tokens=False))
+    loose("s9", "order 7")
+    assert loose.outcome("s9", "order 8").similar_to is not None
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Similar(fields="title"), "tuple of field names"),  # type: ignore[arg-type]
+        (lambda: Similar(fields=("title",), threshold=0), "above 0 and at most 1"),
+        (lambda: Similar(fields=("title",), threshold=1.5), "above 0 and at most 1"),
+        (lambda: Similar(fields=("title",), window=0), "window"),
+        (lambda: Similar(fields=("title",), candidates=0), "candidates"),
+        (lambda: Similar(fields=("title",), score="fuzzy"), "give a function"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_settings_say_what_to_give(make: Callable[[], Similar], message: str) -> None:
+    """Each bad setting is refused with what to give instead."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        make()
+
+
+def test_bad_tool_settings_say_what_to_give(ledger: Ledger) -> None:
+    """similar= names key fields; on_similar is one of three; a key= function cannot be split."""
+
+    def tool(session_id: str, title: str, body: str) -> None: ...
+
+    with pytest.raises(TypeError, match="not key fields"):
+        ledger.tool(name="a", key=("session_id",), similar=SIM)(tool)
+    with pytest.raises(ValueError, match="on_similar"):
+        ledger.tool(name="b", similar=SIM, on_similar="merge")(tool)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="key= is a function"):
+        ledger.tool(name="c", key=lambda a: a["title"], similar=SIM)(tool)
+    with pytest.raises(TypeError, match=r"onceonly\.Similar"):
+        ledger.tool(name="d", similar=("title",))(tool)  # type: ignore[arg-type]
+
+
+def test_a_failing_score_frees_the_group(ledger: Ledger, effects: Path) -> None:
+    """A score function that raises ends the call with its error and leaves the group usable."""
+    calls = {"n": 0}
+
+    def flaky(a: str, b: str) -> float:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("model down")
+        return 0.0
+
+    create = _ticket_tool(ledger, effects, similar=Similar(fields=("title",), score=flaky), wait=0.5)
+    create("s1", "first")
+    with pytest.raises(RuntimeError, match="model down"):
+        create("s1", "second")
+    create("s1", "second")  # the lock was freed: no wait, no InProgress
+    assert _runs(effects) == 2
+
+
+def test_missing_rapidfuzz_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without rapidfuzz and without score=, Similar() says which extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rapidfuzz", None)
+    with pytest.raises(ImportError, match=r"onceonly\[similar\]"):
+        Similar(fields=("title",))
+    Similar(fields=("title",), score=lambda a, b: 0.5)  # a score of one's own needs no rapidfuzz
