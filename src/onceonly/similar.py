@@ -44,6 +44,9 @@ OnSimilar = Literal["replay", "review", "raise"]
 Score = Callable[[str, str], float]
 
 _WORD = re.compile(r"\w+")
+_DIGITS = re.compile(r"\w*\d\w*")
+_DIGIT = re.compile(r"\d")
+_NO_DIGITS: frozenset[str] = frozenset()
 
 
 class Candidate(NamedTuple):
@@ -69,9 +72,20 @@ def _fuzz() -> Any:
     return fuzz
 
 
-def _tokens(text: str) -> list[str]:
-    """Words of ``text``, whitespace collapsed and case folded (``normalize_text``), punctuation dropped."""
-    return _WORD.findall(normalize_text(text))
+class _Text(NamedTuple):
+    """A field's text, prepared once per lookup: as given, its words, and its words that hold a digit."""
+
+    raw: str
+    words: list[str]
+    digits: frozenset[str]
+
+
+def _prepare(text: str) -> _Text:
+    """``text``'s words after ``normalize_text`` (whitespace collapsed, case folded), punctuation dropped."""
+    norm = normalize_text(text)
+    # Most texts hold no digit: one search spares them the second pass.
+    digits = frozenset(_DIGITS.findall(norm)) if _DIGIT.search(norm) else _NO_DIGITS
+    return _Text(text, _WORD.findall(norm), digits)
 
 
 def fuzzy_score(a: str, b: str) -> float:
@@ -87,7 +101,11 @@ def fuzzy_score(a: str, b: str) -> float:
 
     .. versionadded:: 0.1
     """
-    ta, tb = _tokens(a), _tokens(b)
+    return _fuzzy(_prepare(a), _prepare(b))
+
+
+def _fuzzy(a: _Text, b: _Text) -> float:
+    ta, tb = a.words, b.words
     if not ta or not tb:
         return 1.0 if ta == tb else 0.0
     fuzz = _fuzz()
@@ -102,11 +120,6 @@ def fuzzy_score(a: str, b: str) -> float:
 
 #: How alike the words only one text has must be to count as the same words re-typed (0..1).
 _ALIKE = 0.75
-
-
-def _exact_tokens(text: str) -> frozenset[str]:
-    """The words that hold a digit (numbers, ids, dates): they must be the same for a match."""
-    return frozenset(t for t in _tokens(text) if any(c.isdigit() for c in t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +176,14 @@ class Similar:
 
     def field_score(self, a: str, b: str) -> float:
         """One field's score, 0..1: ``score`` (or ``fuzzy_score``), and 0 where the digit words differ."""
-        if self.exact_tokens and _exact_tokens(a) != _exact_tokens(b):
+        return self._score(_prepare(a), _prepare(b))
+
+    def _score(self, a: _Text, b: _Text) -> float:
+        if self.exact_tokens and a.digits != b.digits:
             return 0.0
-        value = (self.score or fuzzy_score)(a, b)
+        if self.score is None:
+            return _fuzzy(a, b)
+        value = self.score(a.raw, b.raw)
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -185,9 +203,13 @@ def similarity(sim: Similar, earlier: Mapping[str, str], new: Mapping[str, str])
 
     .. versionadded:: 0.1
     """
+    return _similarity(sim, {n: _prepare(earlier[n]) for n in sim.fields}, {n: _prepare(new[n]) for n in sim.fields})
+
+
+def _similarity(sim: Similar, earlier: Mapping[str, _Text], new: Mapping[str, _Text]) -> float:
     lowest = 1.0
     for name in sim.fields:
-        lowest = min(lowest, sim.field_score(earlier[name], new[name]))
+        lowest = min(lowest, sim._score(earlier[name], new[name]))
         if lowest < sim.threshold:
             break  # one field unlike is enough: skip scoring the others
     return lowest
@@ -210,6 +232,7 @@ def best_match(sim: Similar, texts: Mapping[str, str], candidates: Sequence[Cand
     .. versionadded:: 0.1
     """
     best: Match | None = None
+    mine = {name: _prepare(texts[name]) for name in sim.fields}  # once, not per candidate
     for cand in sorted(candidates, key=lambda c: -c.at):
         try:
             args = json.loads(cand.args_json)
@@ -219,8 +242,8 @@ def best_match(sim: Similar, texts: Mapping[str, str], candidates: Sequence[Cand
             return Match(cand.key, 1.0, args if isinstance(args, dict) else {})
         if not isinstance(args, dict) or not all(name in args for name in sim.fields):
             continue  # another shape of call (the tool's signature changed): not comparable
-        earlier = {name: field_text(args[name]) for name in sim.fields}
-        score = similarity(sim, earlier, texts)
+        earlier = {name: _prepare(field_text(args[name])) for name in sim.fields}
+        score = _similarity(sim, earlier, mine)
         if score >= sim.threshold and (best is None or score > best.score):
             best = Match(cand.key, score, args)
     return best

@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from typing import Any, Literal, TypeVar
@@ -1151,57 +1151,56 @@ class PostgresStore:
         )
         read = (
             f"SELECT m.key, m.at, r.args FROM {members} m JOIN {self._table} r ON r.key = m.key "
-            "WHERE m.grp = %s AND m.at >= %s ORDER BY m.at DESC LIMIT %s"
+            f"WHERE m.grp = %s AND EXISTS (SELECT 1 FROM {locks} l WHERE l.grp = m.grp AND l.token = %s) "
+            "AND m.at >= %s ORDER BY m.at DESC LIMIT %s"
         )
         return lock, read
 
-    def _similar_claim_steps(
-        self, record: Record, group: str, token: str
-    ) -> Generator[tuple[str, tuple[Any, ...]], int, bool | None]:
-        """The statements of ``similar_claim``, in one transaction: each is sent its row count. Returns
-        ``None`` (inserted), ``True`` (the key existed), ``False`` (the lock was lost: roll back)."""
+    def _similar_claim_sql(self) -> str:
+        """``similar_claim`` as one statement (one round trip, one transaction): free the lock if this
+        token holds it, and only then insert the record and, if it was new, its membership. Answers
+        (lock freed, record inserted)."""
         members, locks = self._similar_tables()
-        if (yield (f"DELETE FROM {locks} WHERE grp = %s AND token = %s", (group, token))) != 1:
-            return False
+        return (
+            f"WITH freed AS (DELETE FROM {locks} WHERE grp = %s AND token = %s RETURNING 1), "
+            f"made AS (INSERT INTO {self._table} ({COLUMNS}) SELECT {', '.join(['%s'] * 20)} "
+            "WHERE EXISTS (SELECT 1 FROM freed) ON CONFLICT (key) DO NOTHING RETURNING key, created_at), "
+            f"filed AS (INSERT INTO {members} (key, grp, at) SELECT key, %s, created_at FROM made) "
+            "SELECT (SELECT count(*) FROM freed), (SELECT count(*) FROM made)"
+        )
+
+    @staticmethod
+    def _similar_claim_params(record: Record, group: str, token: str) -> tuple[Any, ...]:
         values = tuple(v.value if isinstance(v, State) else v for v in _record_values(record))
-        if (yield (self._sql_insert, values)) != 1:
-            return True
-        yield (f"INSERT INTO {members} (key, grp, at) VALUES (%s, %s, %s)", (record.key, group, record.created_at))
-        return None
+        return (group, token, *values, group)
 
     def similar_lock(
         self, group: str, token: str, now: float, until: float, since: float, limit: int
     ) -> list[Candidate] | None:
         self._ensure_similar()
         lock, read = self._similar_lock_sql()
-        # Two statements, not one: the read must see every claim committed before the lock was taken
-        # (a statement's snapshot is its start, and the lock may have waited for the last holder).
-        taken, _ = self._run(lock, (group, token, until, now), _COUNT)
-        if taken != 1:
+
+        # Two statements, pipelined into one round trip: the read must see every claim committed before
+        # the lock was taken, and a statement's snapshot is its start (the lock may wait for the last
+        # holder), so it is a statement of its own.
+        def op(conn: _Connection) -> tuple[int, list[Any]]:
+            with conn.cursor() as taken, conn.cursor() as found:
+                with conn.pipeline():
+                    taken.execute(lock, (group, token, until, now))
+                    found.execute(read, (group, token, since, limit))
+                return taken.rowcount, found.fetchall()
+
+        (count, rows), _ = self._on_connection(op, cursor=True)
+        if count != 1:
             return None
-        rows, _ = self._run(read, (group, since, limit), _ALL)
         return [Candidate(k, float(at), args) for k, at, args in rows]
 
     def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
-        def op(conn: _Connection) -> bool | None:
-            steps = self._similar_claim_steps(record, group, token)
-            with conn.transaction() as tx, conn.cursor() as cur:
-                answer: int | None = None
-                try:
-                    while True:
-                        sql, params = steps.send(answer)  # type: ignore[arg-type]
-                        cur.execute(sql, params)
-                        answer = cur.rowcount
-                except StopIteration as stop:
-                    if stop.value is False:
-                        raise psycopg.Rollback(tx) from None
-                    return stop.value  # type: ignore[no-any-return]
-            return False  # rolled back: the lock was not ours
-
-        outcome, _ = self._on_connection(op, rerun=False, cursor=True)
-        if outcome is False:
+        rows, _ = self._run(self._similar_claim_sql(), self._similar_claim_params(record, group, token), _ALL, False)
+        freed, made = rows[0]
+        if not freed:
             return False
-        return None if outcome is None else self.get(record.key)
+        return None if made else self.get(record.key)
 
     def similar_unlock(self, group: str, token: str) -> None:
         _, locks = self._similar_tables()
@@ -1339,32 +1338,26 @@ class PostgresStore:
         if not self._similar_ready:
             await asyncio.to_thread(self._ensure_similar)  # once per store
         lock, read = self._similar_lock_sql()
-        taken, _ = await self._arun(lock, (group, token, until, now), _COUNT)
-        if taken != 1:
+
+        async def op(conn: _AsyncConnection) -> tuple[int, list[Any]]:
+            async with conn.cursor() as taken, conn.cursor() as found:
+                async with conn.pipeline():
+                    await taken.execute(lock, (group, token, until, now))
+                    await found.execute(read, (group, token, since, limit))
+                return taken.rowcount, await found.fetchall()
+
+        (count, rows), _ = await self._aon_connection(op, cursor=True)
+        if count != 1:
             return None
-        rows, _ = await self._arun(read, (group, since, limit), _ALL)
         return [Candidate(k, float(at), args) for k, at, args in rows]
 
     async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
-        async def op(conn: _AsyncConnection) -> bool | None:
-            steps = self._similar_claim_steps(record, group, token)
-            async with conn.transaction() as tx, conn.cursor() as cur:
-                answer: int | None = None
-                try:
-                    while True:
-                        sql, params = steps.send(answer)  # type: ignore[arg-type]
-                        await cur.execute(sql, params)
-                        answer = cur.rowcount
-                except StopIteration as stop:
-                    if stop.value is False:
-                        raise psycopg.Rollback(tx) from None
-                    return stop.value  # type: ignore[no-any-return]
+        params = self._similar_claim_params(record, group, token)
+        rows, _ = await self._arun(self._similar_claim_sql(), params, _ALL, False)
+        freed, made = rows[0]
+        if not freed:
             return False
-
-        outcome, _ = await self._aon_connection(op, rerun=False, cursor=True)
-        if outcome is False:
-            return False
-        return None if outcome is None else await self.aget(record.key)
+        return None if made else await self.aget(record.key)
 
     async def asimilar_unlock(self, group: str, token: str) -> None:
         _, locks = self._similar_tables()
