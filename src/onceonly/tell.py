@@ -72,8 +72,8 @@ def _earlier(args: dict[str, Any] | None) -> str:
 def _similar_done(settled_at: float | None, args: dict[str, Any] | None, result: str | None) -> str:
     done = f"Its result: {result}" if result is not None else "It is not finished yet or its outcome is not known."
     return (
-        f"A similar action was already done {_when(settled_at)}{_earlier(args)}, so this one was not done again. "
-        f"{done} If this is really a different action, it needs clearly different details."
+        f"A similar action was already done {_when(settled_at)}{_earlier(args)}, so this one was not done again "
+        f"(if this is really a different action, it needs clearly different details). {done}"
     )
 
 
