@@ -39,6 +39,10 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choices(string.ascii_lowercase, k=6)) for _ in range(n))
 
 
+def _nothing_alike(a: str, b: str) -> float:
+    return 0.0
+
+
 def _preload(store: Any, records: int) -> None:
     """``records`` settled records of another tool, written through the store's own insert."""
     claimed, _ = bench_records()
@@ -84,10 +88,18 @@ def bench_store(kind: str, url: str, records: int, group: int, rounds: int, batc
         def similar_ticket(session_id: str, title: str) -> dict[str, str]:
             return {"title": title}
 
+        # The same lookup with a score that costs nothing: what is left is the store's part.
+        unlike = onceonly.Similar(fields=("title",), score=_nothing_alike, exact_tokens=False)
+
+        @ledger.tool(name="store_part", key=("session_id", "title"), similar=unlike)
+        def store_part(session_id: str, title: str) -> dict[str, str]:
+            return {"title": title}
+
         titles = [_words(rng, 4) for _ in range(group)]
         for title in titles:  # two groups of `group` earlier calls: one grows with first calls, one is re-planned
             similar_ticket("hot", title)
             similar_ticket("replan", title)
+            store_part("hot", title)
         plain_ticket("warm", "warm up")
 
         calls = _counting(ledger.store)
@@ -105,6 +117,7 @@ def bench_store(kind: str, url: str, records: int, group: int, rounds: int, batc
         contenders = [
             Contender("plain first call (the floor)", lambda i: plain_ticket("plain", f"{_words(rng, 3)} {i}")),
             Contender(f"similar first call, {group} in the group", lambda i: similar_ticket("hot", _words(rng, 4))),
+            Contender("  of which the store (a score that costs nothing)", lambda i: store_part("hot", f"t{i}")),
             Contender("similar re-plan taken for an earlier call",
                       lambda i: similar_ticket("replan", f"the {titles[i % group]}")),
         ]  # fmt: skip

@@ -6,6 +6,7 @@ Side effects are counted in a real SQLite file (tests/_workers.py), never inferr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -369,3 +370,40 @@ def test_missing_rapidfuzz_says_how_to_install(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ImportError, match=r"onceonly\[similar\]"):
         Similar(fields=("title",))
     Similar(fields=("title",), score=lambda a, b: 0.5)  # a score of one's own needs no rapidfuzz
+
+
+def _group_entries(ledger: Ledger) -> int:
+    """How many group entries the store holds (read below the store's API, to see what purge left)."""
+    store: Any = ledger.store
+    url = ledger.store.url
+    if url.startswith("sqlite"):
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(store.path)) as conn:
+            return int(conn.execute("SELECT count(*) FROM onceonly_similar").fetchone()[0])
+    if url.startswith("postgres"):
+        import psycopg
+
+        with psycopg.connect(store.options.conninfo) as conn:
+            row = conn.execute(f'SELECT count(*) FROM "{store.schema}".onceonly_similar').fetchone()
+            return int(row[0]) if row else 0
+    import redis
+
+    client = redis.Redis.from_url(url.split("?")[0])
+    try:
+        return sum(int(client.zcard(k)) for k in client.scan_iter(match=f"{store.prefix}:*:gs:*"))
+    finally:
+        client.close()
+
+
+def test_purge_removes_group_entries(ledger: Ledger, clock: FakeClock, effects: Path) -> None:
+    """SQL stores drop a purged record's group entry with it; Redis trims entries older than the window
+    at the group's next lookup (and a group's keys expire a window after its last claim)."""
+    create = _ticket_tool(ledger, effects, ttl=60, similar=Similar(fields=("title",), window=120))
+    create("s1", "Printer on fire")
+    assert _group_entries(ledger) == 1
+    clock.now += 121
+    assert ledger.purge() == 1
+    if ledger.store.url.startswith("redis"):
+        create("s1", "Email is down")  # the lookup trims what is older than the window, then files its own
+    assert _group_entries(ledger) == (1 if ledger.store.url.startswith("redis") else 0)

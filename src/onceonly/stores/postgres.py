@@ -1127,7 +1127,7 @@ class PostgresStore:
                 RETURN NULL;
             END
             $$""",
-            f"""CREATE OR REPLACE TRIGGER onceonly_similar_gone AFTER DELETE ON {self._table} FOR EACH ROW
+            f"""CREATE TRIGGER onceonly_similar_gone AFTER DELETE ON {self._table} FOR EACH ROW
                 EXECUTE FUNCTION {s}.onceonly_similar_gone()""",
         ]
 
