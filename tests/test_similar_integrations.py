@@ -47,3 +47,25 @@ def test_langchain_reads_a_similar_replay_and_a_similar_error(tmp_path: Path) ->
     assert refused.status == "error" and "similar action was already done" in refused.content
     assert "onceonly resolve" not in refused.content  # operator instructions stay out of what the model reads
     ledger.close()
+
+
+def test_an_instrumented_ledger_looks_up_similar_calls(tmp_path: Path) -> None:
+    """A ledger counted by ``onceonly.metrics`` (its store wrapped for timing) still finds a reworded
+    re-plan: the wrapper hands the near-duplicate primitives to the store."""
+    from prometheus_client import CollectorRegistry
+
+    from onceonly.metrics import instrument
+
+    ledger = onceonly.Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
+    instrument(ledger, registry=CollectorRegistry())
+    made: list[str] = []
+
+    @ledger.tool(key=("session_id", "title"), similar=onceonly.Similar(fields=("title",)))
+    def create_ticket(session_id: str, title: str) -> str:
+        made.append(title)
+        return title
+
+    first = create_ticket.outcome("s1", "Printer on fire")
+    assert create_ticket.outcome("s1", "The printer is on fire!").similar_to == first.key
+    assert made == ["Printer on fire"]
+    ledger.close()
