@@ -407,3 +407,32 @@ def test_purge_removes_group_entries(ledger: Ledger, clock: FakeClock, effects: 
     if ledger.store.url.startswith("redis"):
         create("s1", "Email is down")  # the lookup trims what is older than the window, then files its own
     assert _group_entries(ledger) == (1 if ledger.store.url.startswith("redis") else 0)
+
+
+@pytest.mark.parametrize("lost", ["before", "after"])
+def test_a_claim_whose_answer_is_lost_runs_once(ledger: Ledger, effects: Path, lost: str) -> None:
+    """The store fails on the similar claim, before writing anything or after writing it (the answer
+    lost): the call reads the record, runs the tool once, and the claim is filed in its group, so a
+    reworded call afterwards replays it."""
+    store: Any = ledger.store
+    real = store.similar_claim
+    failures = {"left": 1}
+
+    def lossy(record: Any, group: str, token: str) -> Any:
+        if failures["left"] and lost == "before":
+            failures["left"] -= 1
+            raise onceonly.StoreUnavailable("the store went away before the claim")
+        got = real(record, group, token)
+        if failures["left"]:
+            failures["left"] -= 1
+            raise onceonly.StoreUnavailable("the answer of the claim was lost")
+        return got
+
+    store.similar_claim = lossy
+    create = _ticket_tool(ledger, effects, wait=5)
+    first = create.outcome("s1", "Printer on fire")
+    assert not first.replayed and failures["left"] == 0
+    again = create.outcome("s1", "The printer is on fire!")
+    assert again.similar_to == first.key and _runs(effects) == 1
+    other = create.outcome("s1", "Email is down")  # the group's lock was freed: no wait, no InProgress
+    assert not other.replayed and _runs(effects) == 2

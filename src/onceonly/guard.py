@@ -17,6 +17,7 @@ The shape of one call:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import random
@@ -420,12 +421,14 @@ def _group_claim(call: Call, record: Record) -> Generator[Action, Any, tuple[boo
         got = yield SimilarClaim(record, look.group, call.owner)
     except StoreError as exc:
         cur = yield Get(record.key)
-        if landed(record, cur):
-            return True, record
         if cur is None:
             yield from _refused(call, exc, record.key)
-            return None  # our lock is still ours, or has run out: either way, take it again
-        return False, cur
+            return None  # the lock is still ours, or has run out: either way, take it again
+        # The claim landed, or another call made the key: this call is done with the group (a lock
+        # that cannot be freed now runs out by itself).
+        with contextlib.suppress(StoreError):
+            yield SimilarUnlock(look.group, call.owner)
+        return landed(record, cur), cur
     if got is False:
         return None
     call.refusals = 0

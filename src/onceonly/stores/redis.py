@@ -19,6 +19,8 @@ Key layout (``P`` is the ``prefix`` URL option, ``S`` a shard number, ``K`` the 
     P:{P:S}:ga:G             hash: key → its arguments' JSON, for G's members (scored without
                              reading the records, which live in other slots)
     P:{P:S}:gl:G             string: G's lock, "<token>|<window in ms>", with a PX expiry
+                             (a claim is made in its record's slot while the lock is held, then
+                             filed here: Redis Cluster runs no script across slots)
 
 ``S`` is ``crc32(K) % shards``. Every key a script touches carries the hash tag ``{P:S}``, which is
 the first ``{…}`` of the name because the prefix may not contain braces: whatever braces the ledger
@@ -262,20 +264,28 @@ for i = 1, #found, 2 do
 end
 return out
 """
-# ARGV: 1 token, 2 key, 3 its claim time, 4 its arguments. Files the key and frees the lock, only while
-# the token holds it: 1, else 0 (nothing written). The record itself is claimed next, in its own slot:
-# a call that takes the lock in between finds the key filed, joins it, and one of the two claims wins.
+# ARGV: 1 token, 2 key, 3 its claim time, 4 its arguments, 5 the group's life in ms should the lock be
+# gone, 6 "free" (free the lock) or "keep" (a claim whose answer was lost: the caller reads and retries
+# under the lock, which keeps other lookups out meanwhile). Run right after the record was claimed in
+# its own slot, while the token still holds the lock (so no other call has looked at the group since):
+# files the key and frees the lock. Returns 1, or 0 when the lock had run out (the key is filed all the
+# same, for the calls after).
 _SIMILAR_FILE = """
 local cur = redis.call('GET', KEYS[1])
-if not cur then return 0 end
-local token, keep = string.match(cur, '^(.*)|(%d+)$')
-if token ~= ARGV[1] then return 0 end
+local token, keep = nil, nil
+if cur then token, keep = string.match(cur, '^(.*)|(%d+)$') end
+if token ~= ARGV[1] then keep = nil end
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], keep)
-redis.call('PEXPIRE', KEYS[3], keep)
-redis.call('DEL', KEYS[1])
-return 1
+if keep then
+  redis.call('PEXPIRE', KEYS[2], keep)
+  redis.call('PEXPIRE', KEYS[3], keep)
+  if ARGV[6] == 'free' then redis.call('DEL', KEYS[1]) end
+  return 1
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+return 0
 """
 # ARGV: 1 token.
 _SIMILAR_UNLOCK = """
@@ -289,6 +299,22 @@ def _one(command: tuple[Any, ...]) -> Generator[list[tuple[Any, ...]], list[Any]
     """A read plan (``RedisStore._run``) of one command: its answer."""
     answers = yield [command]
     return answers[0]
+
+
+#: How long a group's keys last when a claim is filed after its lock ran out (the window is unknown
+#: then): a day, longer than any window one would choose.
+_FILED_MS = 86_400_000
+
+
+def _lost(filed: Any, got: Record | None, key: str) -> None:
+    """Say so when a claim was filed after its group's lock ran out: a similar call that looked at the
+    group meanwhile did not see it (the claim took longer than the lock, guard.SIMILAR_LOCK_SECONDS)."""
+    if got is None and filed != 1:
+        log.warning(
+            "onceonly %s: claimed after its similar-calls lock ran out; a similar call made meanwhile may have "
+            "run too (check its group for a near-duplicate)",
+            key,
+        )
 
 
 def _candidates(found: Any) -> list[Candidate] | None:
@@ -1148,9 +1174,20 @@ class RedisStore:
         window_ms = max(1, int((now - since) * 1000))
         return ("EVAL", _SIMILAR_LOCK, 3, *self._group_keys(group), token, life_ms, repr(since), limit, window_ms)
 
-    def _similar_file_command(self, record: Record, group: str, token: str) -> tuple[Any, ...]:
+    def _similar_file_command(
+        self, record: Record, group: str, token: str, *, keep_lock: bool = False
+    ) -> tuple[Any, ...]:
         keys = self._group_keys(group)
-        return ("EVAL", _SIMILAR_FILE, 3, *keys, token, record.key, repr(record.created_at), record.args_json)
+        keep = _FILED_MS  # how long the group lasts when the lock (which carries the window) ran out
+        args = (token, record.key, repr(record.created_at), record.args_json, keep, "keep" if keep_lock else "free")
+        return ("EVAL", _SIMILAR_FILE, 3, *keys, *args)
+
+    def _after_claim(self, record: Record, group: str, token: str, got: Record | None) -> tuple[Any, ...]:
+        """File a record this call claimed and free the lock; only free it when the key was taken."""
+        return self._similar_file_command(record, group, token) if got is None else self._unlock_command(group, token)
+
+    def _unlock_command(self, group: str, token: str) -> tuple[Any, ...]:
+        return ("EVAL", _SIMILAR_UNLOCK, 1, self._group_keys(group)[0], token)
 
     def similar_lock(
         self, group: str, token: str, now: float, until: float, since: float, limit: int
@@ -1159,12 +1196,16 @@ class RedisStore:
         return _candidates(self._run(_one(command), f"looking up calls similar to group {group!r}"))
 
     def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
-        filed = self._run(_one(self._similar_file_command(record, group, token)), f"filing {record.key!r}")
-        return False if filed != 1 else self.claim(record)
+        # The record's slot and the group's differ: claim first, under the lock, then file and free.
+        got = self.claim(record)
+        command = (
+            self._similar_file_command(record, group, token) if got is None else self._unlock_command(group, token)
+        )
+        _lost(self._run(_one(command), f"filing {record.key!r}"), got, record.key)
+        return got
 
     def similar_unlock(self, group: str, token: str) -> None:
-        command = ("EVAL", _SIMILAR_UNLOCK, 1, self._group_keys(group)[0], token)
-        self._run(_one(command), f"freeing the group {group!r}")
+        self._run(_one(self._unlock_command(group, token)), f"freeing the group {group!r}")
 
     async def asimilar_lock(
         self, group: str, token: str, now: float, until: float, since: float, limit: int
@@ -1173,12 +1214,15 @@ class RedisStore:
         return _candidates(await self._arun(_one(command), f"looking up calls similar to group {group!r}"))
 
     async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
-        filed = await self._arun(_one(self._similar_file_command(record, group, token)), f"filing {record.key!r}")
-        return False if filed != 1 else await self.aclaim(record)
+        got = await self.aclaim(record)
+        command = (
+            self._similar_file_command(record, group, token) if got is None else self._unlock_command(group, token)
+        )
+        _lost(await self._arun(_one(command), f"filing {record.key!r}"), got, record.key)
+        return got
 
     async def asimilar_unlock(self, group: str, token: str) -> None:
-        command = ("EVAL", _SIMILAR_UNLOCK, 1, self._group_keys(group)[0], token)
-        await self._arun(_one(command), f"freeing the group {group!r}")
+        await self._arun(_one(self._unlock_command(group, token)), f"freeing the group {group!r}")
 
     def _run(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
         """Drive a read plan: each batch of commands it yields is one pipeline, one round trip."""
