@@ -30,9 +30,11 @@ Tools with ``similar=`` need three more, in ``SimilarStore`` / ``AsyncSimilarSto
   first, at most ``limit``; ``None`` (nothing read) while another token holds the lock. Read through
   an index of the group (SQL: a table and its index; Redis: a sorted set per group), never a scan.
   A group lives in one hash slot of its own on Redis Cluster.
-- ``similar_claim(record, group, token)``: ``claim`` that also files the record in ``group`` and
-  frees the lock, only while ``token`` holds it (else ``False``, nothing written). Filed records
-  leave their group with the record (purge), or, on Redis, once older than the window.
+- ``similar_claim(record, group, token)``: ``claim`` that also files the record in ``group`` (only
+  when it made the record) and frees the lock, in one step and only while ``token`` holds the lock
+  (else ``False``, nothing written). A store whose record and group cannot be written in one step
+  (Redis: two hash slots) claims while the lock is held and files after; it never answers ``False``.
+  Filed records leave their group with the record (purge), or, on Redis, once older than the window.
 - ``similar_unlock(group, token)``: free the lock if ``token`` holds it.
   Only tools with ``similar=`` call these three: the other tools' calls cost what they did.
 - ``time()`` (optional, not part of the protocol): the store's own clock in seconds since the epoch,
