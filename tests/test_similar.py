@@ -436,3 +436,31 @@ def test_a_claim_whose_answer_is_lost_runs_once(ledger: Ledger, effects: Path, l
     assert again.similar_to == first.key and _runs(effects) == 1
     other = create.outcome("s1", "Email is down")  # the group's lock was freed: no wait, no InProgress
     assert not other.replayed and _runs(effects) == 2
+
+
+def race_process(store_url: str, effects: str, title: str, barrier: Any) -> dict[str, Any]:
+    """One racing process: its own ledger, one reworded call at the barrier (spawned by the test below)."""
+    ledger = Ledger.open(store_url)
+    try:
+        create = _ticket_tool(ledger, Path(effects), wait=60)
+        barrier.wait(60)
+        out = create.outcome("procs", title)
+        return {"key": out.key, "replayed": out.replayed, "similar_to": out.similar_to}
+    finally:
+        ledger.close()
+
+
+@pytest.mark.slow
+def test_racing_similar_calls_from_processes_run_once(store_url: str, effects: Path) -> None:
+    """Four processes, four rewordings, one barrier: one side effect; every other call names its key."""
+    import multiprocessing
+
+    titles = ["Printer on fire", "The printer is on fire!", "printer on fire!!", "Printer is on fire"]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(len(titles))
+        with ctx.Pool(len(titles)) as pool:
+            outs = pool.starmap(race_process, [(store_url, str(effects), t, barrier) for t in titles], chunksize=1)
+    assert _runs(effects) == 1
+    ran = [o for o in outs if not o["replayed"]]
+    assert len(ran) == 1 and all(o["similar_to"] == ran[0]["key"] for o in outs if o is not ran[0])
