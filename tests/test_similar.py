@@ -464,3 +464,25 @@ def test_racing_similar_calls_from_processes_run_once(store_url: str, effects: P
     assert _runs(effects) == 1
     ran = [o for o in outs if not o["replayed"]]
     assert len(ran) == 1 and all(o["similar_to"] == ran[0]["key"] for o in outs if o is not ran[0])
+
+
+def test_a_lookup_that_keeps_losing_its_lock_gives_up(ledger: Ledger, clock: FakeClock, effects: Path) -> None:
+    """A lookup slower than the group lock, whose lock another call takes and frees each time: after a
+    few tries the call ends, having run nothing, and says what to change."""
+    if ledger.store.url.startswith("redis"):
+        pytest.skip("Redis claims while the lock is held and then files (two slots): it warns, never refuses")
+    store: Any = ledger.store
+
+    def slow(a: str, b: str) -> float:
+        clock.now += 11  # longer than the lock holds
+        assert store.similar_lock(group, "another call", clock.now, clock.now + 10, 0.0, 1) is not None
+        store.similar_unlock(group, "another call")
+        return 0.0
+
+    create = _ticket_tool(ledger, effects, similar=Similar(fields=("title",), score=slow))
+    group = create.spec.call(("s1", "Email is down"), {}, None, 1).similar.group
+    create("s1", "Printer on fire")
+    with pytest.raises(onceonly.OnceOnlyError, match="lost its group lock 3 times"):
+        create("s1", "Email is down")
+    assert _runs(effects) == 1
+    assert ledger.get(create.key_for("s1", "Email is down")) is None

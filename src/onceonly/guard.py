@@ -31,6 +31,7 @@ from onceonly.errors import (
     InProgress,
     KeyConflict,
     NotSerializable,
+    OnceOnlyError,
     OutcomeUnknown,
     RetryScheduled,
     SimilarCall,
@@ -412,9 +413,11 @@ def _unsettled_until(rec: Record, what: str, due: float, now: float, wait: float
 SIMILAR_LOCK_SECONDS = 10.0
 
 
-def _group_claim(call: Call, record: Record) -> Generator[Action, Any, tuple[bool, Record | None] | None]:
-    """``SimilarClaim`` of ``record``: (claimed, the record as it is), or ``None`` to look again (the
-    group's lock was lost, or the store refused the write)."""
+def _group_claim(
+    call: Call, record: Record
+) -> Generator[Action, Any, tuple[bool, Record | None] | Literal["lost", "refused"]]:
+    """``SimilarClaim`` of ``record``: (claimed, the record as it is), or why to look again: the group's
+    lock was ``"lost"`` (nothing written), or the store ``"refused"`` the write (after its pause)."""
     look = call.similar
     assert look is not None
     try:
@@ -423,16 +426,33 @@ def _group_claim(call: Call, record: Record) -> Generator[Action, Any, tuple[boo
         cur = yield Get(record.key)
         if cur is None:
             yield from _refused(call, exc, record.key)
-            return None  # the lock is still ours, or has run out: either way, take it again
+            return "refused"  # the lock is still ours, or has run out: either way, take it again
         # The claim landed, or another call made the key: this call is done with the group (a lock
         # that cannot be freed now runs out by itself).
         with contextlib.suppress(StoreError):
             yield SimilarUnlock(look.group, call.owner)
         return landed(record, cur), cur
     if got is False:
-        return None
+        return "lost"
     call.refusals = 0
     return (True, record) if got is None else (False, got)
+
+
+#: Group locks lost in a row (the lookup outlasted the lock) before a call gives up.
+_LOCKS_LOST = 3
+
+
+def _lock_lost(call: Call, lost: int, started: float) -> int:
+    """The claim found the group lock gone (the lookup took longer than ``SIMILAR_LOCK_SECONDS``, or the
+    store refused it): look again, a few times; then end the call, which ran nothing."""
+    lost += 1
+    if lost >= _LOCKS_LOST:
+        raise OnceOnlyError(
+            f"{call.key!r}: the similar-calls lookup lost its group lock {lost} times in "
+            f"{call.clock() - started:.1f} s (the lock holds {SIMILAR_LOCK_SECONDS:g} s): nothing ran. Make "
+            "Similar(score=...) faster or Similar(candidates=...) smaller, then call again"
+        )
+    return lost
 
 
 def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Record | None, bool]]:
@@ -447,8 +467,10 @@ def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Re
     look = call.similar
     assert look is not None
     sim = look.similar
-    deadline = call.clock() + call.policy.wait
+    started = call.clock()
+    deadline = started + call.policy.wait
     pause = 0.002
+    lost = 0
     while True:
         now = call.clock()
         found: list[Candidate] | None = yield SimilarLock(
@@ -471,7 +493,8 @@ def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Re
             raise
         if match is None or match.key == call.key:
             claimed = yield from _group_claim(call, first)
-            if claimed is None:
+            if isinstance(claimed, str):
+                lost = _lock_lost(call, lost, started) if claimed == "lost" else lost
                 continue
             return (first, True) if claimed[0] else (claimed[1], False)
 
@@ -486,7 +509,8 @@ def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Re
             )  # fmt: skip
             parked = st.park(unsure, now=now, reason="on_similar='review': a person decides", by=call.owner)
             claimed = yield from _group_claim(call, parked)
-            if claimed is None:
+            if isinstance(claimed, str):
+                lost = _lock_lost(call, lost, started) if claimed == "lost" else lost
                 continue
             look.joined = None  # this call keeps its own key
             if not claimed[0]:
