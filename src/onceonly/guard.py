@@ -491,6 +491,16 @@ def _claim_similar(call: Call, first: Record) -> Generator[Action, Any, tuple[Re
         except BaseException:
             yield SimilarUnlock(look.group, call.owner)  # a score function that failed: free the group
             raise
+        taken = call.clock()
+        if taken - now > SIMILAR_LOCK_SECONDS / 2:
+            # Scoring took long (a slow score function): renew the lock before deciding on its reading.
+            # Lost meanwhile, or the group changed under it: another call went ahead; look again.
+            again = yield SimilarLock(
+                look.group, call.owner, taken, taken + SIMILAR_LOCK_SECONDS, taken - sim.window, sim.candidates
+            )
+            if again is None or {c.key for c in again} != {c.key for c in found}:
+                lost = _lock_lost(call, lost, started)
+                continue
         if match is None or match.key == call.key:
             claimed = yield from _group_claim(call, first)
             if isinstance(claimed, str):
