@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from onceonly import NOT_FOUND, KeyConflict, Ledger, OutcomeUnknown, Retry, State, ops
-from onceonly.errors import AttemptsExhausted, InProgress, OnceOnlyError, RetryScheduled, StoreUnavailable
+from onceonly.errors import AttemptsExhausted, InProgress, OnceOnlyError, RetryScheduled, SimilarCall, StoreUnavailable
 from onceonly.metrics import LedgerCollector, asgi_app, call_outcome, instrument
 from onceonly.stores.sqlite import SQLiteStore
 from onceonly.tickets import serve_in_thread
@@ -322,6 +322,7 @@ def test_what_a_call_raised_names_its_outcome() -> None:
         "error": OnceOnlyError("misused"),
         "unknown": OutcomeUnknown("not known", key="k"),
         "conflict": KeyConflict("other arguments", key="k", record=None, fingerprint=""),
+        "similar": SimilarCall("asked before", key="k", record=None, outcome=None, score=0.9, new_key="k2"),
         "failed": ValueError("card declined"),
     }
     assert {label: call_outcome(None, exc) for label, exc in raised.items()} == {k: k for k in raised}

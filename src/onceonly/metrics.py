@@ -41,6 +41,7 @@ from onceonly.errors import (
     OnceOnlyError,
     OutcomeUnknown,
     RetryScheduled,
+    SimilarCall,
     StoreError,
 )
 from onceonly.events import TransitionEvent
@@ -79,6 +80,7 @@ _TIMED = ("get", "claim", "insert", "swap", "delete", "scan", "count_by_state")
 # RetryScheduled is an InProgress); anything else is the tool's own error, a failure.
 _RAISED: tuple[tuple[type[BaseException], str], ...] = (
     (KeyConflict, "conflict"),
+    (SimilarCall, "similar"),
     (RetryScheduled, "scheduled"),
     (InProgress, "in_progress"),
     (AttemptsExhausted, "abandoned"),
@@ -90,7 +92,8 @@ _RAISED: tuple[tuple[type[BaseException], str], ...] = (
 def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
     or what it raised: ``failed`` (the tool's own error), ``unknown``, ``needs_review``, ``in_progress``,
-    ``scheduled`` (its retry is due later), ``conflict``, ``abandoned``, ``store_error``, ``error``.
+    ``scheduled`` (its retry is due later), ``conflict``, ``similar`` (refused as a near-duplicate,
+    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error``.
 
     .. versionadded:: 0.1
     """
