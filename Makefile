@@ -23,7 +23,7 @@ test: $(STAMP)  ## the whole suite; Redis/PostgreSQL from ONCEONLY_TEST_REDIS_UR
 bench: $(STAMP)  ## per-call overhead per store next to the store's own floor
 	$(BIN)/python benchmarks/bench.py
 
-chaos: $(STAMP)  ## a bounded fault run (1-2 min), one fault at a time per store; not part of make test
+chaos: $(STAMP)  ## the fault matrix (about 3 min): each fault, then all together, per store; make test runs its --short form
 	$(BIN)/python -m tests.chaos
 
 lint: $(STAMP)

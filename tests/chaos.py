@@ -66,6 +66,7 @@ writes under a prefix and a database of its own and removes them, and stops its 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import multiprocessing
 import os
@@ -77,6 +78,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
@@ -168,11 +170,15 @@ def _tool(
     return op
 
 
-def _ask_all(tool: Any, ops: list[int] | range) -> None:
-    """Call every operation once; an error a fault causes is expected here (the cell counts the result)."""
+def _ask_all(tool: Any, ops: list[int] | range, errors: list[int] | None = None) -> None:
+    """Call every operation once; an error a fault causes is expected here (the cell counts the result,
+    and ``errors``, if given, how many calls raised)."""
     for n in ops:
-        with suppress(OnceOnlyError, OSError):
+        try:
             tool(n)
+        except (OnceOnlyError, OSError):
+            if errors is not None:
+                errors.append(n)
 
 
 def _callers(tools: list[Any], ops: int, threads: int) -> None:
@@ -229,11 +235,12 @@ def reconcile_worker(url: str, effects: str, ready: Barrier | None, every: float
     os.environ.update(ONCEONLY_CHAOS_URL=url, ONCEONLY_CHAOS_EFFECTS=effects)
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)  # the command's report would mix into the matrix
+    from onceonly.cli import cli
+
+    importlib.import_module("tests.chaos")  # what --app imports, imported before the start: a fair race
     if ready is not None:
         ready.wait(30)
     if command:
-        from onceonly.cli import cli
-
         repeat = ["--every", f"{every}s"] if every else ["--once"]
         with suppress(SystemExit):
             cli.main(
@@ -457,11 +464,13 @@ def _clock_jump(url: str, effects: str, ops: int) -> dict[str, Any]:
     return {"expected not green": "a clock stepped 10 minutes"}
 
 
-def _crash_halfway(url: str, effects: str, ops: int, crash: Callable[[], None], start: Callable[[], None]) -> None:
-    """One pass with the server crashed and started again once half the operations ran; a second pass."""
+def _crash_halfway(url: str, effects: str, ops: int, crash: Callable[[], None], start: Callable[[], None]) -> int:
+    """One pass with the server crashed and started again once half the operations ran; a second pass.
+    Returns how many calls of the first pass raised (none: the crash was never seen)."""
     ledger = Ledger.open(url)
     tool = _tool(ledger, effects_db(effects), "main")
-    first = threading.Thread(target=_ask_all, args=(tool, range(ops)))
+    errors: list[int] = []
+    first = threading.Thread(target=_ask_all, args=(tool, range(ops), errors))
     first.start()
     while sum(count_effects(effects).values()) < ops // 2 and first.is_alive():
         time.sleep(0.005)
@@ -470,6 +479,7 @@ def _crash_halfway(url: str, effects: str, ops: int, crash: Callable[[], None], 
     first.join()
     ledger.close()
     _settling_pass(url, effects, ops)
+    return len(errors)
 
 
 def _restart_redis(workdir: Path, effects: str, ops: int, aof: bool) -> dict[str, Any]:
@@ -488,8 +498,8 @@ def _restart_redis(workdir: Path, effects: str, ops: int, aof: bool) -> dict[str
 
     try:
         url = f"{server.url}?prefix=chaos&warn_persistence=false"
-        _crash_halfway(url, effects, ops, crash, server.start)
-        cell = _measure(url, effects, ops)
+        refused = _crash_halfway(url, effects, ops, crash, server.start)
+        cell = {**_measure(url, effects, ops), "calls that raised": refused}
         if not aof:
             cell["expected not green"] = "persists nothing"
         return cell
@@ -507,8 +517,8 @@ def _restart_postgres(effects: str, ops: int) -> dict[str, Any]:
     try:
         server.start()
         url = f"{server.url}?application_name=onceonly-chaos"
-        _crash_halfway(url, effects, ops, server.crash, server.start)
-        return _measure(url, effects, ops)
+        refused = _crash_halfway(url, effects, ops, server.crash, server.start)
+        return {**_measure(url, effects, ops), "calls that raised": refused}
     finally:
         server.stop()
 
@@ -545,8 +555,8 @@ def _failover(workdir: Path, effects: str, ops: int) -> dict[str, Any]:
                 assert time.monotonic() < deadline, "no replica took over within 30 s"
                 time.sleep(0.1)
 
-        _crash_halfway(url, effects, ops, crash, promoted)
-        cell = _measure(url, effects, ops)
+        refused = _crash_halfway(url, effects, ops, crash, promoted)
+        cell = {**_measure(url, effects, ops), "calls that raised": refused}
         cell["expected not green"] = "replication is asynchronous"
         return cell
     finally:
@@ -615,11 +625,9 @@ def _measure(url: str, effects: str, ops: int) -> dict[str, Any]:
             not ran and rec is not None and rec.state is State.CONFIRMED
         ):
             lost += 1
+    kept = [rec for rec in records.values() if rec is not None]
     # Who settled what: reconcilers write under reconcile@host:pid, one each (the racing ones too).
-    reconcilers = {
-        e["by"] for rec in records.values() if rec is not None for e in rec.history
-        if str(e.get("by", "")).startswith("reconcile@")
-    }  # fmt: skip
+    reconcilers = {e["by"] for rec in kept for e in rec.history if str(e.get("by", "")).startswith("reconcile@")}
     p99 = statistics.quantiles(settle, n=100)[98] if len(settle) >= 2 else (settle[0] if settle else 0.0)
     return {
         "operations": ops,
@@ -629,7 +637,9 @@ def _measure(url: str, effects: str, ops: int) -> dict[str, Any]:
         "unsettled": unsettled,
         "settle p99 ms": round(p99 * 1000, 1),
         "settled by probe": probed,
-        "conflicts counted": sum(rec.conflicts for rec in records.values() if rec is not None),
+        "conflicts counted": sum(rec.conflicts for rec in kept),
+        "went unknown": sum(any(e.get("to") == "unknown" for e in rec.history) for rec in kept),
+        "via": dict(Counter(str(rec.via) for rec in kept if rec.state is State.CONFIRMED)),
         "reconcilers that wrote": len(reconcilers),
     }
 
