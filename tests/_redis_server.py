@@ -153,10 +153,21 @@ class PrivateRedisCluster:
                 ):
                     assert time.monotonic() < deadline, f"the replica on {port} is not in sync within 10 s"
                     time.sleep(0.05)
+            # A replica says its link is up once it loaded its first sync, but its master streams writes to
+            # it only from its first acknowledgement on (within a second; later under load): a master killed
+            # in between leaves a replica with none of its writes. So: every replica online on its master.
+            expected = len(self.ports) // (1 + self.replicas) * self.replicas
+            while (online := self._online()) < expected:
+                assert time.monotonic() < deadline + 10, f"{online} of {expected} replicas online within 20 s"
+                time.sleep(0.05)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _online(self) -> int:
+        """How many replicas their masters stream to (``slaveN:...,state=online,...`` on the master)."""
+        return sum(self._ask(port, "INFO", "replication").count(b",state=online,") for port in self.ports)
 
     def kill(self, port: int) -> None:
         """SIGKILL the node on ``port``: no shutdown, no last write."""
