@@ -544,8 +544,19 @@ def _failover(workdir: Path, effects: str, ops: int) -> dict[str, Any]:
         survivors = [p for p in cluster.ports if p != victim]
         url = url.replace(f":{cluster.ports[0]}/", f":{survivors[0]}/")  # an entry node that stays up
 
-        def crash() -> None:
+        behind: list[int] = []
+
+        def offset(port: int) -> int:  # how far into the replication stream a node is (a replica: applied)
+            info = cluster._ask(port, "INFO", "replication")
+            return int(info.split(b"master_repl_offset:", 1)[1].split(b"\r\n", 1)[0])
+
+        def crash() -> None:  # noting how many bytes of the victim's stream its replica lacks then
+            replica = next(
+                p for p in survivors if f"master_port:{victim}".encode() in cluster._ask(p, "INFO", "replication")
+            )
+            ahead = offset(victim)
             cluster.kill(victim)
+            behind.append(max(0, ahead - offset(replica)))
 
         def promoted() -> None:  # the victim's replica is a master, and every survivor serves all slots
             deadline = time.monotonic() + 30
@@ -556,7 +567,7 @@ def _failover(workdir: Path, effects: str, ops: int) -> dict[str, Any]:
                 time.sleep(0.1)
 
         refused = _crash_halfway(url, effects, ops, crash, promoted)
-        cell = {**_measure(url, effects, ops), "calls that raised": refused}
+        cell = {**_measure(url, effects, ops), "calls that raised": refused, "replica behind at the kill": behind[0]}
         cell["expected not green"] = "replication is asynchronous"
         return cell
     finally:
