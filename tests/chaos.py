@@ -137,7 +137,7 @@ class Faults:
 
 def _tool(
     ledger: Ledger,
-    log: Any,
+    effects: str,
     worker: str,
     faults: Faults = Faults(),
     *,
@@ -145,24 +145,33 @@ def _tool(
     settle: float = 0.0,
     timeout: float | None = None,
 ) -> Any:
-    """The operation: one row in the side-effect log, and the ``faults``; settled by a probe of that log."""
+    """The operation: one row in the side-effect log at ``effects``, and the ``faults``; settled by a probe
+    of that log."""
     tried: set[int] = set()
+    # A connection per thread: one shared by threads lets a write meet another thread's open read of an
+    # older snapshot, and SQLite then refuses it at once ("database is locked") instead of waiting.
+    local = threading.local()
+
+    def log() -> Any:
+        if not hasattr(local, "conn"):
+            local.conn = effects_db(effects)
+        return local.conn
 
     def probe(args: dict[str, Any], key: str) -> Any:
-        row = log.execute("SELECT worker FROM effects WHERE op = ?", (str(args["n"]),)).fetchone()
+        row = log().execute("SELECT worker FROM effects WHERE op = ?", (str(args["n"]),)).fetchone()
         return NOT_FOUND if row is None else {"n": args["n"], "by": row[0]}
 
     @ledger.tool(
         name="chaos.op", on_unknown="probe", probe=probe, lease=LEASE, wait=wait, settle=settle, timeout=timeout
     )
     def op(n: int) -> dict[str, Any]:
-        done = log.execute("SELECT count(*) FROM effects WHERE op = ?", (str(n),)).fetchone()[0]
+        done = log().execute("SELECT count(*) FROM effects WHERE op = ?", (str(n),)).fetchone()[0]
         first = n not in tried
         tried.add(n)
         if first and faults.lose_early(n):
             raise TimeoutError("timed out before the request reached the other side")
         time.sleep(faults.slow + random.uniform(0, faults.pause))
-        log.execute("INSERT INTO effects VALUES (?, ?, ?)", (str(n), worker, time.time()))
+        log().execute("INSERT INTO effects VALUES (?, ?, ?)", (str(n), worker, time.time()))
         time.sleep(faults.late(n) + random.uniform(0, faults.pause))
         if done == 0 and faults.lose(n):
             raise TimeoutError("the answer was lost after the work was committed")
@@ -214,7 +223,7 @@ def kill_worker(url: str, effects: str, ops: int, seed: int, lose: bool = False)
     """A worker process: every operation in a shuffled order, again and again, until it is killed."""
     ledger = _open(url)
     faults = Faults(pause=0.02, lose=_lost_every_third if lose else _never)
-    tool = _tool(ledger, effects_db(effects), f"w{os.getpid()}", faults)
+    tool = _tool(ledger, effects, f"w{os.getpid()}", faults)
     rng = random.Random(seed)
     order = list(range(ops))
     while True:
@@ -226,7 +235,7 @@ def chaos_app() -> Ledger:
     """The ledger ``onceonly reconcile --app tests.chaos:chaos_app`` loads in a reconciler process: the
     cell's store ($ONCEONLY_CHAOS_URL) with the cell's tool, whose probe reads $ONCEONLY_CHAOS_EFFECTS."""
     ledger = _open(os.environ["ONCEONLY_CHAOS_URL"])
-    _tool(ledger, effects_db(os.environ["ONCEONLY_CHAOS_EFFECTS"]), f"r{os.getpid()}")
+    _tool(ledger, os.environ["ONCEONLY_CHAOS_EFFECTS"], f"r{os.getpid()}")
     return ledger
 
 
@@ -311,7 +320,7 @@ def _settling_pass(url: str, effects: str, ops: int) -> None:
     """Once every lease ran out: one caller asks for every operation (what is left open settles now)."""
     time.sleep(LEASE + 0.3)
     ledger = Ledger.open(url)
-    _ask_all(_tool(ledger, effects_db(effects), "settler"), range(ops))
+    _ask_all(_tool(ledger, effects, "settler"), range(ops))
     ledger.close()
 
 
@@ -320,7 +329,7 @@ def _settling_pass(url: str, effects: str, ops: int) -> None:
 
 def _race(url: str, effects: str, ops: int) -> dict[str, Any]:
     ledgers = [Ledger.open(url) for _ in range(4)]  # four callers, each with its own ledger
-    _callers([_tool(ledger, effects_db(effects), f"t{i}") for i, ledger in enumerate(ledgers)], ops, 1)
+    _callers([_tool(ledger, effects, f"t{i}") for i, ledger in enumerate(ledgers)], ops, 1)
     for ledger in ledgers:
         ledger.close()
     return {}
@@ -328,7 +337,7 @@ def _race(url: str, effects: str, ops: int) -> dict[str, Any]:
 
 def _lost_answer(url: str, effects: str, ops: int) -> dict[str, Any]:
     ledger = Ledger.open(url)
-    _ask_all(_tool(ledger, effects_db(effects), "main", Faults(lose=_lost_every_third)), range(ops))
+    _ask_all(_tool(ledger, effects, "main", Faults(lose=_lost_every_third)), range(ops))
     ledger.close()
     return {"answers lost": (ops + 2) // 3}
 
@@ -341,8 +350,7 @@ def _late_answer(url: str, effects: str, ops: int) -> dict[str, Any]:
     """Two callers of two threads each; every fifth operation answers past the timeout (0.5 s)."""
     ledgers = [Ledger.open(url) for _ in range(2)]
     tools = [
-        _tool(ledger, effects_db(effects), f"c{i}", Faults(late=_late), timeout=0.5, settle=0.2)
-        for i, ledger in enumerate(ledgers)
+        _tool(ledger, effects, f"c{i}", Faults(late=_late), timeout=0.5, settle=0.2) for i, ledger in enumerate(ledgers)
     ]
     _callers(tools, ops, 2)
     time.sleep(1.0)  # the last late answers arrive (and are checked against the records)
@@ -365,7 +373,7 @@ def _cutter(kind: str, server: str, name: str) -> AbstractContextManager[Any]:
 
 def _cut(url: str, effects: str, ops: int, kind: str, server: str, name: str) -> dict[str, Any]:
     ledger = Ledger.open(url)
-    tool = _tool(ledger, effects_db(effects), "main")
+    tool = _tool(ledger, effects, "main")
     with _cutter(kind, server, name) as cutter:
         _ask_all(tool, range(ops))
     ledger.close()
@@ -378,7 +386,7 @@ def _slow_tool(url: str, effects: str, ops: int) -> dict[str, Any]:
     ops = max(8, ops // 10)
     ledgers = [Ledger.open(url) for _ in range(2)]
     faults = Faults(slow=2 * LEASE, pause=LEASE)
-    _callers([_tool(ledger, effects_db(effects), f"c{i}", faults) for i, ledger in enumerate(ledgers)], ops, 3)
+    _callers([_tool(ledger, effects, f"c{i}", faults) for i, ledger in enumerate(ledgers)], ops, 3)
     for ledger in ledgers:
         ledger.close()
     return {"ops": ops}
@@ -397,7 +405,7 @@ def _reconcilers(url: str, effects: str, ops: int) -> dict[str, Any]:
     then a pass runs what their probes found had not happened (the odd operations)."""
     ledger = Ledger.open(url)
     faults = Faults(lose=_even, lose_early=_odd)
-    _ask_all(_tool(ledger, effects_db(effects), "caller", faults, wait=0, settle=LEASE), range(ops))
+    _ask_all(_tool(ledger, effects, "caller", faults, wait=0, settle=LEASE), range(ops))
     ledger.close()
     time.sleep(LEASE)  # the probes are due
     _race_reconcilers(url, effects)
@@ -457,7 +465,7 @@ def _clock_jump(url: str, effects: str, ops: int) -> dict[str, Any]:
     ahead = Ledger.open(url, clock=lambda: time.time() + (600 if jumped.is_set() else 0), store_clock=True)
     jumped.set()
     tools = [
-        _tool(ledger, effects_db(effects), name, Faults(pause=0.02), wait=1)
+        _tool(ledger, effects, name, Faults(pause=0.02), wait=1)
         for ledger, name in ((right, "right"), (ahead, "ahead"))
     ]
     _callers(tools, ops, 1)
@@ -471,7 +479,7 @@ def _crash_halfway(url: str, effects: str, ops: int, crash: Callable[[], object]
     """One pass with the server crashed and started again once half the operations ran; a second pass.
     Returns how many calls of the first pass raised (0 where the store rode the crash out)."""
     ledger = Ledger.open(url)
-    tool = _tool(ledger, effects_db(effects), "main")
+    tool = _tool(ledger, effects, "main")
     errors: list[int] = []
     first = threading.Thread(target=_ask_all, args=(tool, range(ops), errors))
     first.start()
@@ -538,7 +546,7 @@ def _failover(workdir: Path, effects: str, ops: int) -> dict[str, Any]:
     try:
         url = f"{cluster.url}?warn_persistence=false&prefix=chaos&socket_timeout=1&socket_connect_timeout=1"
         ledger = Ledger.open(url)
-        tool = _tool(ledger, None, "")
+        tool = _tool(ledger, "", "")
         nodes = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
         store: Any = ledger.store
         victim = nodes.get_node_from_key(store._keys(tool.key_for(0))[0]).port
@@ -623,7 +631,7 @@ def _store(kind: str, workdir: Path) -> Iterator[Callable[[str], tuple[str, str,
 def _measure(url: str, effects: str, ops: int) -> dict[str, Any]:
     runs = count_effects(effects)
     ledger = Ledger.open(url)
-    keys = _tool(ledger, None, "")  # the same tool as the cell's: the same keys
+    keys = _tool(ledger, "", "")  # the same tool as the cell's: the same keys
     records = {n: ledger.get(keys.key_for(n)) for n in range(ops)}
     ledger.close()
     lost = unsettled = probed = 0
