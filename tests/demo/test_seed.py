@@ -16,18 +16,18 @@ from onceonly.demo.strategies import STRATEGIES
 # client's timeout is longer than the demo's 0.5 s: on a machine busy with other tests an answer without
 # a fault must not outlast it and pass for a lost one (the one thing a seed cannot fix, docs/demo.md).
 CONFIG = {
-    "agents": 4, "ops": 10, "fault_rate": 0.4, "replan_rate": 0.3, "shared_rate": 0.5, "timeout": 1.5,
-    "delay_seconds": 2.0,
+    "agents": 4, "ops": 10, "fault_rate": 0.4, "replan_rate": 0.3, "shared_rate": 0.5, "reword_rate": 0.3,
+    "timeout": 1.5, "delay_seconds": 2.0,
 }  # fmt: skip
 VARIES = ("p50_ms", "p99_ms", "seconds")  # the clock's share of a row
 
 
-def _run(workdir: Path, name: str, seed: int) -> tuple[dict[str, Any], dict[tuple[str, str], int]]:
+def _run(workdir: Path, name: str, seed: int) -> tuple[dict[str, Any], dict[int, int]]:
     """One strategy's row without its latencies, and the tickets per operation in its service."""
     config = DemoConfig(**CONFIG, seed=seed)  # type: ignore[arg-type]
     workload = make_workload(
         seed=seed, agents=config.agents, operations=config.ops, replan_rate=config.replan_rate,
-        shared_rate=config.shared_rate,
+        shared_rate=config.shared_rate, reword_rate=config.reword_rate,
     )  # fmt: skip
     strategy = STRATEGIES[name](timeout=config.timeout, url=None, settle=config.settle)
     row = run_strategy(strategy, workload, config, workdir).to_dict()
@@ -46,14 +46,19 @@ def test_several_agents_and_one_seed_give_the_same_run(tmp_path: Path) -> None:
     """Seed 5 twice, four agents each: every strategy counts the same tickets, duplicates, missing,
     faults, calls and settle paths, and the same operations got the same number of tickets."""
     rows = {}
-    for name in ("naive", "key-only", "onceonly"):
+    for name in ("naive", "key-only", "onceonly", "onceonly+similar"):
         first, second = _side_by_side(tmp_path, name, (5, 5))
         assert first == second, name
         rows[name] = first[0]
-    # The faults bit, the agents asked again, and onceonly still made exactly one ticket each.
-    naive, onceonly = rows["naive"], rows["onceonly"]
+    # The faults bit, the agents asked again, some in other words: key-only and onceonly's exact key
+    # made a second ticket of those, and nothing else; onceonly+similar made exactly one ticket each.
+    naive, key_only, onceonly, similar = rows.values()
     assert sum(naive["faults"].values()) > 0 and naive["calls"] > naive["asked"] and naive["duplicates"] > 0
-    assert (onceonly["duplicates"], onceonly["missing"], onceonly["unsettled"]) == (0, 0, 0)
+    assert naive["faults"]["reword"] > 0 and key_only["duplicates_reworded"] > 0
+    assert onceonly["duplicates"] == onceonly["duplicates_reworded"] > 0
+    assert (onceonly["missing"], onceonly["unsettled"]) == (0, 0)
+    assert (similar["duplicates"], similar["missing"], similar["unsettled"]) == (0, 0, 0)
+    assert similar["similar_replayed"] == similar["faults"]["reword"]
 
 
 def test_another_seed_gives_another_run(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``onceonly demo``: agents creating tickets under injected faults, three strategies side by side.
+"""``onceonly demo``: agents creating tickets under injected faults, four strategies side by side.
 
     from onceonly.demo import DemoConfig, run_demo
 

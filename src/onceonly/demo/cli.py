@@ -22,6 +22,8 @@ _ABOUT = {
     "naive": "plain POST, retried on any error, no key",
     "key-only": "one Idempotency-Key per call, kept across its retries; the server's middleware on",
     "onceonly": "a ledger keyed by (session, title), a probe, the reconciler; the server's middleware off",
+    "onceonly+similar": "the same, with similar=Similar(fields=('title',)): a title like an earlier one of the "
+    "session is the same ticket",
 }
 
 
@@ -34,6 +36,13 @@ _ABOUT = {
     show_default=True,
     help="Share of POST /tickets that meet a fault: answer lost after the commit, delayed past the "
     "client timeout, or failed before the commit.",
+)
+@click.option(
+    "--reword-rate",
+    default=0.1,
+    show_default=True,
+    help="Share of tickets the agent asks for again in other words ('Printer on fire #12' as 'The printer "
+    "is on fire #12!'): another title, another exact key; only onceonly+similar takes it for the same ticket.",
 )
 @click.option(
     "--seed",
@@ -50,17 +59,26 @@ _ABOUT = {
     "--strategy",
     "strategies",
     multiple=True,
-    type=click.Choice(["naive", "key-only", "onceonly"]),
-    help="Run only these (repeat); default: all three.",
+    type=click.Choice(["naive", "key-only", "onceonly", "onceonly+similar"]),
+    help="Run only these (repeat); default: all four (onceonly+similar needs the similar extra).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the progress goes to stderr).")
 def demo(
-    agents: int, ops: int, fault_rate: float, seed: int, url: str | None, strategies: tuple[str, ...], as_json: bool
+    agents: int,
+    ops: int,
+    fault_rate: float,
+    reword_rate: float,
+    seed: int,
+    url: str | None,
+    strategies: tuple[str, ...],
+    as_json: bool,
 ) -> None:
-    """Agents create tickets under injected faults: naive retry, key only, and onceonly, side by side.
+    """Agents create tickets under injected faults: naive retry, key only, onceonly, and onceonly with
+    similar=, side by side.
 
     Embedded: the reference ticket service runs on 127.0.0.1, SQLite files in a temporary directory.
-    onceonly's row should read 0 duplicates and 0 missing.
+    onceonly's rows read 0 missing; onceonly+similar's reads 0 duplicates too. onceonly with its exact
+    key duplicates only the tickets asked for again in other words (--reword-rate 0 shows none).
 
     One seed gives one run: the same asks, the same faults on the same requests, whatever order the
     agents' threads send them in; so the same counts (asked, created, duplicates, missing, unsettled,
@@ -70,12 +88,13 @@ def demo(
     """
     try:
         from onceonly.demo.run import DemoConfig, asks_of, run_demo
+        from onceonly.demo.strategies import unavailable
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise click.ClickException(
             f"onceonly demo needs the server and http extras: {install_hint('server,http')} ({exc})"
         ) from exc
     try:
-        config = DemoConfig(agents=agents, ops=ops, fault_rate=fault_rate, seed=seed, url=url)
+        config = DemoConfig(agents=agents, ops=ops, fault_rate=fault_rate, reword_rate=reword_rate, seed=seed, url=url)
         if strategies:
             config = replace(config, strategies=strategies)
     except ValueError as exc:
@@ -83,10 +102,11 @@ def demo(
 
     console = Console(stderr=as_json)
     per_strategy = asks_of(config)
-    columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=as_json) as bar:
         # Strategies run one after another: each bar's clock starts with its first answer.
-        tasks = {name: bar.add_task(name, total=per_strategy, start=False) for name in config.strategies}
+        running = [name for name in config.strategies if unavailable(name) is None]
+        tasks = {name: bar.add_task(name, total=per_strategy, start=False) for name in running}
 
         def advance(name: str) -> None:
             task = tasks[name]
@@ -107,8 +127,12 @@ def demo(
 
 def _print_table(console: Console, result: Any) -> None:
     config = result.config
-    title = f"{config.agents} agents, {config.ops} tickets, fault rate {config.fault_rate:g}, seed {result.seed}"
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    title = (
+        f"{config.agents} agents, {config.ops} tickets, fault rate {config.fault_rate:g}, "
+        f"reword rate {config.reword_rate:g}, seed {result.seed}"
+    )
+    # No outer edge: with the row "onceonly+similar" the table fits in 80 columns.
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     table.add_column("strategy", no_wrap=True)
     for col in ("asked", "created", "duplicates", "missing", "unsettled", "p50 ms", "p99 ms"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -125,6 +149,7 @@ def _print_table(console: Console, result: Any) -> None:
             f"{row.p99_ms:.0f}",
         )
     console.print(table)
+    console.print()
     for row in result.strategies:
         faults = ", ".join(f"{n} {kind}" for kind, n in row.faults.items()) or "none"
         lines = [
@@ -133,17 +158,24 @@ def _print_table(console: Console, result: Any) -> None:
         if row.duplicates:
             lines.append(
                 f"Duplicates: {row.duplicates - row.duplicates_reasked} on operations asked once (lost or late "
-                f"answers), {row.duplicates_reasked} on operations asked again (a re-plan, a second agent)."
+                f"answers), {row.duplicates_reasked} on operations asked again (a re-plan, a second agent), "
+                f"{row.duplicates_reworded} of them on operations asked again in other words."
             )
+        if row.similar_replayed:
+            lines.append(f"Similar: {row.similar_replayed} calls in other words got the earlier call's ticket.")
         if row.settled:
             lines.append("Settled: " + ", ".join(f"{n} {how}" for how, n in row.settled.items()) + ".")
         if row.reconciled:
             lines.append("Reconciler: " + ", ".join(f"{n} {what}" for what, n in row.reconciled.items()) + ".")
         console.print(" ".join(lines), highlight=False)
+    for name, why in result.skipped.items():
+        console.print(f"[bold]{name}[/bold]: not run: {why}.", highlight=False)
     console.print(
         "[dim]asked: tickets the agents asked for; calls: their tool calls, more than asked because a "
         "re-plan or a second agent asks again for a ticket already asked for. duplicates: tickets beyond the "
-        "first of an operation. missing: operations with no ticket that were reported done or left "
+        "first of an operation, whatever their titles. A re-plan in other words (faults: reword) has another "
+        "title, so another exact key: only onceonly+similar takes it for the same ticket; onceonly's "
+        "duplicates are those. missing: operations with no ticket that were reported done or left "
         "unsettled. unsettled: operations whose outcome is unknown at the end. Latency: one call as its "
         "agent saw it, retries and waits included; onceonly's p99 is the price of knowing: a lost or late "
         "answer costs its call the timeout, then the settle wait, then a probe. The same seed gives the same "

@@ -4,13 +4,15 @@ the count of what ended up in the service's database.
 Counting, per strategy (docs/demo.md):
 
 - ``asked``: operations (distinct tickets) the agents asked for; re-plans and second agents ask for
-  an operation again, they are not new operations.
+  an operation again, they are not new operations, nor is a re-plan in other words.
 - ``created``: tickets in the service's database.
-- ``duplicates``: tickets beyond the first of an operation.
+- ``duplicates``: tickets beyond the first of an operation, whatever their titles: a ticket counts
+  to the operation its body's tag names (``workload.op_of``).
 - ``missing``: operations with no ticket that the strategy did not report as definitely failed: it
   said "done", or it does not know.
 - ``unsettled``: operations whose outcome the strategy does not know at the end (naive, key-only: no
-  ask of it succeeded; onceonly: its ledger record is not confirmed or failed after the reconciler).
+  ask of it succeeded; onceonly: none of its ledger records is confirmed, and not all failed, after the
+  reconciler).
 - ``p50_ms`` / ``p99_ms``: the latency of one ask as its agent saw it, retries and waits included.
 """
 
@@ -22,13 +24,13 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onceonly.demo.strategies import DONE, FAILED, STRATEGIES, UNSETTLED, Strategy
-from onceonly.demo.workload import Workload, make_workload
+from onceonly.demo.strategies import DONE, FAILED, STRATEGIES, UNSETTLED, Strategy, unavailable
+from onceonly.demo.workload import Workload, make_workload, op_of
 from onceonly.stores import redact_url
 
 __all__ = ["DemoConfig", "DemoResult", "StrategyResult", "count", "percentile", "run_demo"]
@@ -52,7 +54,11 @@ class DemoConfig:
         timeout: the client's timeout per request, in seconds.
         delay_seconds: how long a delayed answer is held (past ``timeout``).
         settle: seconds the onceonly tool waits after an unknown outcome before it probes.
-        strategies: which to run, in order.
+        replan_rate: share of operations that the same agent asks for again, the body re-worded.
+        shared_rate: share of operations that the other agent of the session asks for too.
+        reword_rate: share of operations that the same agent asks for again in other words, title and
+            body (``workload.reword``): only ``onceonly+similar`` takes those for the same ticket.
+        strategies: which to run, in order (one whose extra is not installed is skipped, and said so).
 
     .. versionadded:: 0.1
     """
@@ -67,13 +73,16 @@ class DemoConfig:
     settle: float = 1.0
     replan_rate: float = 0.1
     shared_rate: float = 0.1
-    strategies: tuple[str, ...] = ("naive", "key-only", "onceonly")
+    reword_rate: float = 0.1
+    strategies: tuple[str, ...] = ("naive", "key-only", "onceonly", "onceonly+similar")
 
     def __post_init__(self) -> None:
         if self.agents < 1 or self.ops < 1:
             raise ValueError(f"--agents {self.agents} --ops {self.ops}: at least one of each")
         if not 0 <= self.fault_rate <= 1:
             raise ValueError(f"--fault-rate {self.fault_rate}: a probability between 0 and 1")
+        if not 0 <= self.reword_rate <= 1:
+            raise ValueError(f"--reword-rate {self.reword_rate}: a probability between 0 and 1")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}: use {sorted(STRATEGIES)}")
@@ -96,10 +105,12 @@ class StrategyResult:
     p99_ms: float
     calls: int = 0  # asks, re-plans and second agents included
     duplicates_reasked: int = 0  # of the duplicates, those of operations asked more than once
-    faults: dict[str, int] = field(default_factory=dict)  # faults the service injected
+    duplicates_reworded: int = 0  # of those, the ones of operations asked again in other words
+    faults: dict[str, int] = field(default_factory=dict)  # faults injected: the service's, and "reword" asks
     seconds: float = 0.0
     reconciled: dict[str, int] = field(default_factory=dict)  # onceonly: what its reconciler did
     settled: dict[str, int] = field(default_factory=dict)  # onceonly: operations by how they were settled
+    similar_replayed: int = 0  # onceonly+similar: calls taken for an earlier, similar call
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,10 +124,12 @@ class StrategyResult:
             "p99_ms": self.p99_ms,
             "calls": self.calls,
             "duplicates_reasked": self.duplicates_reasked,
+            "duplicates_reworded": self.duplicates_reworded,
             "faults": dict(self.faults),
             "seconds": self.seconds,
             "reconciled": dict(self.reconciled),
             "settled": dict(self.settled),
+            "similar_replayed": self.similar_replayed,
         }
 
 
@@ -129,6 +142,8 @@ class DemoResult:
 
     config: DemoConfig
     strategies: list[StrategyResult]
+    #: strategies not run, and why (a missing extra: how to install it)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -141,9 +156,10 @@ class DemoResult:
             "agents": c.agents, "ops": c.ops, "fault_rate": c.fault_rate, "seed": c.seed,
             "url": None if c.url is None else redact_url(c.url), "timeout": c.timeout,
             "delay_seconds": c.delay_seconds, "settle": c.settle, "replan_rate": c.replan_rate,
-            "shared_rate": c.shared_rate,
+            "shared_rate": c.shared_rate, "reword_rate": c.reword_rate,
         }  # fmt: skip
-        return {"seed": self.seed, "settings": settings, "strategies": [s.to_dict() for s in self.strategies]}
+        rows = [s.to_dict() for s in self.strategies]
+        return {"seed": self.seed, "settings": settings, "strategies": rows, "skipped": dict(self.skipped)}
 
     def __getitem__(self, name: str) -> StrategyResult:
         for row in self.strategies:
@@ -166,28 +182,33 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def count(
     name: str,
-    operations: list[tuple[str, str]],
-    tickets: dict[tuple[str, str], int],
+    operations: int,
+    tickets: dict[int, int],
     statuses: dict[int, str],
     latencies_ms: Sequence[float],
     asks_per_op: dict[int, int] | None = None,
+    reworded: Collection[int] = (),
 ) -> StrategyResult:
-    """One strategy's row from what the service holds and what the strategy reported."""
-    created = duplicates = reasked = missing = unsettled = 0
-    for op, business_key in enumerate(operations):
-        n = tickets.get(business_key, 0)
+    """One strategy's row from what the service holds (``tickets``: how many per operation) and what
+    the strategy reported (``statuses`` per operation). ``reworded``: the operations asked for again in
+    other words."""
+    created = duplicates = reasked = by_rewording = missing = unsettled = 0
+    for op in range(operations):
+        n = tickets.get(op, 0)
         status = statuses.get(op, UNSETTLED)
         created += n
         duplicates += max(0, n - 1)
         if asks_per_op is not None and asks_per_op.get(op, 1) > 1:
             reasked += max(0, n - 1)
+        if op in reworded:
+            by_rewording += max(0, n - 1)
         if n == 0 and status != FAILED:
             missing += 1
         if status == UNSETTLED:
             unsettled += 1
     return StrategyResult(
         name=name,
-        asked=len(operations),
+        asked=operations,
         created=created,
         duplicates=duplicates,
         missing=missing,
@@ -196,6 +217,7 @@ def count(
         p99_ms=round(percentile(latencies_ms, 99), 1),
         calls=len(latencies_ms),
         duplicates_reasked=reasked,
+        duplicates_reworded=by_rewording,
     )
 
 
@@ -209,11 +231,17 @@ def _merge(statuses: list[str]) -> str:
 # --- running ---------------------------------------------------------------------------------------------
 
 
-def _tickets(db_path: Path) -> dict[tuple[str, str], int]:
+def _tickets(db_path: Path) -> dict[int, int]:
+    """Tickets per operation, by the tag in their body: a reworded title counts to its operation."""
     conn = sqlite3.connect(db_path)
     try:
-        rows = conn.execute("SELECT session_id, title, COUNT(*) FROM tickets GROUP BY session_id, title")
-        return {(s, t): n for s, t, n in rows}
+        found: dict[int, int] = {}
+        for (body,) in conn.execute("SELECT body FROM tickets"):
+            op = op_of(body)
+            if op is None:
+                raise ValueError(f"a ticket without an operation's tag in its body: {body!r}")
+            found[op] = found.get(op, 0) + 1
+        return found
     finally:
         conn.close()
 
@@ -279,23 +307,26 @@ def run_strategy(
         if errors:
             # The cause, not the other agents' broken barrier.
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-        operations = workload.keys()
-        final = strategy.finish(operations)
+        final = strategy.finish(workload)
         statuses = final if final is not None else {op: _merge(got) for op, got in asked.items()}
         injected = dict(server.app.state.faults.snapshot()["injected"])  # type: ignore[attr-defined]
     finally:
         strategy.close()
         server.stop()  # also closes the ticket database it made
     asks_per_op = {op: len(got) for op, got in asked.items()}
-    row = count(strategy.name, operations, _tickets(db_path), statuses, latencies, asks_per_op)
+    reworded = workload.reworded()
+    row = count(strategy.name, workload.operations, _tickets(db_path), statuses, latencies, asks_per_op, reworded)
     report = getattr(strategy, "report", None)
     reconciled = {k: v for k, v in report.counts.items() if v} if report is not None else {}
+    # The agent's own fault: its re-plans in other words, as many for every strategy.
+    rewords = sum(ask.kind == "reword" for asks in workload.agents for ask in asks)
     return dataclasses.replace(
         row,
-        faults={k: v for k, v in injected.items() if v},
+        faults={k: v for k, v in {**injected, "reword": rewords}.items() if v},
         seconds=round(time.perf_counter() - started, 2),
         reconciled=reconciled,
         settled=dict(getattr(strategy, "settled", {})),
+        similar_replayed=getattr(strategy, "similar_replayed", 0),
     )
 
 
@@ -306,16 +337,22 @@ def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] |
         config: the knobs; default ``DemoConfig()``.
         progress: called with the strategy's name after each ask (a progress bar).
 
+    A strategy whose extra is not installed (``onceonly+similar`` without rapidfuzz) is not run: the
+    result's ``skipped`` says why.
+
     .. versionadded:: 0.1
     """
     config = config or DemoConfig()
     workload = _workload(config)
     rows = []
+    skipped = {name: why for name in config.strategies if (why := unavailable(name)) is not None}
     with tempfile.TemporaryDirectory(prefix="onceonly-demo-") as tmp:
         for name in config.strategies:
+            if name in skipped:
+                continue
             strategy = STRATEGIES[name](timeout=config.timeout, url=config.url, settle=config.settle)
             rows.append(run_strategy(strategy, workload, config, Path(tmp) / name, progress))
-    return DemoResult(config=config, strategies=rows)
+    return DemoResult(config=config, strategies=rows, skipped=skipped)
 
 
 def asks_of(config: DemoConfig) -> int:
@@ -331,4 +368,5 @@ def _workload(config: DemoConfig) -> Workload:
         operations=config.ops,
         replan_rate=config.replan_rate,
         shared_rate=config.shared_rate,
+        reword_rate=config.reword_rate,
     )

@@ -1,4 +1,4 @@
-"""The three ways the demo's agents call "create ticket", side by side.
+"""The four ways the demo's agents call "create ticket", side by side.
 
 - ``naive``: a plain POST with a client timeout, retried on any error. No key: a lost answer or an
   answer later than the timeout makes the retry create the ticket again.
@@ -9,7 +9,10 @@
 - ``onceonly``: the tool guarded by a ledger, keyed by the business fields (session, title), its
   unknowns settled by a probe (``GET /tickets?session_id=&title=``) and, at the end, by the
   reconciler. Against the server with its middleware *off*: the hardest case, where only the
-  agent's side can prevent a duplicate.
+  agent's side can prevent a duplicate. A re-plan in other words has another title, so another key.
+- ``onceonly+similar``: the same, with ``similar=Similar(fields=("title",))`` and
+  ``on_similar="replay"``: a call whose title is like an earlier call's of the same session is taken
+  for it (docs/similar.md). Needs the ``similar`` extra (rapidfuzz); without it the run skips it.
 
 Each strategy answers an ask with ``"done"``, ``"failed"`` (definitely not done) or ``"unsettled"``
 (it does not know). Its agents run in threads; every HTTP client here is per thread.
@@ -33,16 +36,18 @@ from typing import Any
 
 import httpx
 
-from onceonly.demo.workload import Ask
+from onceonly._install import install_hint
+from onceonly.demo.workload import Ask, Workload
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
 from onceonly.guard import NOT_FOUND
 from onceonly.http import Client as KeyClient
 from onceonly.ledger import Ledger, Tool
 from onceonly.policy import Retry
 from onceonly.settle import ReconcileReport, reconcile
+from onceonly.similar import Similar
 from onceonly.states import State
 
-__all__ = ["STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "Strategy"]
+__all__ = ["STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "OnceOnlySimilar", "Strategy", "unavailable"]
 
 DONE, FAILED, UNSETTLED = "done", "failed", "unsettled"
 #: How long an agent's first request (a read, before the clock starts) may take on a busy machine.
@@ -84,9 +89,9 @@ class Strategy:
         """This strategy's HTTP client for one agent's thread."""
         return httpx.Client(base_url=self.url, timeout=self.timeout)
 
-    def finish(self, operations: list[tuple[str, str]]) -> dict[int, str] | None:
-        """After every agent is done: the final status of each operation (by its index in
-        ``operations``, the business keys), when the strategy knows better than its asks' answers."""
+    def finish(self, workload: Workload) -> dict[int, str] | None:
+        """After every agent is done: the final status of each operation of ``workload`` (by its
+        index), when the strategy knows better than its asks' answers."""
         return None
 
     def close(self) -> None:
@@ -168,6 +173,8 @@ class OnceOnly(Strategy):
 
     name = "onceonly"
     idempotency = False  # the hardest case: the server dedups nothing
+    #: ``similar=`` of the tool: none here, the key compares exactly
+    similar: Similar | None = None
 
     def __init__(self, *, timeout: float, attempts: int = 6, url: str | None = None, settle: float = 1.0) -> None:
         super().__init__(timeout=timeout, attempts=attempts)
@@ -179,6 +186,8 @@ class OnceOnly(Strategy):
         #: Operations by how their record was settled: its ``via`` (``run``, ``probe``, ``late``,
         #: ``reconcile-probe``…), or its state when it is not confirmed.
         self.settled: dict[str, int] = {}
+        #: Calls taken for an earlier, similar call (``Outcome.similar_to``): run nothing, got its ticket.
+        self.similar_replayed = 0
 
     def start(self, url: str, workdir: Path) -> None:
         super().start(url, workdir)
@@ -204,6 +213,8 @@ class OnceOnly(Strategy):
             probe=find_ticket,
             settle=self.settle,  # longer than the server takes to finish a request it received
             on_conflict="replay",  # a re-worded body for the same ticket gets the ticket made
+            similar=self.similar,
+            on_similar="replay",  # a re-worded title too, when similar= is set
             retry=Retry(attempts=self.attempts, base=0.05, cap=1.0),
             wait=60.0,
         )
@@ -222,28 +233,35 @@ class OnceOnly(Strategy):
     def ask(self, ask: Ask) -> str:
         assert self.tool is not None
         try:
-            self.tool(ask.session_id, ask.title, ask.body)
+            outcome = self.tool.outcome(ask.session_id, ask.title, ask.body)
         except (OutcomeUnknown, InProgress):
             return UNSETTLED
         except AttemptsExhausted:
             return FAILED
         except httpx.HTTPStatusError:
             return FAILED  # a definite refusal (4xx), recorded as failed
+        if outcome.similar_to is not None:
+            with self._lock:
+                self.similar_replayed += 1
         return DONE
 
-    def finish(self, operations: list[tuple[str, str]]) -> dict[int, str]:
-        """Run the reconciler for what stayed unsettled, then read each operation's record."""
+    def finish(self, workload: Workload) -> dict[int, str]:
+        """Run the reconciler for what stayed unsettled, then read each operation's records: one per
+        title it was asked with, when the key compares exactly; a title taken for an earlier, similar
+        one has none of its own."""
         assert self.ledger is not None and self.tool is not None
         self.report = reconcile(self.ledger, scope=self.ledger.scope, wait=self.settle + 2.0, review_after=3600)
         statuses: dict[int, str] = {}
-        for op, (session_id, title) in enumerate(operations):
-            rec = self.ledger.get(self.tool.key_for(session_id, title, ""))
-            how = "no record" if rec is None else rec.via or rec.state.value
+        for op, keys in enumerate(workload.titles()):
+            records = [self.ledger.get(self.tool.key_for(session_id, title, "")) for session_id, title in keys]
+            first = records[0]  # the title first asked for: how the operation was settled
+            how = "no record" if first is None else first.via or first.state.value
             how = "late" if how.startswith("late:") else how
             self.settled[how] = self.settled.get(how, 0) + 1
-            if rec is not None and rec.state is State.CONFIRMED:
+            states = {rec.state for rec in records if rec is not None}
+            if State.CONFIRMED in states:
                 statuses[op] = DONE
-            elif rec is not None and rec.state in (State.FAILED, State.ABANDONED):
+            elif states and states <= {State.FAILED, State.ABANDONED}:
                 statuses[op] = FAILED
             else:
                 statuses[op] = UNSETTLED
@@ -255,9 +273,34 @@ class OnceOnly(Strategy):
             self.ledger.close()
 
 
+class OnceOnlySimilar(OnceOnly):
+    """``OnceOnly`` whose tool also takes a call with a similar title, in the same session, for the
+    earlier call (``similar=``, ``on_similar="replay"``): a re-plan in other words gets the ticket made."""
+
+    name = "onceonly+similar"
+
+    def __init__(self, *, timeout: float, attempts: int = 6, url: str | None = None, settle: float = 1.0) -> None:
+        super().__init__(timeout=timeout, attempts=attempts, url=url, settle=settle)
+        self.similar = Similar(fields=("title",))  # the defaults: threshold 0.85, window 3600 s
+
+
+def unavailable(name: str) -> str | None:
+    """Why strategy ``name`` cannot run here (a missing extra, and how to install it), or ``None``."""
+    if name != OnceOnlySimilar.name:
+        return None
+    try:
+        import rapidfuzz  # noqa: F401  (Similar's default score)
+    except ImportError:
+        return f"it needs rapidfuzz, which is not installed: {install_hint('similar')}"
+    return None
+
+
 #: name → factory(timeout=, url=, settle=)
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "naive": lambda *, timeout, url=None, settle=1.0: Naive(timeout=timeout),
     "key-only": lambda *, timeout, url=None, settle=1.0: KeyOnly(timeout=timeout),
     "onceonly": lambda *, timeout, url=None, settle=1.0: OnceOnly(timeout=timeout, url=url, settle=settle),
+    "onceonly+similar": lambda *, timeout, url=None, settle=1.0: OnceOnlySimilar(
+        timeout=timeout, url=url, settle=settle
+    ),
 }
