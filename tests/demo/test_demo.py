@@ -203,6 +203,10 @@ def test_a_strategy_without_its_extra_is_skipped_with_the_reason(monkeypatch: py
     assert [row.name for row in result.strategies] == ["naive"]
     assert "rapidfuzz" in result.skipped["onceonly+similar"] and "[similar]" in result.skipped["onceonly+similar"]
     assert result.to_dict()["skipped"] == result.skipped
+    args = ["demo", "--agents", "1", "--ops", "2", "--fault-rate", "0", "--strategy", "naive"]
+    printed = CliRunner().invoke(cli, [*args, "--strategy", "onceonly+similar"], terminal_width=200)
+    assert printed.exit_code == 0, printed.output
+    assert "onceonly+similar: not run: it needs rapidfuzz" in printed.output and "onceonly[similar]" in printed.output
 
 
 def test_an_agent_that_cannot_start_stops_the_run(tmp_path: Path) -> None:

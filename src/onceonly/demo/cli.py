@@ -10,6 +10,7 @@ from typing import Any
 import click
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -169,7 +170,7 @@ def _print_table(console: Console, result: Any) -> None:
             lines.append("Reconciler: " + ", ".join(f"{n} {what}" for what, n in row.reconciled.items()) + ".")
         console.print(" ".join(lines), highlight=False)
     for name, why in result.skipped.items():
-        console.print(f"[bold]{name}[/bold]: not run: {why}.", highlight=False)
+        console.print(f"[bold]{name}[/bold]: not run: {escape(why)}.", highlight=False)  # why has "[similar]"
     console.print(
         "[dim]asked: tickets the agents asked for; calls: their tool calls, more than asked because a "
         "re-plan or a second agent asks again for a ticket already asked for. duplicates: tickets beyond the "
