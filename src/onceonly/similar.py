@@ -7,7 +7,9 @@ fields). A new key is looked up among the group's recent calls, and one whose fi
 ``threshold`` is taken for the same operation. docs/similar.md says what that costs and risks.
 
 Pure: scoring and choosing, no I/O. The guard (``guard.py``) asks the store for the group's
-candidates under a short group lock and calls ``best_match`` on them.
+candidates under a short group lock and calls ``best_match`` on them. A group's candidates come back
+call after call, so their prepared texts are kept in a bounded in-process cache, and the default score
+runs only on the candidates that rapidfuzz's batch functions (in C) leave able to reach the threshold.
 """
 
 from __future__ import annotations
@@ -73,11 +75,16 @@ def _fuzz() -> Any:
 
 
 class _Text(NamedTuple):
-    """A field's text, prepared once per lookup: as given, its words, and its words that hold a digit."""
+    """A field's text, prepared once: as given, its words, its words that hold a digit, and what the
+    default score compares: the words joined, the words sorted and joined (``token_sort_ratio``'s
+    text), and the set of words."""
 
     raw: str
     words: list[str]
     digits: frozenset[str]
+    joined: str
+    sorted_text: str
+    wordset: frozenset[str]
 
 
 def _prepare(text: str) -> _Text:
@@ -85,7 +92,50 @@ def _prepare(text: str) -> _Text:
     norm = normalize_text(text)
     # Most texts hold no digit: one search spares them the second pass.
     digits = frozenset(_DIGITS.findall(norm)) if _DIGIT.search(norm) else _NO_DIGITS
-    return _Text(text, _WORD.findall(norm), digits)
+    words = _WORD.findall(norm)
+    return _Text(text, words, digits, " ".join(words), " ".join(sorted(words)), frozenset(words))
+
+
+#: Candidates' prepared texts, kept in-process per ``Similar.fields`` (a group's candidates come back on
+#: each of its lookups): emptied when it holds ``_CACHED`` argument sets; sets longer than
+#: ``_CACHED_CHARS`` are prepared each time and never kept, so it stays a few MB at most.
+_CACHED = 4096
+_CACHED_CHARS = 4096
+_cache: dict[tuple[str, ...], dict[str, tuple[_Text, ...] | None]] = {}
+_MISSING: Any = object()
+
+
+def _decode_texts(args_json: str, fields: tuple[str, ...]) -> tuple[_Text, ...] | None:
+    """The prepared texts of ``fields`` in a candidate's arguments; ``None`` when they are not
+    comparable: damaged JSON, or another shape of call (the tool's signature changed)."""
+    try:
+        args = json.loads(args_json)
+    except ValueError:
+        return None
+    if not isinstance(args, dict) or not all(name in args for name in fields):
+        return None
+    return tuple(_prepare(field_text(args[name])) for name in fields)
+
+
+def _rows(candidates: Sequence[Candidate], fields: tuple[str, ...]) -> list[_Row]:
+    """Each comparable candidate with the prepared texts of its fields, from the cache where it can."""
+    kept = _cache.setdefault(fields, {})
+    rows: list[_Row] = []
+    for cand in candidates:
+        theirs = kept.get(cand.args_json, _MISSING)
+        if theirs is _MISSING:
+            theirs = _decode_texts(cand.args_json, fields)
+            if len(cand.args_json) <= _CACHED_CHARS:
+                if len(kept) >= _CACHED:
+                    kept.clear()  # not LRU: a clear is safe under threads, and refilling costs one lookup
+                kept[cand.args_json] = theirs
+        if theirs is not None:
+            rows.append((cand, theirs))
+    return rows
+
+
+#: A candidate and the prepared texts of its fields (``Similar.fields`` order).
+_Row = tuple[Candidate, tuple[_Text, ...]]
 
 
 def fuzzy_score(a: str, b: str) -> float:
@@ -109,13 +159,58 @@ def _fuzzy(a: _Text, b: _Text) -> float:
     if not ta or not tb:
         return 1.0 if ta == tb else 0.0
     fuzz = _fuzz()
-    sa, sb = set(ta), set(tb)
+    sa, sb = a.wordset, b.wordset
     if sa <= sb or sb <= sa:
-        return float(fuzz.token_set_ratio(" ".join(ta), " ".join(tb))) / 100.0
+        return float(fuzz.token_set_ratio(a.joined, b.joined)) / 100.0
     changed = fuzz.ratio(" ".join(sorted(sa - sb)), " ".join(sorted(sb - sa))) / 100.0
     if changed >= _ALIKE:
-        return float(fuzz.token_sort_ratio(" ".join(ta), " ".join(tb))) / 100.0
+        return float(fuzz.token_sort_ratio(a.joined, b.joined)) / 100.0
     return len(sa & sb) / len(sa | sb)
+
+
+#: Slack on the threshold when ruling candidates out, so that float rounding never rules out one that
+#: the exact score would keep.
+_SLACK = 1e-9
+
+
+def _may_reach(threshold: float, mine: tuple[_Text, ...], rows: list[_Row]) -> list[_Row]:
+    """The candidates whose default score may reach ``threshold``, found mostly in C; the others score
+    below it for sure. ``_fuzzy`` scores a pair with one of three numbers, and a candidate is ruled out
+    only when all three are below the threshold for some field:
+
+    - 1.0 when one text's words are all among the other's (so a candidate sharing no word with ours
+      is out, and one sharing some needs the two numbers below);
+    - ``token_sort_ratio``, which is ``ratio`` of the sorted words: one batch call over all candidates;
+    - the share of words in common, computed from the shared count.
+    """
+    from rapidfuzz import fuzz, process
+
+    for i, ours in enumerate(mine):
+        if not rows:
+            break
+        if not ours.words:
+            continue  # an empty text matches only an empty one: the exact score decides
+        near = {
+            found[2]
+            for found in process.extract(
+                ours.sorted_text, [theirs[i].sorted_text for _, theirs in rows], scorer=fuzz.ratio,
+                score_cutoff=max(threshold * 100.0 - 1e-6, 0.0), limit=None,
+            )
+        }  # fmt: skip
+        words = ours.wordset
+        rows = [
+            row
+            for n, row in enumerate(rows)
+            if n in near or (not words.isdisjoint(row[1][i].wordset) and _overlap(words, row[1][i].wordset, threshold))
+        ]
+    return rows
+
+
+def _overlap(a: frozenset[str], b: frozenset[str], threshold: float) -> bool:
+    """Whether two word sets that share a word score 1.0 (one within the other) or share at least
+    ``threshold`` of their words."""
+    shared = len(a & b)
+    return shared == min(len(a), len(b)) or shared / (len(a) + len(b) - shared) >= threshold - _SLACK
 
 
 #: How alike the words only one text has must be to count as the same words re-typed (0..1).
@@ -203,13 +298,16 @@ def similarity(sim: Similar, earlier: Mapping[str, str], new: Mapping[str, str])
 
     .. versionadded:: 0.1
     """
-    return _similarity(sim, {n: _prepare(earlier[n]) for n in sim.fields}, {n: _prepare(new[n]) for n in sim.fields})
+    return _similarity(
+        sim, tuple(_prepare(earlier[n]) for n in sim.fields), tuple(_prepare(new[n]) for n in sim.fields)
+    )
 
 
-def _similarity(sim: Similar, earlier: Mapping[str, _Text], new: Mapping[str, _Text]) -> float:
+def _similarity(sim: Similar, earlier: Sequence[_Text], new: Sequence[_Text]) -> float:
+    """The lowest score of the fields, in ``sim.fields`` order."""
     lowest = 1.0
-    for name in sim.fields:
-        lowest = min(lowest, sim._score(earlier[name], new[name]))
+    for a, b in zip(earlier, new, strict=True):
+        lowest = min(lowest, sim._score(a, b))
         if lowest < sim.threshold:
             break  # one field unlike is enough: skip scoring the others
     return lowest
@@ -231,22 +329,30 @@ def best_match(sim: Similar, texts: Mapping[str, str], candidates: Sequence[Cand
 
     .. versionadded:: 0.1
     """
-    best: Match | None = None
-    mine = {name: _prepare(texts[name]) for name in sim.fields}  # once, not per candidate
-    for cand in sorted(candidates, key=lambda c: -c.at):
-        try:
-            args = json.loads(cand.args_json)
-        except ValueError:
-            continue  # damaged arguments: not comparable, so not a match
+    for cand in candidates:
         if cand.key == own_key:
+            try:
+                args = json.loads(cand.args_json)
+            except ValueError:
+                break  # damaged arguments: not comparable, so not a match (and left out below)
             return Match(cand.key, 1.0, args if isinstance(args, dict) else {})
-        if not isinstance(args, dict) or not all(name in args for name in sim.fields):
-            continue  # another shape of call (the tool's signature changed): not comparable
-        earlier = {name: _prepare(field_text(args[name])) for name in sim.fields}
-        score = _similarity(sim, earlier, mine)
-        if score >= sim.threshold and (best is None or score > best.score):
-            best = Match(cand.key, score, args)
-    return best
+    fields = sim.fields
+    mine = tuple(_prepare(texts[name]) for name in fields)  # once, not per candidate
+    rows = _rows(candidates, fields)
+    if sim.score is None:
+        rows = _may_reach(sim.threshold, mine, rows)
+    best: tuple[Candidate, float] | None = None
+    for cand, theirs in sorted(rows, key=_newest_first):  # stable: the newest of equals wins
+        score = _similarity(sim, theirs, mine)
+        if score >= sim.threshold and (best is None or score > best[1]):
+            best = cand, score
+    if best is None:
+        return None
+    return Match(best[0].key, best[1], json.loads(best[0].args_json))
+
+
+def _newest_first(row: _Row) -> float:
+    return -row[0].at
 
 
 def group_of(scope: str, tool: str, exact: Mapping[str, Any]) -> str:
