@@ -1,8 +1,9 @@
 """Near-duplicate calls (``similar=``): what the group lookup adds to a guarded call, per store.
 
 A guarded first call without ``similar=`` is the floor; next to it, a first call with ``similar=`` in a
-group that holds ``--group`` earlier calls (every lookup reads and scores up to 100 of them), and a
-reworded re-plan that is taken for one of them (a replay). ``--records`` records of another tool are in
+group that holds ``--group`` earlier calls (every lookup reads and scores up to 100 of them), its two
+parts timed alone (the store's lock and read of the group, then freeing it; the scoring of what it
+read), and a reworded re-plan that is taken for one of them (a replay). ``--records`` records of another tool are in
 the ledger first (default 2,000; ``--records 1000000`` for a large one): the lookup reads one group
 through its index, so their number must not show. The store calls of one call of each kind are
 counted and printed beside the times.
@@ -29,6 +30,8 @@ from _harness import Contender, bench_records, interleave, report
 
 import onceonly
 from onceonly import states as st
+from onceonly.similar import Candidate, best_match
+from onceonly.stores.base import SimilarStore
 
 #: Store methods a guarded call may use: counted per call kind.
 _COUNTED = ("get", "claim", "insert", "swap", "similar_lock", "similar_claim", "similar_unlock")
@@ -37,10 +40,6 @@ _COUNTED = ("get", "claim", "insert", "swap", "similar_lock", "similar_claim", "
 def _words(rng: random.Random, n: int) -> str:
     """``n`` pseudo-words: titles that are unlike each other (so each lookup scores every candidate)."""
     return " ".join("".join(rng.choices(string.ascii_lowercase, k=6)) for _ in range(n))
-
-
-def _nothing_alike(a: str, b: str) -> float:
-    return 0.0
 
 
 def _preload(store: Any, records: int) -> None:
@@ -88,19 +87,25 @@ def bench_store(kind: str, url: str, records: int, group: int, rounds: int, batc
         def similar_ticket(session_id: str, title: str) -> dict[str, str]:
             return {"title": title}
 
-        # The same lookup with a score that costs nothing: what is left is the store's part.
-        unlike = onceonly.Similar(fields=("title",), score=_nothing_alike, exact_tokens=False)
-
-        @ledger.tool(name="store_part", key=("session_id", "title"), similar=unlike)
-        def store_part(session_id: str, title: str) -> dict[str, str]:
-            return {"title": title}
-
         titles = [_words(rng, 4) for _ in range(group)]
         for title in titles:  # two groups of `group` earlier calls: one grows with first calls, one is re-planned
             similar_ticket("hot", title)
             similar_ticket("replan", title)
-            store_part("hot", title)
         plain_ticket("warm", "warm up")
+        hot = similar_ticket.spec.call(("hot", ""), {}, None, 1).similar
+        assert hot is not None
+        store = ledger.store
+        assert isinstance(store, SimilarStore)
+
+        def store_part(i: int) -> list[Candidate]:
+            """The lookup's store calls alone: lock the hot group and read it, then free it."""
+            now = time.time()
+            found = store.similar_lock(hot.group, "bench", now, now + 10, now - sim.window, sim.candidates)
+            store.similar_unlock(hot.group, "bench")
+            assert found is not None  # nothing else holds the lock
+            return found
+
+        found = store_part(0)
 
         calls = _counting(ledger.store)
         counts: dict[str, dict[str, int]] = {}
@@ -117,7 +122,9 @@ def bench_store(kind: str, url: str, records: int, group: int, rounds: int, batc
         contenders = [
             Contender("plain first call (the floor)", lambda i: plain_ticket("plain", f"{_words(rng, 3)} {i}")),
             Contender(f"similar first call, {group} in the group", lambda i: similar_ticket("hot", _words(rng, 4))),
-            Contender("  of which the store (a score that costs nothing)", lambda i: store_part("hot", f"t{i}")),
+            Contender("  its store calls alone (lock and read, free)", store_part),
+            Contender(f"  its scoring alone ({len(found)} candidates)",
+                      lambda i: best_match(sim, {"title": _words(rng, 4)}, found, "new")),
             Contender("similar re-plan taken for an earlier call",
                       lambda i: similar_ticket("replan", f"the {titles[i % group]}")),
         ]  # fmt: skip

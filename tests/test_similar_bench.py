@@ -10,6 +10,8 @@ TINY = ("--records", "20", "--group", "5", "--rounds", "1", "--batch", "3")
 ROWS = (
     "plain first call (the floor)",
     "similar first call, 5 in the group",
+    "its store calls alone (lock and read, free)",
+    "its scoring alone (5 candidates)",
     "similar re-plan taken for an earlier call",
 )
 
