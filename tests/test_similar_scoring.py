@@ -134,3 +134,20 @@ def test_candidates_are_decoded_once_per_process(monkeypatch: pytest.MonkeyPatch
     decoded.clear()
     best_match(sim, {"title": "printer is on fire"}, group, "x")
     assert decoded == [large.args_json]
+
+
+@pytest.mark.parametrize("limit", [{"_CACHED": 10}, {"_CACHED_TOTAL": 2000}])
+def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch, limit: dict[str, int]) -> None:
+    """Past its bound (argument sets or characters) the cache is emptied and filled again, and a
+    lookup's answer is the same."""
+    monkeypatch.setattr(sim_mod, "_cache", {})
+    monkeypatch.setattr(sim_mod, "_cached", [0, 0])
+    for name, value in limit.items():
+        monkeypatch.setattr(sim_mod, name, value)
+    sim = Similar(fields=("title",))
+    group = [*_unlike(40), Candidate("near", 50.5, canonical_json({"title": "Printer on fire"}))]
+    for _ in range(3):
+        found = best_match(sim, {"title": "The printer is on fire!"}, group, "x")
+        assert found is not None and found.key == "near"
+        assert sum(map(len, sim_mod._cache.values())) <= 10 if "_CACHED" in limit else True
+        assert sim_mod._cached[1] <= 2000 if "_CACHED_TOTAL" in limit else True

@@ -97,11 +97,14 @@ def _prepare(text: str) -> _Text:
 
 
 #: Candidates' prepared texts, kept in-process per ``Similar.fields`` (a group's candidates come back on
-#: each of its lookups): emptied when it holds ``_CACHED`` argument sets; sets longer than
-#: ``_CACHED_CHARS`` are prepared each time and never kept, so it stays a few MB at most.
+#: each of its lookups). An argument set longer than ``_CACHED_CHARS`` is prepared each time and never
+#: kept; the whole is emptied when it would hold more than ``_CACHED`` argument sets or ``_CACHED_TOTAL``
+#: characters (argument sets and their prepared texts: about 10 MB at most).
 _CACHED = 4096
 _CACHED_CHARS = 4096
+_CACHED_TOTAL = 4_000_000
 _cache: dict[tuple[str, ...], dict[str, tuple[_Text, ...] | None]] = {}
+_cached = [0, 0]  # sets, characters: a cell that threads may add to at once (it only bounds)
 _MISSING: Any = object()
 
 
@@ -119,19 +122,30 @@ def _decode_texts(args_json: str, fields: tuple[str, ...]) -> tuple[_Text, ...] 
 
 def _rows(candidates: Sequence[Candidate], fields: tuple[str, ...]) -> list[_Row]:
     """Each comparable candidate with the prepared texts of its fields, from the cache where it can."""
-    kept = _cache.setdefault(fields, {})
+    kept = _cache.get(fields, {})
     rows: list[_Row] = []
     for cand in candidates:
         theirs = kept.get(cand.args_json, _MISSING)
         if theirs is _MISSING:
             theirs = _decode_texts(cand.args_json, fields)
             if len(cand.args_json) <= _CACHED_CHARS:
-                if len(kept) >= _CACHED:
-                    kept.clear()  # not LRU: a clear is safe under threads, and refilling costs one lookup
-                kept[cand.args_json] = theirs
+                _keep(fields, cand.args_json, theirs)
         if theirs is not None:
             rows.append((cand, theirs))
     return rows
+
+
+def _keep(fields: tuple[str, ...], args_json: str, texts: tuple[_Text, ...] | None) -> None:
+    """Keep one candidate's prepared texts, emptying the cache first when it is full (not LRU: a clear
+    is safe under threads, and refilling costs one decoding per candidate)."""
+    # Each text is held about five times (as given, its words, joined, sorted, as a set).
+    chars = len(args_json) + 5 * sum(len(t.raw) for t in texts or ())
+    if _cached[0] >= _CACHED or _cached[1] + chars > _CACHED_TOTAL:
+        _cache.clear()
+        _cached[0] = _cached[1] = 0
+    _cache.setdefault(fields, {})[args_json] = texts
+    _cached[0] += 1
+    _cached[1] += chars
 
 
 #: A candidate and the prepared texts of its fields (``Similar.fields`` order).
