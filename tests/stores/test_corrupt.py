@@ -4,70 +4,21 @@ never a bare ``JSONDecodeError`` or ``TypeError`` from deep in the guard."""
 
 from __future__ import annotations
 
-import json
-import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import pytest
 
 from onceonly import Ledger, Retry, State
 from onceonly.errors import StoreCorrupt
-from onceonly.stores import open_store
-
-# The record's fields in the Redis store's JSON array ``d`` (stores/redis.py ``_encode``).
-_REDIS_AT = {"attempts": 4, "fence": 5, "created_at": 11, "result": 13, "history": 15}
-
-
-def _planter(url: str) -> Callable[[str, str, Any], None]:
-    """``plant(key, column, value)``: write ``value`` into one field of a stored record, under the store."""
-    scheme = urlsplit(url).scheme
-    if scheme == "sqlite":
-        path = urlsplit(url).path[1:]
-
-        def plant_sqlite(key: str, column: str, value: Any) -> None:
-            with sqlite3.connect(path) as conn:
-                assert conn.execute(f"UPDATE onceonly_records SET {column} = ? WHERE key = ?", (value, key)).rowcount
-
-        return plant_sqlite
-    if scheme == "redis":
-        import redis
-
-        def plant_redis(key: str, column: str, value: Any) -> None:
-            store = open_store(url)
-            name = store._keys(key)[0]  # type: ignore[attr-defined]
-            store.close()
-            client = redis.Redis.from_url(url.split("?", 1)[0])
-            try:
-                if column == "args":
-                    client.hset(name, "a", value)
-                    return
-                d = json.loads(client.hget(name, "d"))
-                d[_REDIS_AT[column]] = value
-                client.hset(name, "d", json.dumps(d))
-            finally:
-                client.close()
-
-        return plant_redis
-    import psycopg
-
-    parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query))
-    conninfo = urlunsplit(parts._replace(query=""))
-
-    def plant_postgres(key: str, column: str, value: Any) -> None:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            sql = f'UPDATE "{query["schema"]}".onceonly_records SET {column} = %s WHERE key = %s'
-            assert conn.execute(sql, (value, key)).rowcount == 1
-
-    return plant_postgres
+from tests._raw import RawRecords
 
 
 @pytest.fixture(name="plant")
 def fixture_plant(store_url: str) -> Callable[[str, str, Any], None]:
-    """Writes into a stored record behind the ledger, with the store's own raw access."""
-    return _planter(store_url)
+    """``plant(key, column, value)``: writes into a stored record behind the ledger, with the store's own
+    raw access."""
+    return RawRecords(store_url).write
 
 
 @pytest.fixture(name="real_ledger")
@@ -162,7 +113,7 @@ def test_a_field_of_the_wrong_type_is_store_corrupt(loose_store_url: str, column
         key = send.key_for(3)
         rec = ledger.get(key)
         assert rec is not None and rec.state is State.FAILED
-        _planter(loose_store_url)(key, column, value)
+        RawRecords(loose_store_url).write(key, column, value)
         with pytest.raises(StoreCorrupt, match=f"{key!r}.*{column.replace('result', 'result_json')}"):
             ledger.get(key)
         with pytest.raises(StoreCorrupt, match=repr(key)):
