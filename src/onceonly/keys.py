@@ -14,9 +14,11 @@ import datetime as _dt
 import decimal
 import enum
 import hashlib
+import itertools
 import json
 import math
 import re
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,6 +27,7 @@ from onceonly.errors import InvalidKey, NotSerializable
 
 __all__ = [
     "KEY_PATTERN",
+    "MAX_DEPTH",
     "MAX_KEY_LENGTH",
     "canonical_json",
     "compose_key",
@@ -53,7 +56,10 @@ def validate_name(value: object, what: str = "key") -> str:
     .. versionadded:: 0.1
     """
     if not isinstance(value, str):
-        raise InvalidKey(f"the {what} must be a str, got {type(value).__name__}: {value!r}")
+        raise InvalidKey(
+            f"the {what} must be a str, got {type(value).__name__}: {_shown(value)[:80]}; give it as text, "
+            "such as 'order-42'"
+        )
     if not value:
         raise InvalidKey(f"the {what} is empty: give a non-empty name such as 'order-42'")
     if len(value) > MAX_KEY_LENGTH:
@@ -180,24 +186,51 @@ def _lone_surrogate(text: str) -> str | None:
     return None
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, or its type when it has none that prints (an int past Python's digit limit)."""
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def _scalar_problem(value: Any) -> str | None:
+    """Why a str, int or float (a value or a mapping key) has no JSON form, or None when it has one."""
+    if isinstance(value, str):
+        return _lone_surrogate(value)
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "NaN and infinity have no JSON form"
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            int.__repr__(value)
+        except ValueError:
+            return (
+                f"an int of more than {sys.get_int_max_str_digits()} digits has no text form in Python "
+                "(sys.set_int_max_str_digits); pass it as a str"
+            )
+    return None
+
+
 def _find_bad(value: Any, path: str) -> tuple[str, Any, str] | None:
     """Walk a value the fast encoder refused and name the first field it cannot encode (slow path)."""
-    if isinstance(value, str):
-        why = _lone_surrogate(value)
+    if value is None or isinstance(value, str | int | float):
+        why = _scalar_problem(value)
         return None if why is None else (path, value, why)
-    if value is None or isinstance(value, bool | int):
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path, value, "NaN and infinity have no JSON form")
     if isinstance(value, Mapping):
         for k, v in value.items():
+            where = f"{path}[{_shown(k)}]"
             if not isinstance(k, str | int | float | bool) and k is not None:
-                return (f"{path}[{k!r}]", k, f"mapping keys must be str (or int), got {type(k).__name__}")
-            if isinstance(k, str) and (why := _lone_surrogate(k)) is not None:
-                return (f"{path}[{k!r}]", k, why)
-            found = _find_bad(v, f"{path}.{k}")
+                return (where, k, f"mapping keys must be str (or int), got {type(k).__name__}")
+            if (why := _scalar_problem(k)) is not None:
+                return (where, k, why)
+            found = _find_bad(v, f"{path}.{k}" if isinstance(k, str) else where)
             if found:
                 return found
+        try:
+            sorted(value)
+        except TypeError:
+            kinds = " and ".join(sorted({type(k).__name__ for k in value}))
+            return (path, value, f"its keys mix {kinds}, which have no one sorted order: make them all str")
         return None
     if isinstance(value, list | tuple):
         for i, v in enumerate(value):
@@ -224,22 +257,83 @@ def canonical_json(value: Any, *, path: str = "args") -> str:
         text = _encode(value)
         if not text.isascii():
             text.encode("utf-8")  # the stores hold UTF-8: a lone surrogate must fail here, not in a store
-        return text
     except RecursionError as exc:
+        where = _deep_field(value, path)
         raise NotSerializable(
-            f"cannot make a key from {path}: it refers to itself (a cycle) or nests too deeply",
-            path=path,
+            f"{_cannot(where)}: it refers to itself (a cycle) or nests too deeply. {_fix(where, 'Flatten it')}",
+            path=where,
             value=value,
         ) from exc
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-        found = _find_bad(value, path)
+        try:
+            found = _find_bad(value, path)
+        except RecursionError:  # deep enough to pass the encoder, not this walk: name no field
+            found = None
         where, bad, why = found if found else (path, value, str(exc))
         raise NotSerializable(
-            f"cannot make a key from {where} ({type(bad).__name__}): {why}. "
-            f"Convert it, or leave the field out with ignore=('{where.split('.')[-1]}',)",
+            f"{_cannot(where)} ({type(bad).__name__}): {why}. {_fix(where, 'Convert it')}",
             path=where,
             value=bad,
         ) from exc
+    # The C decoder recurses once per level, so text nested near the recursion limit encodes here but
+    # fails to decode in a call made from a deeper stack (a replay inside a framework): refused now,
+    # rather than recorded and then unreadable. Only text with that many brackets is measured.
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(text) > MAX_DEPTH:
+        where = _deep_field(value, path, MAX_DEPTH)
+        raise NotSerializable(
+            f"{_cannot(where)}: it nests more than {MAX_DEPTH} levels deep, more than onceonly records. "
+            f"{_fix(where, 'Flatten it')}",
+            path=where,
+            value=value,
+        )
+    return text
+
+
+#: The deepest nesting of lists and objects a canonical JSON text may have.
+MAX_DEPTH = 256
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def _depth(text: str) -> int:
+    """How deep the lists and objects of a JSON text nest (brackets inside strings do not count)."""
+    brackets = _NOT_BRACKETS.sub("", _STRINGS.sub("", text))
+    return max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
+def _deep_field(value: Any, path: str, limit: int | None = None) -> str:
+    """The path of the first top-level field of ``value`` (the arguments) that nests too deeply or in a
+    cycle, else ``path``: the error path only, so each field is encoded again on its own."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            try:
+                if limit is None:
+                    _encode(v)
+                elif _depth(_encode(v)) <= limit - 1:
+                    continue
+                else:
+                    return f"{path}.{k}"
+            except RecursionError:
+                return f"{path}.{k}"
+            except (TypeError, ValueError):
+                continue
+    return path
+
+
+def _cannot(where: str) -> str:
+    """The start of a refusal: a key is made from arguments; a result (or a resolution) is stored."""
+    shown = where if len(where) <= 120 else f"{where[:60]}...{where[-40:]}"  # a path hundreds of levels deep
+    return f"cannot make a key from {shown}" if where.startswith(("args", "key")) else f"cannot store {shown}"
+
+
+_FIELD = re.compile(r"(?:args|key)\.([^.\[]+)")
+
+
+def _fix(where: str, first: str) -> str:
+    """What to do: ``first``, or leave the top-level field out of the key, when there is one."""
+    field = _FIELD.match(where)
+    return f"{first}, or leave the field out with ignore=({field.group(1)!r},)" if field else f"{first}."
 
 
 #: A key as it travels in an ``Idempotency-Key`` header, unquoted: 1-255 visible ASCII characters

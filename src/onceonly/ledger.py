@@ -299,8 +299,10 @@ class Ledger:
                 raise TypeError(f"@ledger.tool decorates a function, and got {type(f).__name__}: {f!r}")
             if probe is not None and not inspect.iscoroutinefunction(f) and inspect.iscoroutinefunction(probe):
                 raise TypeError(f"{default_name(f)} is sync, so its probe must be sync too")
+            # name="" is refused as an empty name (ToolSpec), not taken as "no name given".
+            named = default_name(f) if name is None else name
             spec = ToolSpec(
-                self, f, name=name or default_name(f), key=key, ignore=ignore, normalize=normalize, policy=policy,
+                self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
                 probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=passing,
                 similar=similar, on_similar=on_similar,
             )  # fmt: skip

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from onceonly.errors import InvalidKey
 from onceonly.similar import Candidate
 from onceonly.states import Record, State
 
@@ -81,6 +82,31 @@ class Query:
     expires_before: float | None = None
     after: str | None = None
     limit: int = 100
+
+    def __post_init__(self) -> None:
+        # A name typed at the CLI or sent by a dashboard reaches every store's driver as it is, and
+        # text with a NUL or without a UTF-8 form fails there each its own way (UnicodeEncodeError in
+        # sqlite3 and psycopg, a DataError PostgreSQL reports). No key, tool or scope can hold such
+        # text (``keys.validate_name``), so it is refused here, once, for every store alike.
+        for field in ("tool", "scope", "after"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise InvalidKey(f"{field}={value!r:.80}: give a str, as `onceonly ls` shows it, or None")
+            if "\x00" in value or (not value.isascii() and _lone_surrogate(value)):
+                raise InvalidKey(
+                    f"{field}={value[:60]!r}: holds a NUL or a lone surrogate, which no key, tool or scope can "
+                    f"hold: give the {field} as `onceonly ls` shows it"
+                )
+
+
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 @runtime_checkable
