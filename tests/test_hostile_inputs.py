@@ -7,9 +7,7 @@ anything runs, or handled: the call runs once, a second call replays the same re
 reads back as written. Never another kind of exception (``UnicodeEncodeError``, ``RecursionError``, a
 driver's error), and a sentinel record planted first keeps every stored byte.
 
-Examples are few per store (the suite's time budget); under ``CI=true`` they are derandomized, so a
-red build names an example that fails again on the next run, and no example database is written.
-Locally each run draws new ones and keeps failures in ``.hypothesis/`` to replay them first.
+How many examples, and why they are derandomized under CI: tests/_hostile.py.
 """
 
 from __future__ import annotations
@@ -24,33 +22,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from onceonly import Ledger, NotSerializable, OnceOnlyError
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json
+from tests._hostile import hostile, store_kind
 from tests._raw import RawRecords
-from tests.conftest import IN_CI
-
-#: Examples per test and store: SQLite is cheap, the networked stores pay round trips.
-EXAMPLES = {"sqlite": 60, "redis": 30, "postgres": 30}
-
-
-def hostile(kind: str, scale: float = 1.0) -> Callable[[Callable[..., Any]], Any]:
-    """The settings of a hostile-input test on store ``kind``: few examples, no deadline (a store round
-    trip varies), derandomized under CI."""
-    return settings(
-        max_examples=max(1, int(EXAMPLES[kind] * scale)),
-        deadline=None,
-        derandomize=IN_CI,
-        database=None if IN_CI else settings.default.database,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
-def store_kind(ledger: Ledger) -> str:
-    return ledger.url.split(":", 1)[0].split("+")[0].replace("postgresql", "postgres")
-
 
 # --- what is drawn ----------------------------------------------------------------------------------
 
