@@ -212,6 +212,7 @@ if _MISSING_CLI is None:
         and history as a timeline."""
         with _ledger(url) as ledger:
             rec = ops.find(ledger, key)
+            rec.to_dict()  # decodes every stored field here, so a damaged one is a message (StoreCorrupt)
         if as_json:
             click.echo(dumps(ops.record_json(rec), indent=2))
             return

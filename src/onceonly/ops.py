@@ -145,7 +145,10 @@ def iso(ts: float | None) -> str | None:
     """An ISO 8601 time in UTC, to the millisecond (``2026-01-31T08:00:00.000Z``)."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):  # past year 9999 (a huge ttl=): the number itself
+        return repr(ts)
 
 
 def record_json(rec: Record) -> dict[str, Any]:

@@ -28,6 +28,7 @@ __all__ = [
     "may_have_happened",
     "misplaced",
     "new_record",
+    "not_finite_time",
     "restart",
     "transition",
 ]
@@ -141,15 +142,17 @@ class Record:
 
     @property
     def args(self) -> dict[str, Any]:
-        """The call's arguments, decoded. Raises ``StoreCorrupt`` when the stored text is not JSON."""
-        loaded: dict[str, Any] = _decoded(self.key, "args", self.args_json)
+        """The call's arguments, decoded. Raises ``StoreCorrupt`` when the stored text is not a JSON object."""
+        loaded = _decoded(self.key, "args", self.args_json)
+        if type(loaded) is not dict:
+            raise _misshapen(self.key, "args", "a JSON object of the call's arguments", self.args_json)
         return loaded
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The transitions, oldest first. Raises ``StoreCorrupt`` when the stored text is not JSON."""
-        loaded: list[dict[str, Any]] = _decoded(self.key, "history", self.history_json)
-        return loaded
+        """The transitions, oldest first. Raises ``StoreCorrupt`` when the stored text is not a JSON list
+        of transitions as onceonly writes them."""
+        return _history(self.key, self.history_json)
 
     def is_expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at <= now
@@ -187,12 +190,46 @@ def _decoded(key: str, field: str, text: Any) -> Any:
     """``text`` decoded from JSON, or ``StoreCorrupt`` naming the record and the field."""
     try:
         return json.loads(text)
-    except (ValueError, TypeError) as exc:  # not JSON (JSONDecodeError), or not text at all
+    # Not JSON (JSONDecodeError), not text at all, or nested deeper than onceonly writes (MAX_DEPTH):
+    # the decoder recurses once per level, and past the recursion limit the text cannot be read.
+    except (ValueError, TypeError, RecursionError) as exc:
         raise StoreCorrupt(
             f"the record of {key!r} holds a {field} that is not JSON ({type(exc).__name__}: {exc}): something "
             f"other than onceonly wrote it, or it was damaged. Nothing was changed: restore the stored {field}, "
             "or delete the record if its operation may run again"
         ) from None
+
+
+def _misshapen(key: str, field: str, what: str, text: str) -> StoreCorrupt:
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return StoreCorrupt(
+        f"the record of {key!r} holds {field} that are not {what} ({shown!r}): something other than onceonly "
+        f"wrote it, or it was damaged. Nothing was changed: restore the stored {field}, or delete the record if "
+        "its operation may run again"
+    )
+
+
+def _is_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a transition as ``_entry`` writes it (what every reader of a history relies on)."""
+    if type(entry) is not dict:
+        return False
+    at: Any = entry.get("at")
+    frm = entry.get("from")
+    return (
+        type(at) in (int, float)
+        and _isfinite(at)
+        and type(entry.get("to")) is str
+        and type(entry.get("fence")) is int
+        and (frm is None or type(frm) is str)
+    )
+
+
+def _history(key: str, text: str) -> list[dict[str, Any]]:
+    """A stored history decoded, or ``StoreCorrupt`` when it is not a list of transitions."""
+    loaded = _decoded(key, "history", text)
+    if type(loaded) is not list or not all(map(_is_entry, loaded)):
+        raise _misshapen(key, "history", "a list of transitions", text)
+    return loaded
 
 
 _NONE = type(None)
@@ -231,12 +268,34 @@ def misplaced(rec: Record) -> tuple[str, Any] | None:
         and type(rec.error) in _OPTIONAL_TEXT
         and type(rec.via) in _OPTIONAL_TEXT
     ):
-        return None
+        return not_finite_time(rec)
     for name, kinds in _KINDS:
         value = getattr(rec, name)
         if type(value) not in kinds:
             return name, value
-    return None
+    return not_finite_time(rec)
+
+
+def not_finite_time(rec: Record) -> tuple[str, float] | None:
+    """The first time of ``rec`` that is NaN or infinite, as (name, value); else None.
+
+    onceonly never writes one (``transition`` refuses it), but a store's number fields take them
+    (PostgreSQL's ``double precision``, SQLite's ``REAL``, and Python's JSON reads ``NaN``): read as
+    a time it would compare false with every other, and a lease that never ends is a key held forever.
+
+    .. versionadded:: 0.1
+    """
+    total = rec.created_at + rec.updated_at  # one check of a sum on every read; each field only then
+    for value in (rec.lease_until, rec.next_attempt_at, rec.expires_at):
+        if value is not None:
+            total += value
+    if _isfinite(total):
+        return None
+    for name in ("created_at", "updated_at", "lease_until", "next_attempt_at", "expires_at"):
+        value = getattr(rec, name)
+        if value is not None and not _isfinite(value):
+            return name, value
+    return None  # each is finite; only their sum was not
 
 
 #: Each state's JSON string, and null for "no state" (Enum.value is a descriptor call; this runs
@@ -299,10 +358,15 @@ _NO_EFFECT = ',"effect":false'
 
 
 def _append(history_json: str, entry: str, version: int, key: str) -> str:
-    # String append keeps the hot path free of a decode; only long histories are decoded and trimmed.
+    # String append keeps the hot path free of a decode; only long histories are decoded and trimmed,
+    # and text that does not even look like what onceonly writes, so that a damaged history is refused
+    # (StoreCorrupt, the record kept as it is) rather than written over with more damage.
     if version < HISTORY_LIMIT:
-        return f"[{entry}]" if history_json == "[]" else f"{history_json[:-1]},{entry}]"
-    items = _decoded(key, "history", history_json)
+        if history_json == "[]":
+            return f"[{entry}]"
+        if history_json[:2] == "[{" and history_json[-2:] == "}]":
+            return f"{history_json[:-1]},{entry}]"
+    items = _history(key, history_json)
     items.append(json.loads(entry))
     return json.dumps(items[-HISTORY_LIMIT:], separators=(",", ":"), ensure_ascii=False)
 

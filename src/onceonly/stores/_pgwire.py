@@ -26,8 +26,8 @@ from psycopg import errors as e
 from psycopg import pq
 from psycopg.generators import execute
 
-from onceonly.states import Record, State
-from onceonly.stores._sql import bad_state
+from onceonly.states import Record, State, not_finite_time
+from onceonly.stores._sql import bad_state, bad_value
 
 TEXT, INT4, INT8, FLOAT8 = 25, 23, 20, 701  # PostgreSQL type oids
 #: The type of each column, in the order of the Record's fields (and of the store's column list).
@@ -91,12 +91,16 @@ def decode_record(res: pq.abc.PGresult) -> Record | None:
     state = _STATES.get(v[4])  # type: ignore[arg-type]
     if state is None:
         raise bad_state(v[0].decode(), v[4].decode())  # type: ignore[union-attr]
-    return Record(
+    rec = Record(
         v[0].decode(), v[1].decode(), v[2].decode(), v[3].decode(), state,  # type: ignore[union-attr]
         u4(v[5])[0], u8(v[6])[0], u8(v[7])[0], _str(v[8]), _real(v[9]), _real(v[10]), _real(v[11]),  # type: ignore[arg-type]
         f8(v[12])[0], f8(v[13])[0], _str(v[14]), _str(v[15]), v[16].decode(), v[17].decode(),  # type: ignore[arg-type,union-attr]
         _str(v[18]), u4(v[19])[0],  # type: ignore[arg-type]
     )  # fmt: skip
+    wrong = not_finite_time(rec)  # double precision holds NaN and Infinity, which no record has
+    if wrong is not None:
+        raise bad_value(rec.key, *wrong)
+    return rec
 
 
 class Statement:

@@ -371,7 +371,7 @@ def _decode(key: str, d: bytes, a: bytes | None) -> Record:
             key, x[0], x[1], x[2], _STATES[x[3]], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13],
             x[14], "{}" if a is None else a.decode(), x[15], x[16], x[17],
         )  # fmt: skip
-    except (ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise StoreCorrupt(
             f"the Redis record of {key!r} is not an onceonly record of schema {SCHEMA_VERSION} ({exc!r}). "
             "Nothing was changed: check what else writes under this prefix, or use another prefix"
