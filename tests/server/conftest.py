@@ -144,13 +144,13 @@ async def asgi_call(
     method: str,
     path: str = "/",
     headers: tuple[tuple[bytes, bytes], ...] = (),
-    body: bytes = b"",
+    body: bytes | list[bytes] = b"",
     *,
     body_taken: asyncio.Event | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     """One HTTP request straight through an ASGI app, as a server would make it (the method as given,
-    unchanged): its status, headers (lower-case names, the last of each) and body. ``body_taken`` is
-    set once the app has read the request body."""
+    unchanged): its status, headers (lower-case names, the last of each) and body, which a list sends
+    in chunks, as a chunked request arrives. ``body_taken`` is set once the app has read the body."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -165,7 +165,9 @@ async def asgi_call(
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 80),
     }
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    chunks = body if isinstance(body, list) else [body]
+    pending = [{"type": "http.request", "body": c, "more_body": True} for c in reversed(chunks or [b""])]
+    pending[0]["more_body"] = False  # the last chunk, popped last
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
