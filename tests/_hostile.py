@@ -15,9 +15,10 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 
 from onceonly import Ledger
+from tests._raw import RawRecords
 from tests.conftest import IN_CI
 
-__all__ = ["EXAMPLES", "hostile", "store_kind"]
+__all__ = ["EXAMPLES", "hostile", "plant_sentinel", "store_kind"]
 
 #: Examples per test and store: SQLite is cheap, the networked stores pay round trips. A longer hunt:
 #: ONCEONLY_HOSTILE_SCALE=20 draws twenty times as many.
@@ -40,3 +41,21 @@ def hostile(kind: str, scale: float = 1.0) -> Callable[[Callable[..., Any]], Any
 def store_kind(ledger: Ledger) -> str:
     """``"sqlite"``, ``"redis"`` or ``"postgres"``: the store a ledger is on."""
     return ledger.url.split(":", 1)[0].split("+")[0].replace("postgresql", "postgres")
+
+
+def plant_sentinel(ledger: Ledger) -> Callable[[], None]:
+    """Write a record before any hostile input; the check returned asserts it kept every stored byte."""
+
+    @ledger.tool(name="sentinel")
+    def keep(order: str) -> dict[str, str]:
+        return {"order": order}
+
+    key = keep.outcome("o-1").key
+    raw = RawRecords(ledger.store.url)
+    before = raw.read(key)
+    assert before is not None
+
+    def check() -> None:
+        assert raw.read(key) == before, "hostile input changed another record"
+
+    return check

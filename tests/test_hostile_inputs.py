@@ -27,8 +27,7 @@ from hypothesis import strategies as st
 
 from onceonly import Ledger, NotSerializable, OnceOnlyError
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json
-from tests._hostile import hostile, store_kind
-from tests._raw import RawRecords
+from tests._hostile import hostile, plant_sentinel, store_kind
 
 # --- what is drawn ----------------------------------------------------------------------------------
 
@@ -137,20 +136,8 @@ def name_refused_rightly(value: str) -> bool:
 
 @pytest.fixture(name="sentinel")
 def fixture_sentinel(ledger: Ledger) -> Iterator[Callable[[], None]]:
-    """A record written before any hostile input; the check it returns asserts it kept every stored byte."""
-
-    @ledger.tool(name="sentinel")
-    def keep(order: str) -> dict[str, str]:
-        return {"order": order}
-
-    key = keep.outcome("o-1").key
-    raw = RawRecords(ledger.store.url)
-    before = raw.read(key)
-    assert before is not None
-
-    def check() -> None:
-        assert raw.read(key) == before, "a hostile call changed another record"
-
+    """A record written before any hostile input; the check asserts it kept every stored byte."""
+    check = plant_sentinel(ledger)
     yield check
     check()
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from onceonly import Ledger, OnceOnlyError, State, StoreCorrupt, ops
 from onceonly.cli import cli
 from tests._clock import FakeClock
-from tests._hostile import hostile, store_kind
+from tests._hostile import hostile, plant_sentinel, store_kind
 from tests._raw import RawRecords
 
 
@@ -124,22 +124,11 @@ def plants(kind: str) -> st.SearchStrategy[list[tuple[str, Any]]]:
 _fresh = itertools.count()
 
 
-@pytest.fixture(name="world")
-def fixture_world(ledger: Ledger) -> Iterator[tuple[Ledger, Callable[[], None]]]:
-    """The ledger with a sentinel record; the check returned asserts the sentinel kept every stored byte."""
-
-    @ledger.tool(name="sentinel")
-    def keep(order: str) -> dict[str, str]:
-        return {"order": order}
-
-    key = keep.outcome("o-1").key
-    raw = RawRecords(ledger.store.url)
-    before = raw.read(key)
-
-    def check() -> None:
-        assert raw.read(key) == before, "reading a malformed record changed another record"
-
-    yield ledger, check
+@pytest.fixture(name="sentinel")
+def fixture_sentinel(ledger: Ledger) -> Iterator[Callable[[], None]]:
+    """A record written before the damaged one; the check asserts it kept every stored byte."""
+    check = plant_sentinel(ledger)
+    yield check
     check()
 
 
@@ -183,11 +172,10 @@ def _cli(url: str, *args: str) -> None:
 
 
 def test_malformed_records_are_store_corrupt_kept_and_alone(
-    world: tuple[Ledger, Callable[[], None]], clock: FakeClock
+    ledger: Ledger, sentinel: Callable[[], None], clock: FakeClock
 ) -> None:
     """Garbage written into one stored record: every read of it works or raises StoreCorrupt (never
     another exception), a record found corrupt is left exactly as planted, and the sentinel is untouched."""
-    ledger, sentinel = world
     kind = store_kind(ledger)
     raw = RawRecords(ledger.store.url)
     runs: list[int] = []
