@@ -22,7 +22,8 @@ REDIS_AT = {
 
 class RawRecords:
     """The records of the ledger at ``url`` (a SQLite file, a Redis prefix or a PostgreSQL schema), as
-    its store keeps them: ``read`` a record exactly as stored, ``write`` one of its fields."""
+    its store keeps them: ``read`` a record exactly as stored, ``write`` one of its fields, ``restore`` it
+    as it was read."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -87,3 +88,25 @@ class RawRecords:
         conn, table = self._postgres()
         with conn:
             assert conn.execute(f"UPDATE {table} SET {column} = %s WHERE key = %s", (value, key)).rowcount == 1
+
+    def restore(self, key: str, stored: Any) -> None:
+        """Put back the record of ``key`` exactly as ``read`` returned it (a row, or a Redis hash)."""
+        if self.kind == "redis":
+            name = self._redis_name(key)
+            client = self._redis()
+            try:
+                client.delete(name)
+                client.hset(name, mapping=stored)
+            finally:
+                client.close()
+            return
+        marks = ", ".join(["?" if self.kind == "sqlite" else "%s"] * len(stored))
+        if self.kind == "sqlite":
+            with sqlite3.connect(urlsplit(self.url).path[1:]) as conn:
+                conn.execute("DELETE FROM onceonly_records WHERE key = ?", (key,))
+                conn.execute(f"INSERT INTO onceonly_records VALUES ({marks})", stored)
+            return
+        conn, table = self._postgres()
+        with conn, conn.transaction():
+            conn.execute(f"DELETE FROM {table} WHERE key = %s", (key,))
+            conn.execute(f"INSERT INTO {table} VALUES ({marks})", stored)

@@ -80,7 +80,10 @@ if _MISSING_CLI is None:
         return ops.iso(ts) or ""
 
     def _short_when(ts: float) -> str:
-        return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
+        try:
+            return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
+        except (OverflowError, ValueError, OSError):  # past year 9999: the number itself
+            return repr(ts)
 
     def _strict_json(text: str) -> Any:
         """``json.loads`` that refuses what Python's json accepts beyond strict JSON: NaN, Infinity,
