@@ -194,6 +194,7 @@ def test_malformed_records_are_store_corrupt_kept_and_alone(
     @example(writes=[("history", "nope")])
     @example(writes=[("state", "unknown"), ("history", "nope")])  # a settle appended to it: "nop,{...}]"
     @example(writes=[("args", "[1, 2]")])
+    @example(writes=[("history", ""), ("expires_at", -1.0)])  # purge deleted it: left in place now
     @example(writes=[("lease_until", math.nan), ("state", "in_flight")])
     @example(writes=[("expires_at", math.inf)])
     @example(writes=[("updated_at", 1e300), ("expires_at", 1e300), ("next_attempt_at", 1e300)])  # past year 9999

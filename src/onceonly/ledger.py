@@ -24,7 +24,7 @@ from onceonly import drivers
 from onceonly import states as st
 from onceonly.clock import StoreClock
 from onceonly.drivers import CallInfo, amark_sent, current_call, mark_sent
-from onceonly.errors import InProgress, OnceOnlyError
+from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
@@ -454,6 +454,7 @@ class Ledger:
 
     def purge(self, *, before: float | None = None, batch: int = 500) -> int:
         """Delete settled records whose ``expires_at`` passed. Unknown and in-review ones never expire.
+        A record whose stored result, arguments or history do not decode is left, with a warning.
 
         .. versionadded:: 0.1
         """
@@ -470,6 +471,11 @@ class Ledger:
                 )
             )
             for rec in page:
+                try:
+                    rec.to_dict()  # a record damaged under the ledger is kept for a person, not purged
+                except StoreCorrupt as exc:
+                    _log.warning("onceonly purge: left %s in place: %s", rec.key, exc)
+                    continue
                 if self.store.delete(rec.key, rec.version, rec.created_at):
                     removed += 1
             if len(page) < batch:
