@@ -450,8 +450,8 @@ def test_paging_through_many_records(ledger: Ledger, effects: Effects) -> None:
     assert report.counts["confirmed"] == 12 and report.counts["failed"] == 13
 
 
-def test_resolve_records_who_and_why(ledger: Ledger) -> None:
-    """The review queue: a person resolves a parked record; who and why are in its history."""
+def _parked_charge(ledger: Ledger) -> str:
+    """The key of a charge whose answer timed out, parked for a person (the default on_unknown)."""
 
     @ledger.tool(name="charge")
     def charge(amount: int) -> None:
@@ -459,7 +459,12 @@ def test_resolve_records_who_and_why(ledger: Ledger) -> None:
 
     with pytest.raises(OutcomeUnknown) as info:
         charge(5)
-    key = info.value.key
+    return info.value.key
+
+
+def test_resolve_records_who_and_why(ledger: Ledger) -> None:
+    """The review queue: a person resolves a parked record; who and why are in its history."""
+    key = _parked_charge(ledger)
     done = ledger.resolve(key, failed="not in the PSP's list", by="bob", why="checked the PSP dashboard")
     assert done.state is State.FAILED and done.via == "resolve"
     last = done.history[-1]
@@ -468,14 +473,7 @@ def test_resolve_records_who_and_why(ledger: Ledger) -> None:
 
 def test_resolve_at_a_version_refuses_a_record_settled_meanwhile(ledger: Ledger) -> None:
     """A person looked at version N; a colleague settled it since: resolving at N changes nothing."""
-
-    @ledger.tool(name="charge")
-    def charge(amount: int) -> None:
-        raise TimeoutError("read timed out")
-
-    with pytest.raises(OutcomeUnknown) as info:
-        charge(5)
-    key = info.value.key
+    key = _parked_charge(ledger)
     seen = ledger.get(key)
     assert seen is not None and seen.state is State.NEEDS_REVIEW
     colleague = ledger.resolve(key, failed="not in the PSP's list", by="carol", reset=True)
