@@ -4,6 +4,7 @@ PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -147,6 +148,53 @@ def test_scan_filters(store: Store) -> None:
     assert keys(Query(expires_before=NOW + 9)) == []
     assert keys(Query(after="b", limit=1)) == ["c"]
     assert keys(Query(states=[])) == []
+
+
+def test_the_reconciler_and_review_queries_find_the_open_records_among_settled_ones(store: Store) -> None:
+    """Unknown, in-review and expired held records spread among many settled ones: the reconciler's
+    query finds exactly the unknown and the expired held ones (not the live lease, not in-review, not
+    settled), `ls --state` finds each state, in key order and across pages, whatever index serves them."""
+    kinds = {
+        "unknown": lambda r: st.mark_unknown(r, now=NOW, reason="r", by=None),
+        "review": lambda r: st.park(st.mark_unknown(r, now=NOW, reason="r", by=None), now=NOW, reason="p", by=None),
+        "expired": lambda r: r,  # in flight, its lease ran out 70 s before NOW
+        "pending": lambda r: r,  # pending, its lease ran out too
+        "live": lambda r: r,  # in flight, its lease runs past NOW
+    }
+    wanted: dict[str, list[str]] = {kind: [] for kind in kinds}
+    for i in range(60):
+        key = f"k{i:03d}"
+        kind = list(kinds)[i % 12] if i % 12 < len(kinds) else None
+        if kind is None:
+            rec = make(key)
+            settled = st.confirm(rec, result_json="1", now=NOW, ttl=10, via="run", by=None)
+            rec = settled if i % 2 else st.fail(rec, error="no", now=NOW, ttl=10, by=None, retry_at=None)
+        else:
+            rec = make(key, now=NOW - 100 if kind in ("expired", "pending") else NOW,
+                       state=State.PENDING if kind == "pending" else State.IN_FLIGHT)  # fmt: skip
+            rec = kinds[kind](rec)
+            wanted[kind].append(key)
+        store.insert(rec)
+
+    def keys(query: Query) -> list[str]:
+        got = store.scan(query)
+        paged, after = [], query.after
+        while True:  # the same records a page of 2 at a time
+            page = store.scan(dataclasses.replace(query, after=after, limit=2))
+            paged += [r.key for r in page]
+            if len(page) < 2:
+                break
+            after = page[-1].key
+        assert paged == [r.key for r in got]
+        return [r.key for r in got]
+
+    reconciler = Query(states=[State.UNKNOWN, State.IN_FLIGHT, State.PENDING], lease_expired_before=NOW)
+    assert keys(reconciler) == sorted(wanted["unknown"] + wanted["expired"] + wanted["pending"])
+    assert keys(Query(states=[State.UNKNOWN])) == wanted["unknown"]
+    assert keys(Query(states=[State.NEEDS_REVIEW])) == wanted["review"]
+    assert keys(Query(states=[State.NEEDS_REVIEW, State.UNKNOWN])) == sorted(wanted["unknown"] + wanted["review"])
+    assert keys(Query(states=[State.UNKNOWN], after=wanted["unknown"][1])) == wanted["unknown"][2:]
+    assert keys(Query(states=[State.IN_FLIGHT])) == sorted(wanted["expired"] + wanted["live"])
 
 
 def test_count_by_state(store: Store) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sqlite3
 import sys
 import threading
 import time
@@ -13,10 +14,13 @@ from pathlib import Path
 import pytest
 
 import onceonly
+from onceonly import states as st
+from onceonly.states import State
 from onceonly.stores import Query
-from onceonly.stores.sqlite import SQLiteStore
+from onceonly.stores._sql import COLUMNS, scan_sql
+from onceonly.stores.sqlite import _INSERT, _MIGRATIONS, APPLICATION_ID, SCHEMA_VERSION, SQLiteStore, _record_values
 from tests._workers import count_effects, effects_db
-from tests.stores._records import make
+from tests.stores._records import NOW, make
 
 
 def _open_files(path: Path) -> int:
@@ -144,3 +148,63 @@ def test_bad_url_options_are_refused_by_name(tmp_path: Path, query: str, says: s
     with pytest.raises(ValueError, match=re.escape(says)):
         SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}?{query}")
     assert not (tmp_path / "ledger.db").exists()
+
+
+# --- the schema and its index ------------------------------------------------------------------------
+
+
+def _plan(store: SQLiteStore, query: Query) -> str:
+    built = scan_sql(query, table="onceonly_records", columns=COLUMNS, placeholder="?", state_per_term=True)
+    assert built is not None
+    return " / ".join(row[3] for row in store._conn().execute("EXPLAIN QUERY PLAN " + built[0], built[1]))
+
+
+def test_the_review_states_are_read_from_their_index_and_a_guarded_call_never_enters_it(tmp_path: Path) -> None:
+    """`ls --state unknown` (or needs_review, or both, from any key on) reads the review index, not every
+    record; a claim and its settle write no entry there (their two writes stay the floor's)."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        for states in ([State.UNKNOWN], [State.NEEDS_REVIEW], [State.NEEDS_REVIEW, State.UNKNOWN]):
+            for after in (None, "k5"):
+                plan = _plan(store, Query(states=states, after=after))
+                assert "INDEX onceonly_records_review" in plan, (states, after, plan)
+        assert _plan(store, Query()) == "SCAN onceonly_records"  # key order: the primary key, no sort
+        rec = make("k1")
+        store.insert(rec)
+        store.swap(st.confirm(rec, result_json="1", now=NOW, ttl=None, via="run", by=None), rec)
+        entries = "SELECT count(*) FROM onceonly_records INDEXED BY onceonly_records_review WHERE state = 'unknown'"
+        assert store._conn().execute(entries).fetchone()[0] == 0
+        store.insert(st.mark_unknown(make("k2"), now=NOW, reason="r", by=None))
+        assert store._conn().execute(entries).fetchone()[0] == 1
+    finally:
+        store.close()
+
+
+def test_a_ledger_file_of_schema_1_is_brought_up_with_its_records(tmp_path: Path) -> None:
+    """A file written at schema 1 (no review index) gets the index and version 2 when opened, and
+    keeps its records; a schema 2 file opens as it is."""
+    path = tmp_path / "ledger.db"
+    url = f"sqlite:///{path}"
+    unknown = st.mark_unknown(make("b"), now=NOW, reason="r", by=None)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute(_MIGRATIONS[1])  # schema 1 exactly as its onceonly made it
+    conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+    conn.execute("PRAGMA user_version=1")
+    conn.close()
+    old = sqlite3.connect(path, isolation_level=None)  # its rows: the same 20 columns as now
+    for rec in (make("a"), unknown):
+        old.execute(_INSERT, _record_values(rec))
+    old.close()
+
+    store = SQLiteStore(url)
+    try:
+        conn = store._conn()
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        indexes = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")]
+        assert indexes == ["onceonly_records_review"]
+        assert store.get("a") == make("a")
+        assert store.scan(Query(states=[State.UNKNOWN])) == [unknown]
+        assert "INDEX onceonly_records_review" in _plan(store, Query(states=[State.UNKNOWN]))
+    finally:
+        store.close()
+    SQLiteStore(url).close()  # at the current version: opens without migrating again

@@ -72,12 +72,16 @@ def state_literals(states: Sequence[State]) -> str:
     return ", ".join(f"'{s.value}'" for s in states)
 
 
-def scan_sql(query: Query, *, table: str, columns: str, placeholder: str) -> tuple[str, list[Any]] | None:
+def scan_sql(
+    query: Query, *, table: str, columns: str, placeholder: str, state_per_term: bool = False
+) -> tuple[str, list[Any]] | None:
     """The SELECT for ``query`` and its parameters; ``None`` when no record can match (no states).
 
     The states stand alone at the top of the WHERE, as one IN list, so a planner can walk an
     open-records index in key order (under an OR it does not); the lease condition then exempts the
-    states that hold no lease rather than repeating them.
+    states that hold no lease rather than repeating them. ``state_per_term``: ``state = 'a' OR state =
+    'b'`` instead, the only form SQLite matches against a partial index on ``state = … OR state = …``
+    (it proves no IN list, not even a one-state one, to imply such an index's condition).
     """
     ph = placeholder
     where: list[str] = []
@@ -91,7 +95,10 @@ def scan_sql(query: Query, *, table: str, columns: str, placeholder: str) -> tup
     else:
         states = []
     if states:
-        where.append(f"state IN ({state_literals(states)})")
+        if state_per_term or len(states) == 1:
+            where.append("(" + " OR ".join(f"state = {state_literals([s])}" for s in states) + ")")
+        else:
+            where.append(f"state IN ({state_literals(states)})")
         held = [s for s in states if s in HELD]
         if held and query.lease_expired_before is not None:
             expired = f"lease_until IS NULL OR lease_until < {ph}"

@@ -49,7 +49,7 @@ T = TypeVar("T")
 #: ``PRAGMA application_id`` of an onceonly ledger file: "once" in ASCII.
 APPLICATION_ID = 0x6F6E6365
 #: ``PRAGMA user_version``: bumped with every schema change; ``_MIGRATIONS`` brings older files up.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS onceonly_records (
@@ -75,9 +75,18 @@ CREATE TABLE IF NOT EXISTS onceonly_records (
     conflicts       INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID
 """
-# No secondary index: a partial index on the open states cost ~15 µs on each of the two writes of every
-# guarded call (about a quarter of the floor, docs/benchmarks.md), while the reconciler and purge that
-# would use it run every few seconds at most, over one host's records.
+# One secondary index, on the two states a person or a probe must settle: `ls --state unknown` and the
+# review queue read those records alone. A guarded call never enters it (claimed in flight, settled
+# confirmed or failed): its two writes only test the condition, which costs nothing measurable. An index
+# that also held in-flight records, so that a pass finds expired leases without reading every record,
+# added ~30 % to those two writes (the claim enters it, the settle leaves it: one more page each,
+# `bench_sqlite.py --indexes`); so the reconciler still reads every record for held ones, and purge too.
+# The condition is one `state = …` per state: the only form SQLite proves a query's `state = 'unknown'`
+# to imply (scan_sql(state_per_term=True) writes the queries that way).
+_REVIEW_INDEX = (
+    "CREATE INDEX IF NOT EXISTS onceonly_records_review ON onceonly_records (state, key) "
+    "WHERE state = 'unknown' OR state = 'needs_review'"
+)
 
 # The tables of near-duplicate calls (onceonly.Similar), made on first use so that a ledger without
 # similar= tools never has them: members (key → group, claimed at; indexed by group and time) and group
@@ -110,7 +119,7 @@ _SIMILAR_READ = (
 _SIMILAR_UNLOCK = "DELETE FROM onceonly_similar_locks WHERE grp = ? AND token = ?"
 
 # version reached → the statements that reach it from the one before.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _REVIEW_INDEX}
 
 _SELECT = f"SELECT {COLUMNS} FROM onceonly_records WHERE key = ?"
 _INSERT = f"INSERT OR IGNORE INTO onceonly_records ({COLUMNS}) VALUES ({','.join('?' * 20)})"
@@ -437,7 +446,7 @@ class SQLiteStore:
         return cur.rowcount == 1
 
     def scan(self, query: Query) -> list[Record]:
-        built = scan_sql(query, table="onceonly_records", columns=COLUMNS, placeholder="?")
+        built = scan_sql(query, table="onceonly_records", columns=COLUMNS, placeholder="?", state_per_term=True)
         if built is None:
             return []
         sql, params = built
