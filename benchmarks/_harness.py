@@ -213,9 +213,10 @@ def store_main(
     throughput_table: Callable[[int, float, int], object],
     preload: Callable[[int, int, int], object],
     decompose: Callable[[int, int], object] | None = None,
+    indexes: Callable[[int, int], object] | None = None,
 ) -> int:
     """The command line of a store's benchmark module: the table, --throughput N, --preload N or
-    (where the store has one) --decompose."""
+    (where the store has them) --decompose and --indexes."""
     import argparse
     import tempfile
 
@@ -228,9 +229,13 @@ def store_main(
     parser.add_argument("--preload", type=int, metavar="RECORDS", help="per-call cost with RECORDS stored")
     if decompose is not None:
         parser.add_argument("--decompose", action="store_true", help="where a first call's time goes")
+    if indexes is not None:
+        parser.add_argument("--indexes", action="store_true", help="what each secondary index costs a call")
     args = parser.parse_args(argv)
     if decompose is not None and args.decompose:
         decompose(args.rounds, args.batch)
+    elif indexes is not None and args.indexes:
+        indexes(args.rounds, args.batch)
     elif args.throughput:
         throughput_table(args.throughput, args.seconds, args.throughput_rounds)
     elif args.preload:

@@ -3,19 +3,28 @@
 python benchmarks/bench.py --stores sqlite                # the table (bench())
 python benchmarks/bench_sqlite.py --throughput 8          # 8 processes: guarded vs raw calls/s
 python benchmarks/bench_sqlite.py --preload 1000000       # per-call cost with 1M records stored
+python benchmarks/bench_sqlite.py --indexes               # what a secondary index costs a call's two writes
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from _harness import Contender, floor_histories, guarded_pair, interleave, report, store_main, tool_body
+from _harness import (
+    Contender,
+    bench_records,
+    floor_histories,
+    guarded_pair,
+    interleave,
+    report,
+    store_main,
+    tool_body,
+)
 
 import onceonly
 from onceonly.stores.sqlite import SQLiteStore
@@ -116,6 +125,76 @@ def throughput_table(processes: int, seconds: float, rounds: int) -> None:
         throughput(lambda kind: spawn_rate(_make_call, kind, processes, seconds), "sqlite", processes, seconds, rounds)
 
 
+def fill(path: Path, records: int, tool: str = "bench.fill") -> None:
+    """``records`` confirmed records in the ledger at ``path``, in one transaction, in the store's own
+    columns (a real record's values with key, arguments and result changed): keys spread in key order."""
+    from onceonly.stores.sqlite import _INSERT, _record_values
+
+    store = SQLiteStore(f"sqlite:///{path}")
+    conn = store._conn()
+    values = list(_record_values(bench_records('{"i":0}', '{"ok":true,"i":0}')[1]))
+    values[2] = tool
+
+    def rows() -> Iterator[list[object]]:
+        for i in range(records):
+            digest = hashlib.sha256(str(i).encode()).hexdigest()
+            values[0], values[3] = f"default:{tool}:{digest[:32]}", digest
+            values[14], values[16] = f'{{"ok":true,"i":{i}}}', f'{{"i":{i}}}'
+            yield values
+
+    conn.execute("BEGIN")
+    conn.executemany(_INSERT, rows())
+    conn.execute("COMMIT")
+    store.close()
+
+
+# --- what a secondary index costs the two writes -----------------------------------------------------
+
+_HELD_INDEX = "CREATE INDEX bench_held ON onceonly_records (lease_until) WHERE state = 'in_flight' OR state = 'pending'"
+_SCHEMA_1 = "DROP INDEX onceonly_records_review"
+#: Each a ledger file as shipped with these statements run on it.
+INDEXES = {
+    "floor, schema 1 (no secondary index)": [_SCHEMA_1],
+    "floor, as shipped (review index)": [],
+    "floor, + index on held records' leases": [_HELD_INDEX],
+    "floor, + index on created_at (claims only)": ["CREATE INDEX bench_created ON onceonly_records (created_at)"],
+    "guarded first call, schema 1": [_SCHEMA_1],
+    "guarded first call, as shipped": [],
+    "guarded first call, + index on held leases": [_HELD_INDEX],
+}
+
+
+def bench_indexes(rounds: int, batch: int) -> list[dict[str, object]]:
+    """The floor's two writes and a guarded first call on files with and without each index, interleaved."""
+    import statistics
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
+        contenders, ledgers = [], []
+        for n, (name, statements) in enumerate(INDEXES.items()):
+            path = Path(tmp) / f"v{n}.db"
+            store = SQLiteStore(f"sqlite:///{path}")
+            for statement in statements:
+                store._conn().execute(statement)
+            store.close()
+            if name.startswith("floor"):
+                contenders.append(Contender(name, floor(path)))
+                continue
+            ledgers.append(onceonly.Ledger.open(f"sqlite:///{path}"))
+            first, _ = guarded_pair(ledgers[-1].tool(name="bench.tool")(tool_body))
+            contenders.append(Contender(name, first.run))
+        interleave(contenders, rounds, batch)
+        for ledger in ledgers:
+            ledger.close()
+    rows = report("sqlite", contenders)
+    by_name = {c.name: c.per_call for c in contenders}
+    base = by_name["guarded first call, schema 1"]
+    for name in ("guarded first call, as shipped", "guarded first call, + index on held leases"):
+        ratio = statistics.median(a / b for a, b in zip(by_name[name], base, strict=True))
+        print(f"sqlite: {name} / schema 1 = {ratio:.3f}")
+    return rows
+
+
 def preload(records: int, rounds: int, batch: int) -> None:
     """The per-call table with ``records`` records already in the ledger (and in the floor's file)."""
     import tempfile
@@ -123,28 +202,13 @@ def preload(records: int, rounds: int, batch: int) -> None:
     with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
         workdir = Path(tmp)
         for name in ("ledger.db", "floor.db"):
-            conn = SQLiteStore(f"sqlite:///{workdir / name}")._conn()
-            now = time.time()
-            history = json.dumps([{"at": now, "from": None, "to": "confirmed", "fence": 1}])
-            rows = (
-                (f"preload:t:{hashlib.sha256(str(i).encode()).hexdigest()[:32]}", "preload", "t", "f" * 64,
-                 "confirmed", 1, 1, 2, None, None, now + 86400, now, now, '{"ok":true}', "{}", history, "run")
-                for i in range(records)
-            )  # fmt: skip
-            conn.execute("BEGIN")
-            conn.executemany(
-                "INSERT INTO onceonly_records (key, scope, tool, fingerprint, state, attempts, fence, version, "
-                "lease_owner, lease_until, expires_at, created_at, updated_at, result, args, history, via, conflicts) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,0)",
-                rows,
-            )
-            conn.execute("COMMIT")
+            fill(workdir / name, records)
         print(f"sqlite: {records} records in each file", file=sys.stderr)
         bench(rounds, batch, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return store_main(argv, __doc__, bench, throughput_table, preload)
+    return store_main(argv, __doc__, bench, throughput_table, preload, indexes=bench_indexes)
 
 
 if __name__ == "__main__":

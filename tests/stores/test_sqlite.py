@@ -200,7 +200,9 @@ def test_a_ledger_file_of_schema_1_is_brought_up_with_its_records(tmp_path: Path
     try:
         conn = store._conn()
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
-        indexes = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")]
+        indexes = [
+            r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+        ]
         assert indexes == ["onceonly_records_review"]
         assert store.get("a") == make("a")
         assert store.scan(Query(states=[State.UNKNOWN])) == [unknown]
