@@ -5,6 +5,7 @@ a settle) doing the same work, with the same settings. Rounds interleave every c
 table gives medians of per-call times and of per-round ratios to the floor, so drift hits all alike.
 
     python benchmarks/bench.py [--stores sqlite,redis,postgres,server,langchain] [--rounds 30] [--batch 200] [--json]
+    python benchmarks/bench.py --scale 1000000 [--stores sqlite,redis,postgres]   # bench_scale.py
 
 "server" is the ticket service's POST /tickets with and without the idempotency middleware; "langchain"
 a guarded LangChain tool's invoke next to the same tool unguarded (SQLite ledger).
@@ -48,8 +49,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--json", action="store_true", help="also print all rows as JSON")
+    parser.add_argument(
+        "--scale", type=int, metavar="RECORDS", help="scale mode (bench_scale.py): operations and per-call cost "
+        "with RECORDS settled records stored, per store; --rounds and --batch default to 10 and 100 there"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     rows: list[dict[str, object]] = []
+    if args.scale is not None:
+        import bench_scale
+
+        given = argv if argv is not None else sys.argv[1:]
+        rounds = args.rounds if "--rounds" in given else 10
+        batch = args.batch if "--batch" in given else 100
+        for store in (s for s in args.stores.split(",") if s in bench_scale.SETUPS):
+            try:
+                rows += bench_scale.run(
+                    [store],
+                    [args.scale],
+                    rounds=rounds,
+                    batch=batch,
+                    repeat=3,
+                    processes=0,
+                    seconds=0,
+                    throughput_rounds=0,
+                    workdir=Path(tempfile.gettempdir()),
+                )
+            except _unreachable() as exc:
+                print(f"{store}: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp:
         for store in args.stores.split(","):
             try:

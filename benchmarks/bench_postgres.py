@@ -171,8 +171,9 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
         return report("postgres", runs)
 
 
-def fill(url: str, rows: int) -> None:
-    """``rows`` ledger-shaped records in one INSERT … SELECT: 90% confirmed, 9% failed, 1% unknown."""
+def fill(url: str, rows: int, unknown_every: int = 100) -> None:
+    """``rows`` ledger-shaped records in one INSERT … SELECT: 1 in ``unknown_every`` unknown (none at 0),
+    1 in 10 of the others failed, the rest confirmed."""
     with psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn:
         conn.execute(
             """
@@ -180,9 +181,9 @@ def fill(url: str, rows: int) -> None:
                 key, scope, tool, fingerprint, state, attempts, fence, version, lease_owner, lease_until,
                 next_attempt_at, expires_at, created_at, updated_at, result, error, args, history, via, conflicts)
             SELECT 'default:bench.fill:' || md5(i::text), 'default', 'bench.fill', md5(i::text) || md5(i::text),
-                   CASE WHEN i %% 100 = 0 THEN 'unknown' WHEN i %% 10 = 0 THEN 'failed' ELSE 'confirmed' END,
+                   CASE WHEN i %% %s = 0 THEN 'unknown' WHEN i %% 10 = 0 THEN 'failed' ELSE 'confirmed' END,
                    1, 1, 2, NULL, NULL, NULL,
-                   CASE WHEN i %% 100 = 0 THEN NULL ELSE extract(epoch FROM now()) + 86400 END,
+                   CASE WHEN i %% %s = 0 THEN NULL ELSE extract(epoch FROM now()) + 86400 END,
                    extract(epoch FROM now()), extract(epoch FROM now()),
                    '{"ok":true,"i":' || i || '}', NULL, '{"i":' || i || '}',
                    '[{"at":1,"from":null,"to":"in_flight","fence":1,"reason":"claim","by":"h:1:1"},'
@@ -191,7 +192,7 @@ def fill(url: str, rows: int) -> None:
                    'run', 0
             FROM generate_series(1, %s) AS i
             """,
-            (rows,),
+            (unknown_every or rows + 1, unknown_every or rows + 1, rows),
         )
         conn.execute("VACUUM ANALYZE public.onceonly_records")
 
@@ -224,6 +225,21 @@ def scans(url: str) -> None:
             print(f"{name}: {sorted(times)[2] * 1e3:.2f} ms (median of 5)")
     finally:
         store.close()
+
+
+# --- many processes -------------------------------------------------------------------------------
+
+_URL_ENV = "ONCEONLY_BENCH_POSTGRES_RUN_URL"  # the database a throughput round's workers use
+
+
+def _make_call(kind: str, worker: int) -> Callable[[int], object]:
+    """In a worker process: a guarded first call (a tool of its own: never a replay), or the floor."""
+    url = os.environ[_URL_ENV]
+    if kind == "floor":
+        return floor(url)
+    ledger = onceonly.Ledger.open(url)
+    guarded: Callable[[int], object] = ledger.tool(name=f"bench.tool.{worker}.{uuid.uuid4().hex[:8]}")(tool_body)
+    return guarded
 
 
 def bench_million(rounds: int, batch: int, rows: int = 1_000_000) -> list[dict[str, object]]:

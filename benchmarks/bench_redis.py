@@ -23,6 +23,7 @@ Each run uses a prefix of its own (``$ONCEONLY_BENCH_PREFIX_BASE-<random>``, def
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -207,13 +208,15 @@ _PREFIX_ENV = "ONCEONLY_BENCH_PREFIX"
 
 
 def _make_call(kind: str, worker: int) -> Callable[[int], object]:
-    """In a worker process: a guarded first call, or the floor's two raw round trips, on this round's prefix."""
+    """In a worker process: a guarded first call, or the floor's two raw round trips, on this round's prefix
+    (keys of this process's own: every call is a first call, also on a prefix that earlier rounds used)."""
     prefix = os.environ[_PREFIX_ENV]
     store = RedisStore(_url(prefix))
+    own = uuid.uuid4().hex[:8]
     if kind == "guarded":
-        guarded: Callable[[int], object] = onceonly.Ledger(store).tool(name="bench.tool")(tool_body)
+        guarded: Callable[[int], object] = onceonly.Ledger(store).tool(name=f"bench.tool.{own}")(tool_body)
         return guarded
-    return floor(store, f"{prefix}:{worker}")
+    return floor(store, f"{prefix}:{worker}:{own}")
 
 
 def throughput_table(processes: int, seconds: float, rounds: int) -> dict[str, float]:
@@ -227,26 +230,33 @@ def throughput_table(processes: int, seconds: float, rounds: int) -> dict[str, f
     return throughput(rate, "redis", processes, seconds, rounds)
 
 
-def preload(records: int, rounds: int, batch: int) -> list[dict[str, object]]:
-    """Per-call cost with ``records`` confirmed records already stored (loaded by pipelined claims)."""
-    from onceonly import states as st
+def fill(store: RedisStore, records: int, tool: str = "preload") -> None:
+    """``records`` confirmed records, each written by the store's own claim script (its indexes and
+    counters with it), pipelined 2000 at a time; keys spread in key order."""
+    import dataclasses
+
     from onceonly.stores.redis import _claim_args
 
+    template = bench_records('{"i":0}', '{"ok":true,"i":0}')[1]
+    template = dataclasses.replace(template, tool=tool, scope="default")
+    chunk = 2000
+    for base in range(0, records, chunk):
+        pipe = store._client.pipeline(transaction=False)
+        for i in range(base, min(base + chunk, records)):
+            digest = hashlib.sha256(str(i).encode()).hexdigest()
+            rec = dataclasses.replace(template, key=f"default:{tool}:{digest[:32]}", fingerprint=digest,
+                                      args_json=f'{{"i":{i}}}', result_json=f'{{"ok":true,"i":{i}}}')  # fmt: skip
+            store._claim(store._keys(rec.key), _claim_args(rec), client=pipe)
+        pipe.execute()
+
+
+def preload(records: int, rounds: int, batch: int) -> list[dict[str, object]]:
+    """Per-call cost with ``records`` confirmed records already stored (loaded by pipelined claims)."""
     with _run_prefix() as prefix, onceonly.Ledger.open(_url(prefix)) as ledger:
         store = ledger.store
         assert isinstance(store, RedisStore)
         started = time.monotonic()
-        chunk = 2000
-        now = time.time()
-        for base in range(0, records, chunk):
-            pipe = store._client.pipeline(transaction=False)
-            for i in range(base, min(base + chunk, records)):
-                rec = st.new_record(key=f"default:preload:{i:012d}", scope="default", tool="preload",
-                                    fingerprint="f" * 64, args_json=f'{{"i":{i}}}', state=onceonly.State.IN_FLIGHT,
-                                    owner="h:1:1", now=now, lease_seconds=30)  # fmt: skip
-                rec = st.confirm(rec, result_json='{"ok":true}', now=now, ttl=86400, via="run", by="h:1:1")
-                store._claim(store._keys(rec.key), _claim_args(rec), client=pipe)
-            pipe.execute()
+        fill(store, records)
         print(f"redis: {records} records loaded in {time.monotonic() - started:.0f}s", file=sys.stderr)
         first, replay = guarded_pair(ledger.tool(name="bench.tool")(tool_body))
         first.name, replay.name = f"guarded first call, {records} stored", f"replay, {records} stored"

@@ -27,6 +27,9 @@ REDIS_ROWS = ("floor: 2 raw round trips", "same 2 SET below redis-py's client", 
 POSTGRES_ROWS = ("floor: 2 raw round trips", "same 2 statements below psycopg's cursor", "1 raw read")
 LANGCHAIN_ROWS = ("floor: the same tool unguarded", "guarded tool invoke, first call", "guarded tool invoke, replay",
                   "bound: unguarded + @ledger.tool", "guarded first call / bound")  # fmt: skip
+SCALE = ("--rounds", "1", "--batch", "3", "--repeat", "1")
+SCALE_ROWS = ("stats (every record)", "stats --counts", "ls, first page", "ls --state unknown, first page",
+              "reconcile pass")  # fmt: skip
 redis_mark, postgres_mark = pytest.mark.redis, pytest.mark.postgres
 
 
@@ -91,6 +94,15 @@ def _redis_keys(url: str, prefix: str) -> list[bytes]:
         pytest.param(("bench.py", "--stores", "sqlite", *TINY), SQLITE_ROWS, id="bench-sqlite"),
         pytest.param(("bench_sqlite.py", "--preload", "100", *TINY), SQLITE_ROWS, id="sqlite-preload"),
         pytest.param(("bench_sqlite.py", *THROUGHPUT), ("sqlite, 2 processes", "ratio"), id="sqlite-throughput"),
+        pytest.param(("bench_sqlite.py", "--indexes", *TINY), ("floor, schema 1 (no secondary index)",
+                     "+ index on held records' leases", "guarded first call, as shipped / schema 1"),
+                     id="sqlite-indexes"),
+        pytest.param(("bench_scale.py", "--records", "50", "--stores", "sqlite", *SCALE, *THROUGHPUT),
+                     (*SCALE_ROWS, "INDEX onceonly_records_review", "sqlite, 50 records, 2 processes",
+                      "sqlite, 50 records │ guarded first call"), id="scale-sqlite"),
+        pytest.param(("bench.py", "--scale", "50", "--stores", "redis,postgres", *TINY),
+                     (*SCALE_ROWS, "ZRANGEBYLEX o", "onceonly_records_open", "postgres, 50 records │ replay"),
+                     id="bench-scale", marks=[redis_mark, postgres_mark]),
         pytest.param(("bench_redis.py", *TINY), (*REDIS_ROWS, "powertools first call", "/ Powertools first call"),
                      id="redis-table", marks=redis_mark),
         pytest.param(("bench_redis.py", "--preload", "100", *TINY), ("guarded first call, 100 stored",
