@@ -16,16 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from _harness import (
-    Contender,
-    bench_records,
-    floor_histories,
-    guarded_pair,
-    interleave,
-    report,
-    store_main,
-    tool_body,
-)
+from _harness import Contender, floor_histories, guarded_pair, interleave, report, store_main, tool_body
 
 import onceonly
 from onceonly.stores.sqlite import SQLiteStore
@@ -134,6 +125,8 @@ def fill(path: Path, records: int, tool: str = "bench.fill") -> None:
     without a journal, in key order (keys spread evenly over the hash space, so other keys land among
     them), and put back in WAL mode.
     """
+    from _harness import bench_records
+
     from onceonly.stores.sqlite import _INSERT, _record_values
 
     SQLiteStore(f"sqlite:///{path}").close()  # the schema, as the store makes it
