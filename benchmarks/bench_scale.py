@@ -385,8 +385,10 @@ def run(stores: list[str], sizes: list[int], *, rounds: int, batch: int, repeat:
                     )
                     call_rows.append({"store": store, "records": records, "what": f"{processes} processes",
                                       **{k: round(v, 3) for k, v in got.items()}})  # fmt: skip
-                ops_rows += operations(setup, records, repeat)
-    print_operations(ops_rows)
+                if repeat:
+                    ops_rows += operations(setup, records, repeat)
+    if ops_rows:
+        print_operations(ops_rows)
     return ops_rows + call_rows
 
 
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="sqlite,redis,postgres")
     parser.add_argument("--rounds", type=int, default=10, help="per-call rounds (0: no per-call table)")
     parser.add_argument("--batch", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each operation (median)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each operation, median (0: no operations)")
     parser.add_argument("--throughput", type=int, default=0, metavar="PROCESSES")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one throughput round")
     parser.add_argument("--throughput-rounds", type=int, default=3, metavar="N")
