@@ -452,6 +452,52 @@ def test_scan_pages_like_the_contract_over_many_shards(redis_base_url: str, tmp_
         store.close()
 
 
+def _index_entries_read(store: RedisStore, query: Query) -> tuple[list[Record], int]:
+    """``store.scan(query)`` and how many entries its index reads (ZRANGEBYLEX answers) returned."""
+    read = 0
+    plan = store._scan_plan
+
+    def counted(q: Query) -> Any:
+        nonlocal read
+        gen = plan(q)
+        try:
+            batch = next(gen)
+            while True:
+                answers = yield batch
+                read += sum(len(a) for c, a in zip(batch, answers, strict=True) if c[0] == "ZRANGEBYLEX")
+                batch = gen.send(answers)
+        except StopIteration as stop:
+            return stop.value
+
+    store._scan_plan = counted  # type: ignore[method-assign]
+    try:
+        return store.scan(query), read
+    finally:
+        del store._scan_plan
+
+
+def test_a_page_reads_about_its_share_of_each_shards_keys(redis_base_url: str) -> None:
+    """A page of 500 keys over 16 shards reads ~2x its share of each shard's all-keys index (~1,000
+    entries), not 500 of each (8,000); a shard holding most of the page's keys is read on until the
+    page is whole, in key order."""
+    store = RedisStore(_url(redis_base_url, warn_persistence="false"))
+    try:
+        keys = [f"k{i:05d}" for i in range(2400)]  # ~150 in each shard
+        for key in keys:
+            assert store.insert(make(key))
+        found, read = _index_entries_read(store, Query(limit=500))
+        assert [r.key for r in found] == keys[:500]
+        assert read <= 1100, read
+        # 300 "c…" keys that sort first, all in shard 0: its cursor is refilled until they are read.
+        crowded = [k for k in (f"c{i:05d}" for i in range(6000)) if store._shard(k) == 0][:300]
+        for key in crowded:
+            assert store.insert(make(key))
+        found, _ = _index_entries_read(store, Query(limit=320))
+        assert [r.key for r in found] == sorted(keys + crowded)[:320]
+    finally:
+        store.close()
+
+
 def _fields(q: Query) -> dict[str, Any]:
     return {f: getattr(q, f) for f in Query.__dataclass_fields__}
 

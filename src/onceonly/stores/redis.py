@@ -1465,7 +1465,10 @@ class RedisStore:
             return []
         states = None if q.states is None else frozenset(q.states)
         sources = self._sources(q)
-        page = min(max(q.limit, 100), 1000)
+        # Entries read per cursor and round trip. The merge takes ~limit/shards keys from each shard's
+        # cursor, so a page of `limit` from every one read `shards` times (16 by default) more index
+        # entries than the scan used; twice the even share, and a cursor that runs dry is refilled below.
+        page = min(max(2 * q.limit // len(self._indexes), 32), 1000)
         low = b"-" if q.after is None else b"(" + q.after.encode("utf-8", "surrogatepass")
 
         # One cursor per (shard, index): keys in order, the next key first. A lexicographic index is
