@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import click
 from rich.text import Text
 
-from onceonly.ledger import DEFAULT_URL
+from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.stores._url import redact_url, scrub
 
 #: A count of records (``--limit``, ``--batch``): the stores take 64-bit integers, and a larger one
@@ -122,7 +122,7 @@ def refuse_missing_ledger(url: str | None) -> None:
     Opening such a store makes an empty ledger (a file and its directory, a Redis ``meta`` with this
     URL's shard count, a schema named after a typo) and reports no records or nothing to settle: a
     wrong --url or $ONCEONLY_URL would pass for an empty ledger, and leave something behind. A ledger
-    that is there, at this onceonly's version, is opened without a write.
+    that is there is opened without a write (``open_as_is``: a SQLite file of an older schema too).
     """
     url = url or os.environ.get("ONCEONLY_URL") or DEFAULT_URL
     scheme = urlsplit(url).scheme.lower()
@@ -137,11 +137,21 @@ def refuse_missing_ledger(url: str | None) -> None:
         raise click.ClickException(printable(exc)) from exc
 
 
+def open_as_is(url: str) -> Ledger:
+    """The ledger at ``url`` for a command that only reads it: a SQLite file of an older schema is read
+    as it is, not brought up to this onceonly's (the app does that when it opens it)."""
+    if urlsplit(url).scheme.lower() == "sqlite":
+        from onceonly.stores.sqlite import SQLiteStore
+
+        return Ledger(SQLiteStore(url, upgrade=False))
+    return Ledger.open(url)
+
+
 _RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made by the first guarded call)"
 
 
 def _sqlite_ledger(url: str) -> None:
-    from onceonly.stores.sqlite import APPLICATION_ID, SCHEMA_VERSION, parse_sqlite_url
+    from onceonly.stores.sqlite import APPLICATION_ID, parse_sqlite_url
 
     path = parse_sqlite_url(url)[0]
     if not path.is_file():
@@ -160,10 +170,8 @@ def _sqlite_ledger(url: str) -> None:
         raise click.ClickException(printable(f"cannot read the ledger file {path.absolute()}: {exc}")) from exc
     if app_id != APPLICATION_ID:
         raise click.ClickException(printable(f"{path.absolute()} is not an onceonly ledger: {_RUN_ONCE}"))
-    if version < SCHEMA_VERSION:
-        raise click.ClickException(
-            printable(f"{path.absolute()} is a ledger of an older onceonly: open it once with your app to upgrade it")
-        )
+    if version < 1:
+        raise click.ClickException(printable(f"{path.absolute()} is not an onceonly ledger yet: {_RUN_ONCE}"))
 
 
 def _redis_ledger(url: str) -> None:

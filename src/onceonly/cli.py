@@ -39,7 +39,7 @@ def main() -> None:
 
 if _MISSING_CLI is None:
     from onceonly import ops
-    from onceonly._cli import COUNT, Since, cell, dumps, printable, refuse_missing_ledger, run_every
+    from onceonly._cli import COUNT, Since, cell, dumps, open_as_is, printable, refuse_missing_ledger, run_every
     from onceonly.settle_cli import Duration
 
     _url_option = click.option(
@@ -65,7 +65,7 @@ if _MISSING_CLI is None:
         """
         try:
             refuse_missing_ledger(url)
-            ledger = Ledger.open(url)
+            ledger = open_as_is(url)
         except (OnceOnlyError, ValueError, ImportError) as exc:
             raise _fail(exc) from exc
         try:
@@ -410,7 +410,7 @@ if _MISSING_CLI is None:
             refuse_missing_ledger(url)
         source = _load_app(app, app_dir)
         try:
-            ledger = Ledger.open(url) if url else source
+            ledger = open_as_is(url) if url else source
         except (OnceOnlyError, ValueError, ImportError) as exc:
             source.close()
             raise _fail(exc) from exc

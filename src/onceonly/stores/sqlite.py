@@ -191,8 +191,11 @@ class SQLiteStore:
     .. versionadded:: 0.1
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, upgrade: bool = True) -> None:
         self.url = url
+        # False: a ledger file of an older schema is used as it is, not brought up (the commands that
+        # only read a ledger must leave it as they found it; every schema so far reads the same rows).
+        self.upgrade = upgrade
         self.path, opts = parse_sqlite_url(url)
         shown = redact_url(url)
         unknown = sorted(set(opts) - {"timeout", "synchronous"})
@@ -289,7 +292,9 @@ class SQLiteStore:
     def _setup(self, conn: sqlite3.Connection) -> None:
         try:
             app_id, version, tables = self._identify(conn)
-            if app_id == APPLICATION_ID and version == SCHEMA_VERSION:
+            if app_id == APPLICATION_ID and (
+                version == SCHEMA_VERSION or (not self.upgrade and 1 <= version < SCHEMA_VERSION)
+            ):
                 self._pragmas(conn)
                 return
             # Check before the first write (journal_mode=WAL rewrites the header): a file that is not
