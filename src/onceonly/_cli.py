@@ -9,7 +9,8 @@ import re
 import signal
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
@@ -59,9 +60,10 @@ class Since(click.ParamType):  # type: ignore[type-arg]
         return moment.timestamp()
 
 
-def run_every(every: float, once: Callable[[], None]) -> None:
-    """Call ``once()`` every ``every`` seconds until SIGTERM or Ctrl-C (then return: exit 0). A run
-    that raises ends the loop with its error, as a single run would."""
+@contextmanager
+def until_stopped() -> Iterator[Callable[[], bool]]:
+    """For a command that runs until told to stop: yields ``stopping()``, true once SIGTERM arrived;
+    Ctrl-C ends the block quietly (exit 0). The previous SIGTERM handler is put back on the way out."""
     stopping = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -70,16 +72,23 @@ def run_every(every: float, once: Callable[[], None]) -> None:
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        while not stopping:
-            began = time.monotonic()
-            once()
-            # Short naps, so that SIGTERM ends the loop within a fraction of a second.
-            while not stopping and (rest := every - (time.monotonic() - began)) > 0:
-                time.sleep(min(rest, 0.25))
+        yield lambda: stopping
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_every(every: float, once: Callable[[], None]) -> None:
+    """Call ``once()`` every ``every`` seconds until SIGTERM or Ctrl-C (then return: exit 0). A run
+    that raises ends the loop with its error, as a single run would."""
+    with until_stopped() as stopping:
+        while not stopping():
+            began = time.monotonic()
+            once()
+            # Short naps, so that SIGTERM ends the loop within a fraction of a second.
+            while not stopping() and (rest := every - (time.monotonic() - began)) > 0:
+                time.sleep(min(rest, 0.25))
 
 
 def printable(text: object) -> str:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import re
-import signal
 import time
-from types import FrameType
 from typing import Any
 
 import click
@@ -13,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger
+from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger, until_stopped
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger, load_ledger
 from onceonly.settle import (
@@ -214,19 +212,8 @@ def reconcile_command(
             if any(report.counts.get(s.value) for s in ATTENTION):
                 raise SystemExit(ATTENTION_EXIT)
             return
-        stopping = False
-
-        def stop(signum: int, frame: FrameType | None) -> None:
-            nonlocal stopping
-            stopping = True
-
-        previous = signal.signal(signal.SIGTERM, stop)
-        try:
-            reconcile_forever(ledger, every=every, on_report=show, stop=lambda: stopping, wait=wait or 0.0, **kwargs)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        with until_stopped() as stopping:
+            reconcile_forever(ledger, every=every, on_report=show, stop=stopping, wait=wait or 0.0, **kwargs)
     except OnceOnlyError as exc:
         raise click.ClickException(printable(exc)) from exc
     finally:
