@@ -86,3 +86,21 @@ def rerun_after_crash(ledger_url: str, effects_path: str, on_unknown: str, task:
     finally:
         ledger.close()
         conn.close()
+
+
+def run_until_printed(cmd: list[str], out: Path, marker: str, times: int, **popen: Any) -> int:
+    """Run a command that runs until SIGTERM (``--every``) with its stdout in ``out``; once ``marker`` is
+    printed ``times`` times (or it ended, or 60 s passed), SIGTERM it and return its exit status."""
+    import signal
+    import subprocess
+
+    with out.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, **popen)
+    try:
+        deadline = time.monotonic() + 60
+        while out.read_text().count(marker) < times and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    return proc.returncode

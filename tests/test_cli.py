@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from onceonly.states import Record
 from onceonly.stores.sqlite import parse_sqlite_url
 from tests._settling import dead_holder
 from tests._urls import SECRET, with_password
+from tests._workers import run_until_printed
 from tests.conftest import RUN_ID
 
 
@@ -243,19 +243,11 @@ def test_reconcile_every_survives_stored_markup(sqlite_url: str, tmp_path: Path)
     _plant(sqlite_url, "k-[/oops]", State.UNKNOWN)
     out = tmp_path / "out.txt"
     args = ["-c", "from onceonly.cli import main; main()", "reconcile", "--url", sqlite_url, "--every", "0.1s", "-v"]
-    with out.open("w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, *args], stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"}
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while out.read_text().count("reconciled") < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    code = run_until_printed(
+        [sys.executable, *args], out, "reconciled", 2, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"}
+    )
     text = out.read_text()
-    assert proc.returncode == 0, text
+    assert code == 0, text
     assert text.count("reconciled 1 record(s)") >= 2 and "k-[/oops]" in text and "\\x1b[31m" in text, text
     assert not _CONTROLS.search(text), repr(text)
 

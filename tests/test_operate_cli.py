@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from onceonly import Ledger, State, ops
 from onceonly.cli import cli
 from onceonly.states import Record
 from tests._redis_server import PrivateRedis
+from tests._workers import run_until_printed
 from tests.conftest import POSTGRES_URL, join_url, require_driver
 
 ONCEONLY = str(Path(sys.executable).parent / "onceonly")
@@ -226,14 +226,17 @@ AUDIT_APP = """
 
 @pytest.fixture(name="audit_app")
 def fixture_audit_app(tmp_path: Path) -> Iterator[Any]:
-    """Write an app module whose probe reads a JSON list of the orders the business has; forget it after."""
+    """Write an app module whose probe reads a JSON list of the orders the business has (tmp_path /
+    "business.json", empty at first); ``make(url)`` gives its ``module:ledger``. Forget it after."""
     made: list[str] = []
+    business = tmp_path / "business.json"
+    business.write_text("[]")
 
-    def make(url: str, business: Path) -> str:
+    def make(url: str) -> str:
         name = f"audit_app_{uuid.uuid4().hex[:8]}"
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(AUDIT_APP.format(url=url, business=str(business))))
         made.append(name)
-        return name
+        return f"{name}:ledger"
 
     yield make
     for name in made:
@@ -246,7 +249,6 @@ def test_audit_finds_planted_disagreements(
     """A confirmed charge the business does not have, and a failed one it has, are reported (exit 3,
     an AuditDisagreement warning each); once the business agrees, audit exits 0. It writes nothing."""
     business = tmp_path / "business.json"
-    business.write_text("[]")
     with Ledger.open(store_url) as setup:
         _insert(store_url, "kept", State.CONFIRMED, via="run", args_json='{"order": "o-1"}')
         _insert(store_url, "lost", State.CONFIRMED, via="run", args_json='{"order": "o-2"}')
@@ -257,13 +259,11 @@ def test_audit_finds_planted_disagreements(
 
     def audit(*more: str, code: int = 0, env: dict[str, str] | None = None) -> str:
         # Each run imports the app anew, as a process of its own would (the command closes its ledger).
-        app = f"{audit_app(store_url, business)}:ledger"
+        app = audit_app(store_url)
         return _ok(_run("audit", "--app", app, "--app-dir", str(tmp_path), *more, env=env), code)
 
     with caplog.at_level(logging.WARNING, logger="onceonly.alerts"):
-        result = _run(
-            "audit", "--app", f"{audit_app(store_url, business)}:ledger", "--app-dir", str(tmp_path), "--json"
-        )
+        result = _run("audit", "--app", audit_app(store_url), "--app-dir", str(tmp_path), "--json")
     report = json.loads(_ok(result, 3))
     assert report["checked"] == 3 and report["agreed"] == 1 and report["without_probe"] == {"email": 1}
     assert {(d["key"], d["finding"]) for d in report["disagreements"]} == {("lost", "missing"), ("undone", "found")}
@@ -303,9 +303,7 @@ def test_reads_leave_a_redis_db_as_it_was(tmp_path: Path, audit_app: Any) -> Non
     server = PrivateRedis(tmp_path).start()
     try:
         url = f"{server.url}?prefix=shop"
-        business = tmp_path / "business.json"
-        business.write_text("[]")
-        app = f"{audit_app(url, business)}:ledger"
+        app = audit_app(url)
         with _charges(url) as ledger:
             key = ledger.list(limit=1)[0].key
         client = redis.Redis.from_url(server.url)
@@ -335,9 +333,7 @@ def test_reads_leave_a_postgres_database_as_it_was(tmp_path: Path, audit_app: An
     try:
         db = urlsplit(POSTGRES_URL)._replace(path=f"/{name}").geturl()
         url = join_url(db, schema="shop")
-        business = tmp_path / "business.json"
-        business.write_text("[]")
-        app = f"{audit_app(url, business)}:ledger"
+        app = audit_app(url)
         with _charges(url) as ledger:
             key = ledger.list(limit=1)[0].key
 
@@ -363,9 +359,7 @@ def test_reads_leave_sqlite_files_as_they_were(tmp_path: Path, audit_app: Any) -
     """SQLite: the reads leave the ledger's rows as they were; a file that is not a ledger is refused
     and left byte for byte; a missing one is not made (nor its directory)."""
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    business = tmp_path / "business.json"
-    business.write_text("[]")
-    app = f"{audit_app(url, business)}:ledger"
+    app = audit_app(url)
     with _charges(url) as ledger:
         key = ledger.list(limit=1)[0].key
         before = ledger.list(limit=100)
@@ -417,19 +411,9 @@ def test_purge_every_and_reconcile_purge(store_url: str, tmp_path: Path) -> None
     after its run and says how many in its JSON."""
     _insert(store_url, "expired-1", State.CONFIRMED, via="run", expires_at=time.time() - 10)
     out = tmp_path / "out.txt"
-    with out.open("w") as sink:
-        proc = subprocess.Popen(
-            [ONCEONLY, "purge", "--url", store_url, "--every", "0.1s", "--json"], stdout=sink, stderr=subprocess.PIPE
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while out.read_text().count("removed") < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+    code = run_until_printed([ONCEONLY, "purge", "--url", store_url, "--every", "0.1s", "--json"], out, "removed", 2)
     runs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert proc.returncode == 0 and runs[0]["removed"] == 1 and runs[1]["removed"] == 0, (runs, err)
+    assert code == 0 and runs[0]["removed"] == 1 and runs[1]["removed"] == 0, runs
 
     _insert(store_url, "expired-2", State.FAILED, error="no", expires_at=time.time() - 10)
     result = _run("reconcile", "--url", store_url, "--purge", "--json", "--wait", "0")
