@@ -29,7 +29,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
+from onceonly.states import HELD as HELD_STATES
 from onceonly.states import Record, State
+from onceonly.stores._holders import Holder, Survey, owners_dir, survey
 from onceonly.stores._sql import (
     COLUMN_OF,
     COLUMNS,
@@ -80,7 +82,8 @@ CREATE TABLE IF NOT EXISTS onceonly_records (
 # confirmed or failed): its two writes only test the condition, which costs nothing measurable. An index
 # that also held in-flight records, so that a pass finds expired leases without reading every record,
 # added ~30 % to those two writes (the claim enters it, the settle leaves it: one more page each,
-# `bench_sqlite.py --indexes`); so the reconciler still reads every record for held ones, and purge too.
+# `bench_sqlite.py --indexes`). A reconcile pass learns instead from the lease holders' files whether
+# any held record can have an expired lease (stores/_holders.py), and reads them only then.
 # The condition is one `state = …` per state: the only form SQLite proves a query's `state = 'unknown'`
 # to imply (scan_sql(state_per_term=True) writes the queries that way).
 _REVIEW_INDEX = (
@@ -130,6 +133,8 @@ sqlite3.register_adapter(State, {s: s.value for s in State}.__getitem__)
 
 # A record's values in COLUMNS order, in one C call (the state binds through its adapter).
 _record_values = operator.attrgetter(*Record.__dataclass_fields__)
+# The held states, compared by identity: `in HELD` hashes the enum member in Python on every write.
+_PENDING, _IN_FLIGHT = State.PENDING, State.IN_FLIGHT
 
 
 def _is_locked(exc: sqlite3.Error) -> bool:
@@ -220,6 +225,11 @@ class SQLiteStore:
         self._lock = threading.Lock()
         self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The leases this process holds, published for reconcile passes (stores/_holders.py). Left at
+        # exit, or when the store is dropped unclosed: the file goes, or its lock does.
+        self._holder = Holder(owners_dir(self.path))
+        self._held = self._holder._leases
+        weakref.finalize(self, self._holder.close)
         self._conn()  # open (and create or check the schema) now, so a bad file fails at open
         _stores.add(self)
 
@@ -229,6 +239,8 @@ class SQLiteStore:
         self._local = threading.local()
         self._all = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._holder.forget()
+        self._held = self._holder._leases
         for conn in inherited:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
@@ -415,11 +427,20 @@ class SQLiteStore:
             # Deleted (purged) between our insert and our read: claim again.
 
     def insert(self, record: Record) -> bool:
+        held = record.state is _PENDING or record.state is _IN_FLIGHT
+        if held:
+            self._hold(record)  # published before the write: a crash right after it is seen
         try:
             cur = self._cursor().execute(_INSERT, _record_values(record))
         except sqlite3.Error as exc:
+            if held:
+                self._recheck(record.key, record.lease_owner)
             raise self._translate(exc) from exc
-        return cur.rowcount == 1
+        if cur.rowcount == 1:
+            return True
+        if held:
+            self._holder.gone(record.key, record.lease_owner)  # a replay: nothing of ours was written
+        return False
 
     def swap(self, record: Record, expected: Record) -> bool:
         # Write only the columns that changed: a settle that leaves args alone does not rewrite them
@@ -434,11 +455,50 @@ class SQLiteStore:
                 f"UPDATE onceonly_records SET version=?{sets} WHERE key=? AND version=? AND created_at=?"
             )
         values = [record.version, *compress(new, changed), record.key, expected.version, expected.created_at]
+        key, owner, was = record.key, record.lease_owner, expected.lease_owner
+        holds = record.state is _PENDING or record.state is _IN_FLIGHT
+        taken = holds and self._hold(record)  # a lease new to us, published before the write
         try:
             cur = self._cursor().execute(sql, values)
         except sqlite3.Error as exc:
+            for who in {owner, was}:
+                if (key, who) in self._held:
+                    self._recheck(key, who)  # did it land? publish what is stored
             raise self._translate(exc) from exc
-        return cur.rowcount == 1
+        if cur.rowcount == 1:
+            if (key, was) in self._held and (was != owner or not holds):
+                self._holder.gone(key, was)  # a lease of ours that this write ended or passed on
+            return True
+        if taken:
+            self._holder.gone(key, owner)  # not written: we do not hold it after all
+        if (key, was) in self._held:
+            self._recheck(key, was)
+        return False
+
+    def _hold(self, record: Record) -> bool:
+        """Publish a lease of ours before writing it (stores/_holders.py); True when it is a new one."""
+        try:
+            return self._holder.held(record.key, record.lease_owner, record.lease_until, record.updated_at)
+        except OSError as exc:
+            raise StoreUnavailable(
+                f"cannot write {self._holder.directory} ({exc}): a SQLite ledger keeps who holds its "
+                "leases there, beside the ledger file; let this process write that directory"
+            ) from exc
+
+    def _recheck(self, key: str, owner: str | None) -> None:
+        """A write of a record we hold failed or lost to another: publish its lease as it is stored,
+        or stop publishing it if the record is no longer held by ``owner``."""
+        try:
+            cur = self.get(key)
+        except StoreCorrupt:
+            cur = None
+        except StoreUnavailable:
+            return  # unknown: keep publishing it, the careful side
+        if cur is not None and cur.state in HELD_STATES and cur.lease_owner == owner:
+            with contextlib.suppress(OSError):  # published already: the file exists
+                self._holder.held(key, owner, cur.lease_until, cur.updated_at)
+        else:
+            self._holder.gone(key, owner)
 
     def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         sql = "DELETE FROM onceonly_records WHERE key = ? AND version = ?"
@@ -448,7 +508,22 @@ class SQLiteStore:
             params += (created_at,)
         with self._errors():
             cur = self._conn().execute(sql, params)
-        return cur.rowcount == 1
+        if cur.rowcount != 1:
+            return False
+        if self._held:
+            for k, owner in [k for k in self._held if k[0] == key]:
+                self._holder.gone(k, owner)
+        return True
+
+    def tick(self) -> None:
+        """Housekeeping, about once a second (the ledger's heartbeat thread): bring this process's
+        holder file down to the leases it holds now (stores/_holders.py)."""
+        self._holder.refresh()
+
+    def lease_survey(self, now: float, full_every: float | None) -> Survey:
+        """Whether a reconcile pass at ``now`` must read the held records: has a lease possibly run out
+        (stores/_holders.py)? ``full_every``: read them anyway when no pass did for that many seconds."""
+        return survey(owners_dir(self.path), now, full_every)
 
     def scan(self, query: Query) -> list[Record]:
         built = scan_sql(query, table="onceonly_records", columns=COLUMNS, placeholder="?", state_per_term=True)
@@ -503,11 +578,16 @@ class SQLiteStore:
 
     def similar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None:
         conn = self._conn()
+        held = record.state is _PENDING or record.state is _IN_FLIGHT
+        if held:
+            self._hold(record)
         with self._errors():
             conn.execute("BEGIN IMMEDIATE")
             try:
                 if conn.execute(_SIMILAR_UNLOCK, (group, token)).rowcount != 1:
                     conn.execute("ROLLBACK")
+                    if held:
+                        self._holder.gone(record.key, record.lease_owner)
                     return False  # the lock ran out and another call took it: nothing written
                 inserted = conn.execute(_INSERT, _record_values(record)).rowcount == 1
                 if inserted:
@@ -519,8 +599,14 @@ class SQLiteStore:
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
+                if held:
+                    self._recheck(record.key, record.lease_owner)  # written or not: as stored
                 raise
-        return None if inserted else self.get(record.key)
+        if not inserted:
+            if held:
+                self._holder.gone(record.key, record.lease_owner)
+            return self.get(record.key)
+        return None
 
     def similar_unlock(self, group: str, token: str) -> None:
         with self._errors():
@@ -534,6 +620,7 @@ class SQLiteStore:
             with contextlib.suppress(sqlite3.Error):  # closing a broken connection
                 conn.close()
         self._local = threading.local()
+        self._holder.close()
 
     # --- async face: sqlite3 blocks, so every call runs in a worker thread ------------------------
 
