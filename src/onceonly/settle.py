@@ -94,6 +94,9 @@ log = logging.getLogger("onceonly.settle")
 DEFAULT_REVIEW_AFTER = 300.0
 #: Unknown records the reconciler looks at: unsettled, and held ones whose holder is gone.
 _SCANNED = (State.UNKNOWN, State.IN_FLIGHT, State.PENDING)
+#: Seconds between passes that read every held record on a store that can tell when none can have
+#: run out (SQLite: ``lease_survey``), as a backstop for what its holders' files cannot show.
+DEFAULT_FULL_EVERY = 600.0
 
 
 class Settlement(enum.Enum):
@@ -343,6 +346,10 @@ class ReconcileReport:
     started_at: float
     finished_at: float = 0.0
     lines: list[ReconcileLine] = field(default_factory=list)
+    #: Whether the run read the held records (pending, in flight) for expired leases, and why. A store
+    #: that knows its lease holders (SQLite) reads them only when one may have run out.
+    read_held: bool = True
+    read_held_why: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -362,6 +369,8 @@ class ReconcileReport:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "counts": self.counts,
+            "read_held": self.read_held,
+            "read_held_why": self.read_held_why,
             "records": [ln.to_dict() for ln in self.lines],
         }
 
@@ -566,6 +575,7 @@ def reconcile(
     batch: int = 200,
     by: str | None = None,
     sleep: Callable[[float], None] | None = None,
+    full_every: float | None = DEFAULT_FULL_EVERY,
 ) -> ReconcileReport:
     """Settle what the guarded calls left unsettled, once. Safe to run in several processes at once.
 
@@ -583,6 +593,9 @@ def reconcile(
         batch: records read per page.
         by: who reconciles, for the histories (default ``reconcile@host:pid``).
         sleep: injectable sleep (default: the ledger's).
+        full_every: on SQLite, a pass reads the held records only when a lease may have run out (a
+            holder died or stalled: see docs/sqlite.md), and at least once in this many seconds;
+            ``None``: only then. Other stores find expired leases through an index on every pass.
 
     Returns:
         a ``ReconcileReport``: one line per record looked at, and counts per ``Settlement``.
@@ -596,6 +609,8 @@ def reconcile(
         raise ValueError(f"review_after={review_after}, wait={wait}: seconds cannot be negative")
     if batch < 1:
         raise ValueError(f"batch={batch}: read at least one record per page")
+    if full_every is not None and not full_every > 0:
+        raise ValueError(f"full_every={full_every}: give a positive number of seconds, or None")
     if ledger._store_clock is not None:
         ledger._store_clock.sync_if_due()  # a reconciler that runs no tool has no heartbeat to do it
     clock = ledger.clock
@@ -613,15 +628,26 @@ def reconcile(
     )
     lines: dict[str, ReconcileLine] = {}
     after: str | None = None
+    # A store that knows who holds its leases says whether any can have run out; if none can, the
+    # pass reads only the unknown records (an index) instead of every record (SQLite has no index of
+    # held ones: each claim would pay for it).
+    survey_of = getattr(ledger.store, "lease_survey", None)
+    looked = survey_of(clock(), full_every) if survey_of is not None else None
+    states = _SCANNED if looked is None or looked.needed else (State.UNKNOWN,)
+    if looked is not None:
+        report.read_held, report.read_held_why = looked.needed, looked.why
     while True:
         page = ledger.store.scan(
-            Query(states=_SCANNED, scope=scope, lease_expired_before=clock(), after=after, limit=batch)
+            Query(states=states, scope=scope, lease_expired_before=clock(), after=after, limit=batch)
         )
         for found in page:
             lines[found.key] = worker.settle(found)
         if len(page) < batch:
             break
         after = page[-1].key
+    # Read to the end: a dead holder's file may go, unless a record was left held (a scope, a store error).
+    if looked is not None and scope is None and not any(ln.after in HELD for ln in lines.values()):
+        looked.done()
 
     # Records that become due within this run's budget: one sleep for all of them, then again.
     while True:

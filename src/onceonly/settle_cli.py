@@ -15,6 +15,7 @@ from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger, 
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger, load_ledger
 from onceonly.settle import (
+    DEFAULT_FULL_EVERY,
     DEFAULT_REVIEW_AFTER,
     ReconcileReport,
     Settlement,
@@ -138,6 +139,14 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     is_flag=True,
     help="After each run, also delete settled records whose ttl passed (onceonly purge).",
 )
+@click.option(
+    "--full-every",
+    type=Duration(),
+    default=DEFAULT_FULL_EVERY,
+    show_default=True,
+    help="SQLite: a run reads the in-flight records only when a holder of their leases died or stalled, "
+    "and at least once in this long.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
 def reconcile_command(
@@ -152,6 +161,7 @@ def reconcile_command(
     scope: str | None,
     batch: int,
     purge: bool,
+    full_every: float,
     as_json: bool,
     verbose: bool,
 ) -> None:
@@ -174,6 +184,8 @@ def reconcile_command(
         raise click.UsageError("give --once or --every DURATION, not both")
     if every is not None and every <= 0:
         raise click.UsageError("--every needs a positive duration, e.g. 30s")
+    if full_every <= 0:
+        raise click.UsageError("--full-every needs a positive duration, e.g. 10m")
     if url or not app:
         refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
     source = _load_app(app, app_dir) if app else None
@@ -192,7 +204,10 @@ def reconcile_command(
             "[yellow]no tools registered[/yellow]: expired leases are still settled, but unknown records "
             "need their tools' probes: pass --app module:ledger"
         )
-    kwargs: dict[str, Any] = {"tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch}
+    kwargs: dict[str, Any] = {
+        "tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch,
+        "full_every": full_every,
+    }  # fmt: skip
 
     def show(report: ReconcileReport) -> None:
         data = report.to_dict()
