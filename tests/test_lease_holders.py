@@ -1,0 +1,392 @@
+"""SQLite: a reconcile pass reads the held records only when a lease may have run out.
+
+Each process holding leases keeps a locked file in ``<ledger>-owners/`` (stores/_holders.py). These
+tests run real worker processes that die (SIGKILL), stall (SIGSTOP) or leave cleanly, and check both
+sides: a pass skips the held records while every holder lives, and never misses an abandoned call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from onceonly import Ledger, State
+from onceonly.errors import StoreUnavailable
+from onceonly.settle import reconcile
+from onceonly.stores._holders import FULL_PASS, owners_dir
+from onceonly.stores.sqlite import SQLiteStore
+from tests._workers import count_effects, effects_db
+from tests.stores._records import make
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A worker: one guarded call whose tool writes its effect, says so, then does what argv[3] says.
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from onceonly import Ledger, NOT_FOUND
+    from tests._workers import effects_db
+
+    url, effects, then, title = sys.argv[1:5]
+    ledger = Ledger.open(url)
+    conn = effects_db(effects)
+
+    def probe(args, key):
+        row = conn.execute("SELECT op FROM effects WHERE op = ?", (args["title"],)).fetchone()
+        return NOT_FOUND if row is None else {"title": args["title"]}
+
+    @ledger.tool(name="holders.create", on_unknown="probe", probe=probe, lease=0.6)
+    def create(title):
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (title, str(os.getpid()), time.time()))
+        print("sent", flush=True)
+        if then == "die":
+            os.kill(os.getpid(), 9)
+        if then == "hang":
+            time.sleep(3600)
+        return {"title": title}
+
+    create(title)
+    print("settled", flush=True)
+    if then == "exit-hard":
+        time.sleep(1.5)  # the heartbeat thread's refresh (about every second) says it holds nothing
+        os._exit(0)  # no finalizers: the holder's file stays, unlocked
+    ledger.close()
+    """
+)
+
+
+def _probe(conn: Any) -> Any:
+    from onceonly import NOT_FOUND
+
+    def probe(args: dict[str, Any], key: str) -> Any:
+        row = conn.execute("SELECT op FROM effects WHERE op = ?", (args["title"],)).fetchone()
+        return NOT_FOUND if row is None else {"title": args["title"]}
+
+    return probe
+
+
+@pytest.fixture
+def app(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
+    """The reconciler's side: a ledger with the workers' tool registered (same name, same probe)."""
+    effects = tmp_path / "effects.db"
+    conn = effects_db(effects)
+    ledger = Ledger.open(sqlite_url)
+
+    @ledger.tool(name="holders.create", on_unknown="probe", probe=_probe(conn), lease=0.6)
+    def create(title: str) -> dict[str, Any]:
+        raise AssertionError("the reconciler never runs the tool: it probes")
+
+    yield ledger, effects
+    ledger.close()
+    conn.close()
+
+
+def _worker(url: str, effects: Path, then: str, title: str = "ticket-1") -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, url, str(effects), then, title],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "sent"
+    return proc
+
+
+def _end(proc: subprocess.Popen[str], *, kill: bool = True) -> int:
+    if kill and proc.poll() is None:
+        proc.kill()
+    code = proc.wait(30)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    return code
+
+
+def _holders(ledger: Ledger) -> list[str]:
+    store = ledger.store
+    assert isinstance(store, SQLiteStore)
+    directory = owners_dir(store.path)
+    return sorted(n for n in os.listdir(directory) if not n.startswith(".")) if directory.exists() else []
+
+
+def _file(ledger: Ledger, name: str) -> dict[str, Any]:
+    store = ledger.store
+    assert isinstance(store, SQLiteStore)
+    data: dict[str, Any] = json.loads((owners_dir(store.path) / name).read_text())
+    return data
+
+
+def _full_pass(ledger: Ledger) -> None:
+    """A first pass reads everything (no full pass on record) and stamps one: later passes may skip."""
+    first = reconcile(ledger)
+    assert first.read_held and first.read_held_why == ["no full pass on record"]
+    assert not reconcile(ledger).read_held
+
+
+def test_a_pass_skips_held_records_while_every_holder_lives(app: tuple[Ledger, Path], sqlite_url: str) -> None:
+    ledger, effects = app
+    _full_pass(ledger)
+    proc = _worker(sqlite_url, effects, "hang")  # alive, its heartbeats keep the lease
+    try:
+        assert len(_holders(ledger)) == 1
+        time.sleep(1.0)  # longer than the lease: only the heartbeats keep it
+        report = reconcile(ledger)
+        assert not report.read_held and report.lines == []
+        [rec] = ledger.list()
+        assert rec.state is State.IN_FLIGHT
+    finally:
+        _end(proc)
+
+
+def test_a_killed_holder_is_found_once_its_lease_runs_out(app: tuple[Ledger, Path], sqlite_url: str) -> None:
+    ledger, effects = app
+    _full_pass(ledger)
+    proc = _worker(sqlite_url, effects, "die")
+    assert _end(proc, kill=False) == -signal.SIGKILL
+    [holder] = _holders(ledger)
+    [rec] = ledger.list()
+    assert rec.state is State.IN_FLIGHT
+    if rec.lease_until is not None and rec.lease_until > time.time() + 0.05:
+        # Dead, but none of its leases has run out yet: nothing to read for it now.
+        assert not reconcile(ledger).read_held
+    time.sleep(max(0.0, (rec.lease_until or 0) - time.time()) + 0.1)
+    report = reconcile(ledger, wait=5)
+    assert report.read_held and report.read_held_why == [f"{holder}: its holder died holding leases"]
+    [line] = report.lines
+    assert line.after is State.CONFIRMED  # the probe found the effect: never run again
+    assert count_effects(effects) == {"ticket-1": 1}
+    # Its file says until when it may have held leases (a lease ahead of its latest); the first full
+    # pass after that removes it, and the passes after that skip the held records again.
+    hi = _file(ledger, holder)["hi"]
+    time.sleep(max(0.0, hi - time.time()) + 0.05)
+    assert reconcile(ledger).read_held
+    assert _holders(ledger) == []
+    assert not reconcile(ledger).read_held
+
+
+def test_a_stalled_holder_is_found(app: tuple[Ledger, Path], sqlite_url: str) -> None:
+    """Alive (its lock held) but stopped: its heartbeats stop, the lease runs out, a pass reads it."""
+    ledger, effects = app
+    _full_pass(ledger)
+    proc = _worker(sqlite_url, effects, "hang")
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        [holder] = _holders(ledger)
+        [rec] = ledger.list()
+        time.sleep(max(0.0, (rec.lease_until or 0) - time.time()) + 0.1)
+        report = reconcile(ledger, wait=5)
+        assert report.read_held
+        assert report.read_held_why == [f"{holder}: a lease ran out while its holder lives"]
+        assert [ln.after for ln in report.lines] == [State.CONFIRMED]
+        assert count_effects(effects) == {"ticket-1": 1}
+        assert _holders(ledger) == [holder]  # alive: its file stays
+    finally:
+        _end(proc)
+
+
+def test_holders_that_end_holding_nothing_leave_nothing_to_read(app: tuple[Ledger, Path], sqlite_url: str) -> None:
+    ledger, effects = app
+    _full_pass(ledger)
+    clean = _worker(sqlite_url, effects, "close")
+    assert _end(clean, kill=False) == 0
+    assert _holders(ledger) == []  # left cleanly: its file is gone
+    hard = _worker(sqlite_url, effects, "exit-hard", "ticket-2")
+    assert _end(hard, kill=False) == 0
+    assert len(_holders(ledger)) == 1  # ended without finalizers: its file stays, unlocked
+    report = reconcile(ledger)
+    assert not report.read_held  # it held nothing when it died
+    assert _holders(ledger) == []  # and its file is removed by the survey
+    assert [r.state for r in ledger.list()] == [State.CONFIRMED, State.CONFIRMED]
+
+
+def test_a_full_pass_is_due_every_full_every_seconds(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'l.db'}")
+    with Ledger(store, clock=lambda: now[0]) as ledger:
+        assert reconcile(ledger, full_every=60).read_held
+        assert not reconcile(ledger, full_every=60).read_held
+        now[0] += 59
+        assert not reconcile(ledger, full_every=60).read_held
+        now[0] += 1
+        report = reconcile(ledger, full_every=60)
+        assert report.read_held and report.read_held_why == ["a full pass is due"]
+        now[0] += 3600
+        assert not reconcile(ledger, full_every=None).read_held
+        stamp = json.loads((owners_dir(store.path) / FULL_PASS).read_text())
+        assert stamp == {"at": 1060.0}
+        with pytest.raises(ValueError, match="full_every=0"):
+            reconcile(ledger, full_every=0)
+
+
+def test_a_pass_of_one_scope_removes_no_holder(tmp_path: Path) -> None:
+    """A scoped pass reads one scope's records: a dead holder's others may still be held."""
+    now = [1000.0]
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    store = SQLiteStore(url)
+    with Ledger(store, clock=lambda: now[0]) as ledger:
+        assert reconcile(ledger).read_held
+    rec_store = SQLiteStore(url)
+    assert rec_store.insert(make("k1", now=980.0))  # held until 1010
+    holder = rec_store._holder.path
+    assert holder is not None and holder.exists()
+    rec_store._holder.forget()  # as a fork child would: its descriptor closed, the lock gone
+    with Ledger(SQLiteStore(url), clock=lambda: now[0]) as ledger:
+        now[0] = 1050.0  # past its lease (1010) and the lease after it (hi: 1040)
+        assert reconcile(ledger, scope="another").read_held
+        assert holder.exists()
+        report = reconcile(ledger)
+        assert report.read_held and [ln.after for ln in report.lines] == [State.UNKNOWN]
+        assert not holder.exists()
+
+
+def test_a_directory_that_cannot_be_written_fails_the_claim_before_it_is_written(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    (tmp_path / "l.db-owners").write_text("not a directory")
+    with Ledger.open(url) as ledger:
+
+        @ledger.tool(name="t")
+        def t() -> int:
+            raise AssertionError("must not run")
+
+        with pytest.raises(StoreUnavailable, match=r"l\.db-owners"):
+            t()
+        assert ledger.list() == []
+
+
+def _covers(holder: Any, until: float) -> bool:
+    """Does the holder's file cover a lease until ``until``: a count of at least 1, ``lo`` no later?"""
+    data = json.loads(holder.path.read_bytes())
+    return bool(data["held"] >= 1 and (math.inf if data["lo"] is None else data["lo"]) <= until)
+
+
+def test_a_lease_published_while_a_refresh_reads_stays_published(tmp_path: Path) -> None:
+    """The race that matters, made to happen: a call publishes its lease (without the lock) just after
+    a refresh has read what is held, and before the refresh writes. The call must not return before
+    the file covers its lease, and the refresh must not write over it."""
+    import threading
+
+    from onceonly.stores._holders import Holder
+
+    holder = Holder(tmp_path / "l.db-owners")
+    holder.held("early", "o1", 1010.0, 1000.0)
+    holder.gone("early", "o1")  # the file says 1 held until a refresh: the call below need not write
+    returned = threading.Event()
+
+    class Snapshot(dict):  # type: ignore[type-arg]
+        def values(self):  # type: ignore[no-untyped-def]
+            seen = list(super().values())  # what the refresh reads ...
+            threading.Thread(target=lambda: (holder.held("late", "o2", 1020.0, 1000.0), returned.set())).start()
+            returned.wait(0.5)  # ... then the call runs, to its return or to the lock
+            return seen
+
+    holder._leases = Snapshot()
+    holder.refresh()
+    assert returned.wait(5)
+    assert _covers(holder, 1020.0)
+    holder.close()
+
+
+def test_a_published_lease_stays_published_while_refreshes_race(tmp_path: Path) -> None:
+    """The same property under load: from ``held()`` returning until ``gone()``, the file covers the lease."""
+    import threading
+
+    from onceonly.stores._holders import Holder
+
+    holder = Holder(tmp_path / "l.db-owners")
+    stop = threading.Event()
+    failures: list[float] = []
+
+    def refresher() -> None:
+        while not stop.is_set():
+            holder.refresh()
+
+    def caller(n: int) -> None:
+        for i in range(5000):
+            now = 1000.0 + i
+            until = now + (1 + (i * 7 + n) % 5)
+            holder.held(f"k{n}-{i}", f"o{n}", until, now)
+            if not _covers(holder, until):
+                failures.append(until)
+            holder.gone(f"k{n}-{i}", f"o{n}")
+
+    threads = [threading.Thread(target=refresher)] + [threading.Thread(target=caller, args=(n,)) for n in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads between almost any two bytecodes, to meet the races
+    try:
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join()
+    finally:
+        stop.set()
+        threads[0].join()
+        sys.setswitchinterval(interval)
+    assert failures == []
+    holder.refresh()
+    assert holder.path is not None
+    assert json.loads(holder.path.read_bytes())["held"] == 0
+    holder.close()
+    assert not holder.path.exists()  # closed holding nothing: its file goes
+
+
+def test_a_forked_child_leaves_its_parent_holding(tmp_path: Path) -> None:
+    """The child closes the parent's file descriptor it inherited; the parent's lock stays, and the
+    child publishes its own leases in a file of its own."""
+    import fcntl
+    import multiprocessing
+
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    ledger = Ledger.open(url)
+
+    @ledger.tool(name="t")
+    def t(n: int) -> int:
+        return n
+
+    t(1)
+    [parent] = _holders(ledger)
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=t, args=(2,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    names = _holders(ledger)
+    assert parent in names and len(names) == 2  # the child's own file, left without finalizers
+    store = ledger.store
+    assert isinstance(store, SQLiteStore)
+    fd = os.open(owners_dir(store.path) / parent, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # still the parent's
+    finally:
+        os.close(fd)
+    assert {r.key: r.state for r in ledger.list()} == {t.key_for(1): State.CONFIRMED, t.key_for(2): State.CONFIRMED}
+    ledger.close()
+    assert _holders(ledger) == [n for n in names if n != parent]
+
+
+def test_the_cli_says_whether_a_run_read_the_held_records(sqlite_url: str) -> None:
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    with Ledger.open(sqlite_url) as ledger:
+        ledger.tool(name="t")(lambda n: n)(1)  # a ledger file, and a holder that closed holding nothing
+    runs = [json.loads(CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--json"]).stdout) for _ in range(2)]
+    assert [(r["read_held"], r["read_held_why"]) for r in runs] == [(True, ["a full pass is due"]), (False, [])]
+    due = CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--json", "--full-every", "1ms"])
+    assert json.loads(due.stdout)["read_held_why"] == ["a full pass is due"]
+    bad = CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--full-every", "0s"])
+    assert bad.exit_code == 2 and "--full-every needs a positive duration" in bad.output
