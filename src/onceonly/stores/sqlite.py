@@ -511,7 +511,8 @@ class SQLiteStore:
         if cur.rowcount != 1:
             return False
         if self._held:
-            for k, owner in [k for k in self._held if k[0] == key]:
+            # list() first: a copy in one C call, while other threads' calls add and remove entries.
+            for k, owner in [k for k in list(self._held) if k[0] == key]:
                 self._holder.gone(k, owner)
         return True
 
