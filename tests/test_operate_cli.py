@@ -5,6 +5,7 @@ and `purge`/`reconcile` run as scheduled processes with exit codes a script can 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -421,3 +422,22 @@ def test_purge_every_and_reconcile_purge(store_url: str, tmp_path: Path) -> None
     assert report["purged"] == 1
     with Ledger.open(store_url) as check:
         assert check.list(limit=10) == []
+
+
+def test_the_reconcile_daemon_purges_once_every_purge_every(sqlite_url: str, tmp_path: Path) -> None:
+    """`reconcile --every --purge` purges after its first run, then once per --purge-every, not after
+    every run: a run reads the open records, a purge every record."""
+    with Ledger.open(sqlite_url) as ledger:
+        ledger.tool(name="t")(lambda n: n)(1)
+    out = tmp_path / "out.txt"
+    cmd = [ONCEONLY, "reconcile", "--url", sqlite_url, "--every", "0.05s", "--purge", "--json"]
+    assert run_until_printed(cmd, out, '"counts"', 6) == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ["purged" in r for r in runs[:6]] == [True] + [False] * 5  # the default: once an hour
+    out = tmp_path / "out2.txt"
+    assert run_until_printed([*cmd, "--purge-every", "0.3s"], out, '"counts"', 20) == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    purged = [r["finished_at"] for r in runs if "purged" in r]
+    assert runs[0].get("purged") == 0 and 2 <= len(purged) < len(runs)
+    assert all(b - a >= 0.25 for a, b in itertools.pairwise(purged))
+    assert _run("reconcile", "--url", sqlite_url, "--purge-every", "0s").exit_code == 2

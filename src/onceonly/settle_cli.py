@@ -137,7 +137,15 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     "--purge",
     "purge",
     is_flag=True,
-    help="After each run, also delete settled records whose ttl passed (onceonly purge).",
+    help="After a run, also delete settled records whose ttl passed (onceonly purge): after the first "
+    "run, then once every --purge-every.",
+)
+@click.option(
+    "--purge-every",
+    type=Duration(),
+    default=3600.0,
+    show_default=True,
+    help="With --purge and --every: how often to purge (a purge reads every record on SQLite).",
 )
 @click.option(
     "--full-every",
@@ -161,6 +169,7 @@ def reconcile_command(
     scope: str | None,
     batch: int,
     purge: bool,
+    purge_every: float,
     full_every: float,
     as_json: bool,
     verbose: bool,
@@ -186,6 +195,8 @@ def reconcile_command(
         raise click.UsageError("--every needs a positive duration, e.g. 30s")
     if full_every <= 0:
         raise click.UsageError("--full-every needs a positive duration, e.g. 10m")
+    if purge_every <= 0:
+        raise click.UsageError("--purge-every needs a positive duration, e.g. 1h")
     if url or not app:
         refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
     source = _load_app(app, app_dir) if app else None
@@ -209,15 +220,19 @@ def reconcile_command(
         "full_every": full_every,
     }  # fmt: skip
 
+    purged_at: list[float] = []  # when this process last purged
+
     def show(report: ReconcileReport) -> None:
         data = report.to_dict()
-        if purge:
+        # Not after every run: a run every few seconds reads only the open records, a purge every record.
+        if purge and (not purged_at or ledger.clock() - purged_at[-1] >= purge_every):
+            purged_at.append(ledger.clock())
             data["purged"] = ledger.purge()
         if as_json:
             click.echo(dumps(data))
         else:
             _print_report(console, report, verbose=verbose)
-            if purge:
+            if "purged" in data:
                 console.print(f"purged {data['purged']} expired record(s)")
 
     try:
