@@ -8,11 +8,11 @@ leases on a ledger keeps one file in ``<ledger>-owners/``:
 
 - it holds an exclusive ``flock`` on the file for as long as it lives; the kernel drops the lock when
   the process ends, however it ends, so a lock that can be taken means the holder is gone;
-- the file says the earliest lease the process holds (``lo``; ``null``: none) and an upper bound of
-  the latest (``hi``). The process rewrites ``lo`` through a shared memory map (no system call) on
-  every change of its earliest lease, before it can matter: a lease enters the file right after its
-  record is written, while it still has its whole length to run, and leaves it after its record left
-  the held states.
+- the file, one line of JSON rewritten in place through a shared memory map (no system call), says
+  how many leases the process holds (``held``), a time before any of them runs out (``lo``) and one
+  after every lease it ever held runs out (``hi``). A lease is published before its record is
+  written (a crash right after the write finds it), and taken back after its record left the held
+  states. The file may overstate (more held, an earlier ``lo``), never understate: see ``Holder``.
 
 A pass then needs the held records only when a live holder's ``lo`` is past (its heartbeats stalled),
 a dead holder held a lease that is past, or no full pass ran for ``full_every`` seconds (a backstop for
