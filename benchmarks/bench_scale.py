@@ -60,8 +60,10 @@ def open_records(now: float, salt: str = "") -> Iterator[tuple[str, Record]]:
             n += 1
             key = f"default:{TOOL}:{hashlib.sha256(f'open{salt}{n}'.encode()).hexdigest()[:32]}"
             claimed_at = now - 3600 if kind == "in flight, lease expired" else now
+            # A live lease outlasts the run (stats of 10 M records take minutes), as heartbeats would keep it.
+            lease = 86400 if kind == "in flight, lease live" else 30
             rec = st.new_record(key=key, scope="default", tool=TOOL, fingerprint="f" * 64, args_json=f'{{"o":{n}}}',
-                                state=State.IN_FLIGHT, owner="h:1:1", now=claimed_at, lease_seconds=30)  # fmt: skip
+                                state=State.IN_FLIGHT, owner="h:1:1", now=claimed_at, lease_seconds=lease)  # fmt: skip
             if kind in ("unknown", "needs_review"):
                 rec = st.mark_unknown(rec, now=now, reason="bench", by=None)
             if kind == "needs_review":
@@ -315,7 +317,7 @@ def _timed(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def operations(setup: Setup, records: int, repeat: int) -> list[dict[str, object]]:
+def operations(setup: Setup, records: int, repeat: int, only: str = "") -> list[dict[str, object]]:
     """Time each operation, then run it once more counting what it reads."""
     ledger = setup.ledger
     expired = "in flight, lease expired"
@@ -355,6 +357,8 @@ def operations(setup: Setup, records: int, repeat: int) -> list[dict[str, object
     }
     rows = []
     for name, fn in measured.items():
+        if only not in name:
+            continue
         ms = _timed(fn, 1 if name.startswith("stats (") or "settling" in name else repeat)
         if "settling" in name:
             replant()
@@ -386,7 +390,7 @@ def print_operations(rows: list[dict[str, object]]) -> None:
 
 
 def run(stores: list[str], sizes: list[int], *, rounds: int, batch: int, repeat: int, processes: int, seconds: float,
-        throughput_rounds: int, workdir: Path) -> list[dict[str, object]]:  # fmt: skip
+        throughput_rounds: int, workdir: Path, only: str = "") -> list[dict[str, object]]:  # fmt: skip
     from _harness import throughput
 
     ops_rows: list[dict[str, object]] = []
@@ -407,7 +411,7 @@ def run(stores: list[str], sizes: list[int], *, rounds: int, batch: int, repeat:
                     call_rows.append({"store": store, "records": records, "what": f"{processes} processes",
                                       **{k: round(v, 3) for k, v in got.items()}})  # fmt: skip
                 if repeat:
-                    ops_rows += operations(setup, records, repeat)
+                    ops_rows += operations(setup, records, repeat, only)
     if ops_rows:
         print_operations(ops_rows)
     return ops_rows + call_rows
@@ -425,11 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput-rounds", type=int, default=3, metavar="N")
     parser.add_argument("--dir", type=Path, default=None, help="where SQLite's files go (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="also print all rows as JSON")
+    parser.add_argument("--only", default="", metavar="TEXT", help="only the operations whose name holds TEXT")
     args = parser.parse_args(argv)
     sizes = [int(n.replace("_", "")) for n in args.records.split(",")]
     rows = run(args.stores.split(","), sizes, rounds=args.rounds, batch=args.batch, repeat=args.repeat,
                processes=args.throughput, seconds=args.seconds, throughput_rounds=args.throughput_rounds,
-               workdir=args.dir or Path(tempfile.gettempdir()))  # fmt: skip
+               workdir=args.dir or Path(tempfile.gettempdir()), only=args.only)  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0
