@@ -59,7 +59,7 @@ _WORKER = textwrap.dedent(
     create(title)
     print("settled", flush=True)
     if then == "exit-hard":
-        time.sleep(1.5)  # the heartbeat thread's refresh (about every second) says it holds nothing
+        time.sleep(1.5)  # the holder's refresh (about every second) says it holds nothing
         os._exit(0)  # no finalizers: the holder's file stays, unlocked
     ledger.close()
     """
@@ -390,3 +390,24 @@ def test_the_cli_says_whether_a_run_read_the_held_records(sqlite_url: str) -> No
     assert json.loads(due.stdout)["read_held_why"] == ["a full pass is due"]
     bad = CliRunner().invoke(cli, ["reconcile", "--url", sqlite_url, "--full-every", "0s"])
     assert bad.exit_code == 2 and "--full-every needs a positive duration" in bad.output
+
+
+def test_a_store_used_without_a_ledger_refreshes_its_file(tmp_path: Path) -> None:
+    """The server middleware writes leases through a bare store: its holder's own thread brings the
+    file back to what is held, so passes over that store skip the held records again."""
+    from onceonly import states as st
+
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'l.db'}")
+    now = time.time()
+    rec = make("k1", now=now)
+    assert store.insert(rec)
+    done = st.confirm(rec, result_json="{}", now=now, ttl=60, via="run", by="host:1:1")
+    assert store.swap(done, rec)
+    path = store._holder.path
+    assert path is not None
+    deadline = time.monotonic() + 5
+    while json.loads(path.read_bytes())["held"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(path.read_bytes())["held"] == 0
+    store.close()
+    assert not path.exists()

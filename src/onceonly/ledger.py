@@ -100,30 +100,8 @@ class Ledger:
         self._listeners: list[Listener] = []
         #: ``onceonly.metrics.instrument``: ``tool spec -> context manager`` around each guarded call.
         self._count_call: Callable[[ToolSpec], contextlib.AbstractContextManager[Any]] | None = None
-        # The heartbeat thread's every look: the store clock's re-measurement when due, and the store's
-        # own housekeeping where it has some (SQLite: its lease holders' file).
-        ticks: list[Callable[[], None]] = []
-        if self._store_clock is not None:
-            ticks.append(self._store_clock.sync_if_due)
-        store_tick = getattr(store, "tick", None)
-        if callable(store_tick):
-
-            def housekeeping() -> None:
-                # Its failure must not end the heartbeat thread (the leases it extends): report it once.
-                try:
-                    store_tick()
-                except Exception:
-                    if not getattr(housekeeping, "reported", False):
-                        housekeeping.reported = True  # type: ignore[attr-defined]
-                        _log.warning("onceonly: the store's housekeeping failed on %s", self.url, exc_info=True)
-
-            ticks.append(housekeeping)
-
-        def on_tick() -> None:
-            for tick in ticks:
-                tick()
-
-        self._beats = drivers.Heartbeats(store, self.clock, on_tick if ticks else None)
+        on_tick = None if self._store_clock is None else self._store_clock.sync_if_due
+        self._beats = drivers.Heartbeats(store, self.clock, on_tick)
         self._late_tasks: set[asyncio.Task[Any]] = set()
         #: The guarded tools made on this ledger, by name (the reconciler finds their probes here).
         self.tools: dict[str, Any] = {}

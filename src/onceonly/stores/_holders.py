@@ -33,6 +33,7 @@ import os
 import secrets
 import socket
 import threading
+import weakref
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -80,12 +81,14 @@ class Holder:
     careful, and only when it must: the count when it was 0, ``lo`` when a lease ends before it, ``hi``
     when one ends after it (a lease ahead, so that the next calls need not). Most calls write nothing:
     a dict entry in, a dict entry out. What makes the file less careful (the count back to 0, ``lo``
-    up to the earliest lease now held) waits for ``refresh``, which the ledger's heartbeat thread runs
-    about once a second. Between refreshes the file only overstates: at worst a pass reads the held
-    records when it need not have.
+    up to the earliest lease now held) waits for ``refresh``, which a thread of the holder's own runs
+    about once a second (a quarter of the shortest lease seen, if less) while the file exists. Between
+    refreshes the file only overstates: at worst a pass reads the held records when it need not have.
     """
 
-    __slots__ = ("__weakref__", "_fd", "_hi", "_leases", "_lo", "_lock", "_map", "_n", "directory", "path")
+    __slots__ = (
+        "__weakref__", "_every", "_fd", "_hi", "_leases", "_lo", "_lock", "_map", "_n", "_stop", "directory", "path",
+    )  # fmt: skip
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -98,6 +101,8 @@ class Holder:
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self.path: Path | None = None
+        self._stop: threading.Event | None = None  # set: the refresh thread ends
+        self._every = 1.0  # seconds between refreshes
 
     # --- the writer side: this process ----------------------------------------------------------
 
@@ -132,6 +137,8 @@ class Holder:
             if until > self._hi:
                 self._hi = until + max(until - now, 0.0)
                 m[_HI : _HI + _NUM] = _number(self._hi)
+                # Refresh within a quarter of a lease, so that a stale lo rarely outlives a live lease.
+                self._every = min(self._every, max(0.05, (until - now) / 4))
             if not self._n:
                 # Last: a reader that sees the count sees the times. At least 1: ours is in the dict.
                 self._n = max(1, len(self._leases))
@@ -176,12 +183,18 @@ class Holder:
             raise
         self._fd = fd
         self.path = final
+        self._stop = threading.Event()
+        threading.Thread(
+            target=_refresh_until_stopped, args=(weakref.ref(self), self._stop), name="onceonly-holder", daemon=True
+        ).start()
         return self._map
 
     def close(self) -> None:
         """Leave: remove the file when nothing is held, else leave it exact and let go of it (its lock
         goes: a reconcile pass takes over what it holds)."""
         with self._lock:
+            if self._stop is not None:
+                self._stop.set()
             fd, self._fd = self._fd, None
             m, self._map = self._map, None
             self._n, self._lo, self._hi = 0, math.inf, -math.inf
@@ -203,6 +216,7 @@ class Holder:
         self._lock = threading.Lock()
         self._leases = {}
         self._n, self._lo, self._hi = 0, math.inf, -math.inf
+        self._stop = None  # the parent's thread did not come with the fork
         if self._map is not None:
             with contextlib.suppress(Exception):
                 self._map.close()
@@ -212,6 +226,23 @@ class Holder:
                 os.close(self._fd)
         self._fd = None
         self.path = None
+
+
+def _refresh_until_stopped(ref: weakref.ReferenceType[Holder], stop: threading.Event) -> None:
+    """A holder's refresh thread. Holds it only while refreshing: a holder dropped unclosed still goes."""
+    while True:
+        holder = ref()
+        if holder is None:
+            return
+        every = holder._every
+        del holder
+        if stop.wait(every):
+            return
+        holder = ref()
+        if holder is None:
+            return
+        holder.refresh()
+        del holder
 
 
 # --- the reader side: a reconcile pass ------------------------------------------------------------

@@ -516,11 +516,6 @@ class SQLiteStore:
                 self._holder.gone(k, owner)
         return True
 
-    def tick(self) -> None:
-        """Housekeeping, about once a second (the ledger's heartbeat thread): bring this process's
-        holder file down to the leases it holds now (stores/_holders.py)."""
-        self._holder.refresh()
-
     def lease_survey(self, now: float, full_every: float | None) -> Survey:
         """Whether a reconcile pass at ``now`` must read the held records: has a lease possibly run out
         (stores/_holders.py)? ``full_every``: read them anyway when no pass did for that many seconds."""
