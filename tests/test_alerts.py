@@ -71,6 +71,9 @@ def test_a_late_duplicate_alerts(store_url: str, caplog: pytest.LogCaptureFixtur
             deadline = time.monotonic() + 10
             while (now := ledger.get(rec.key)) is not None and now.conflicts == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
+            # The late outcome's thread logs its alert just after its write: wait for it, not for the write.
+            while len(_events(caplog)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
         assert now is not None and now.conflicts == 1 and now.state is State.CONFIRMED
     names = [e["event"] for e in _events(caplog)]
     assert names == ["ParkedForReview", "LateDuplicate"], names
