@@ -5,6 +5,7 @@ that leave the store exactly as it was. ``onceonly dashboard`` itself runs in a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -345,3 +346,29 @@ def test_the_store_password_is_never_shown(store_url: str) -> None:
             answer = httpx.get(f"{dashboard.url}{path}", timeout=30)
             assert answer.status_code == 200 and SECRET not in answer.text, path
         assert "***" in httpx.get(f"{dashboard.url}/api/counts", timeout=30).json()["url"]
+
+
+def test_a_slow_count_is_read_less_often(sqlite_url: str) -> None:
+    """Counting reads every record on SQLite and PostgreSQL: an open page must not keep a core busy
+    on a big ledger. A count is read again no sooner than ten times as long as the last one took."""
+    from onceonly.dashboard.app import COUNT_SPACING, _SharedCounts
+
+    with Ledger.open(sqlite_url) as ledger:
+        ledger.tool(name="t")(lambda n: n)(1)
+        store = ledger.store
+        real = store.count_by_state
+        reads: list[float] = []
+
+        def slow_count() -> Any:  # the real count, made to take as long as 100 k records would
+            reads.append(time.monotonic())
+            time.sleep(0.05)
+            return real()
+
+        store.count_by_state = slow_count  # type: ignore[method-assign]
+        counts = _SharedCounts(ledger, every=0.01)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            assert counts.read()["states"]["confirmed"] == 1
+            time.sleep(0.01)
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    assert 2 <= len(reads) <= 4 and all(g >= COUNT_SPACING * 0.05 for g in gaps), gaps
