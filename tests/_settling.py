@@ -91,9 +91,17 @@ class FlakyStore:
         fault = self._fault("swap", record, expected)
         if fault is None:
             return self.inner.swap(record, expected)
-        if fault.lands:
-            assert self.inner.swap(record, expected), "the injected fault expected this write to land"
+        if fault.lands and not self.inner.swap(record, expected):
+            self._rearm(fault)
+            return False
         raise self._fail("swap")
+
+    def _rearm(self, fault: Fault) -> None:
+        """A landing fault met a write whose compare-and-set lost (another write came first): there is
+        no landed write whose answer to lose. It waits for the next matching write, as if unmatched."""
+        self.faults.insert(0, fault)
+        if fault.then is not None and fault.then in self.faults:
+            self.faults.remove(fault.then)
 
     def delete(self, key: str, expected_version: int, created_at: float | None = None) -> bool:
         return self.inner.delete(key, expected_version, created_at)
@@ -123,8 +131,9 @@ class FlakyStore:
         fault = self._fault("swap", record, expected)
         if fault is None:
             return await self.inner.aswap(record, expected)  # type: ignore[attr-defined, no-any-return]
-        if fault.lands:
-            assert await self.inner.aswap(record, expected), "the injected fault expected this write to land"  # type: ignore[attr-defined]
+        if fault.lands and not await self.inner.aswap(record, expected):  # type: ignore[attr-defined]
+            self._rearm(fault)  # as in swap
+            return False
         raise self._fail("swap")
 
     def __getattr__(self, name: str) -> Any:
