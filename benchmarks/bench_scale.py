@@ -319,6 +319,8 @@ def _timed(fn: Callable[[], object], repeat: int) -> float:
 
 def operations(setup: Setup, records: int, repeat: int, only: str = "") -> list[dict[str, object]]:
     """Time each operation, then run it once more counting what it reads."""
+    from onceonly.stores.sqlite import SQLiteStore
+
     ledger = setup.ledger
     expired = "in flight, lease expired"
 
@@ -326,15 +328,11 @@ def operations(setup: Setup, records: int, repeat: int, only: str = "") -> list[
         # The expired leases are a worker's that died holding them: on SQLite, written through a store
         # of their own, closed holding them (its lease holder's file stays, unlocked; docs/sqlite.md).
         worker = ledger.store
-        if setup.name == "sqlite":
-            from onceonly.stores.sqlite import SQLiteStore
-
-            assert isinstance(worker, SQLiteStore)
-            dead = SQLiteStore(worker.url)
+        dead = SQLiteStore(worker.url) if isinstance(worker, SQLiteStore) else worker
         for kind, rec in open_records(time.time(), salt):
             if kinds(kind):
-                (dead if setup.name == "sqlite" and kind == expired else worker).insert(rec)
-        if setup.name == "sqlite":
+                (dead if kind == expired else worker).insert(rec)
+        if dead is not worker:
             dead.close()
 
     plant("", lambda kind: True)

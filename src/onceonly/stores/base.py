@@ -37,6 +37,11 @@ Tools with ``similar=`` need three more, in ``SimilarStore`` / ``AsyncSimilarSto
   Filed records leave their group with the record (purge), or, on Redis, once older than the window.
 - ``similar_unlock(group, token)``: free the lock if ``token`` holds it.
   Only tools with ``similar=`` call these three: the other tools' calls cost what they did.
+- ``lease_survey(now, full_every)`` (optional, not part of the protocol): a store that cannot find
+  held records with an expired lease without reading every record (SQLite) says whether any can
+  have run out by ``now``; a reconcile pass then reads them only when one can
+  (``onceonly.stores._holders.Survey``). Stores with an index of held records (Redis, PostgreSQL)
+  leave it out and are read through the index on every pass.
 - ``time()`` (optional, not part of the protocol): the store's own clock in seconds since the epoch,
   one round trip. A store that has one offers it (Redis ``TIME``, PostgreSQL ``clock_timestamp()``), and
   the ledger then reads leases and due times on it (``onceonly.clock``), so hosts whose clocks differ
