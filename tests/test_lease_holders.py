@@ -411,3 +411,12 @@ def test_a_store_used_without_a_ledger_refreshes_its_file(tmp_path: Path) -> Non
     assert json.loads(path.read_bytes())["held"] == 0
     store.close()
     assert not path.exists()
+
+
+def test_a_closed_store_publishes_nothing(tmp_path: Path) -> None:
+    """A write after close is refused before anything is published: no file is left behind."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'l.db'}")
+    store.close()
+    with pytest.raises(StoreUnavailable, match="was closed"):
+        store.insert(make("k1"))
+    assert not owners_dir(store.path).exists()

@@ -427,11 +427,12 @@ class SQLiteStore:
             # Deleted (purged) between our insert and our read: claim again.
 
     def insert(self, record: Record) -> bool:
+        cursor = self._cursor()  # first: a closed store publishes nothing
         held = record.state is _PENDING or record.state is _IN_FLIGHT
         if held:
             self._hold(record)  # published before the write: a crash right after it is seen
         try:
-            cur = self._cursor().execute(_INSERT, _record_values(record))
+            cur = cursor.execute(_INSERT, _record_values(record))
         except sqlite3.Error as exc:
             if held:
                 self._recheck(record.key, record.lease_owner)
@@ -456,10 +457,11 @@ class SQLiteStore:
             )
         values = [record.version, *compress(new, changed), record.key, expected.version, expected.created_at]
         key, owner, was = record.key, record.lease_owner, expected.lease_owner
+        cursor = self._cursor()  # first: a closed store publishes nothing
         holds = record.state is _PENDING or record.state is _IN_FLIGHT
         taken = holds and self._hold(record)  # a lease new to us, published before the write
         try:
-            cur = self._cursor().execute(sql, values)
+            cur = cursor.execute(sql, values)
         except sqlite3.Error as exc:
             for who in {owner, was}:
                 if (key, who) in self._held:
