@@ -104,3 +104,68 @@ def run_until_printed(cmd: list[str], out: Path, marker: str, times: int, **pope
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     return proc.returncode
+
+
+# --- lease holders (tests/test_lease_holders.py) ------------------------------------------------------
+
+#: The tool of the lease-holder workers; the reconciler's ledger registers it too, with the same probe.
+HOLDER_TOOL = "holders.create"
+
+
+def holder_probe(conn: sqlite3.Connection) -> Any:
+    """The probe: the effects table says whether the ticket was made."""
+
+    def probe(args: dict[str, Any], key: str) -> Any:
+        row = conn.execute("SELECT op FROM effects WHERE op = ?", (args["title"],)).fetchone()
+        return NOT_FOUND if row is None else {"title": args["title"]}
+
+    return probe
+
+
+def holder_worker() -> None:
+    """``python -c 'from tests._workers import holder_worker; holder_worker()' URL EFFECTS THEN TITLE``:
+    one guarded call, whose tool writes its effect, prints ``sent`` and then does what THEN says:
+    ``die`` (SIGKILL), ``hang``; after the call, ``exit-hard`` ends without finalizers, ``close``
+    closes the ledger. ``die-after-claim`` is SIGKILLed the moment its claim is written: the tool
+    never runs."""
+    import signal
+    import sys
+
+    url, effects, then, title = sys.argv[1:5]
+    if then == "die-after-claim":
+        from onceonly.stores import sqlite as sqlite_store
+
+        class Dying(sqlite3.Cursor):
+            def execute(self, sql: str, params: Any = ()) -> Any:  # type: ignore[override]
+                out = super().execute(sql, params)
+                if sql == sqlite_store._INSERT:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the claim is committed; nothing after it runs
+                return out
+
+        real_conn = sqlite_store.SQLiteStore._conn
+
+        def conn_with_dying_cursor(self: Any) -> sqlite3.Connection:
+            conn = real_conn(self)
+            self._local.cursor = conn.cursor(Dying)
+            return conn
+
+        sqlite_store.SQLiteStore._conn = conn_with_dying_cursor  # type: ignore[method-assign]
+    ledger = Ledger.open(url)
+    conn = effects_db(effects)
+
+    @ledger.tool(name=HOLDER_TOOL, on_unknown="probe", probe=holder_probe(conn), lease=0.6)
+    def create(title: str) -> dict[str, Any]:
+        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (title, str(os.getpid()), time.time()))
+        print("sent", flush=True)
+        if then == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if then == "hang":
+            time.sleep(3600)
+        return {"title": title}
+
+    create(title)
+    print("settled", flush=True)
+    if then == "exit-hard":
+        time.sleep(1.5)  # the holder's refresh (about every second) says it holds nothing
+        os._exit(0)  # no finalizers: the holder's file stays, unlocked
+    ledger.close()

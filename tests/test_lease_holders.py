@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,54 +25,10 @@ from onceonly.errors import StoreUnavailable
 from onceonly.settle import reconcile
 from onceonly.stores._holders import FULL_PASS, owners_dir
 from onceonly.stores.sqlite import SQLiteStore
-from tests._workers import count_effects, effects_db
+from tests._workers import HOLDER_TOOL, count_effects, effects_db, holder_probe
 from tests.stores._records import make
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# A worker: one guarded call whose tool writes its effect, says so, then does what argv[3] says.
-_WORKER = textwrap.dedent(
-    """
-    import os, sys, time
-    from onceonly import Ledger, NOT_FOUND
-    from tests._workers import effects_db
-
-    url, effects, then, title = sys.argv[1:5]
-    ledger = Ledger.open(url)
-    conn = effects_db(effects)
-
-    def probe(args, key):
-        row = conn.execute("SELECT op FROM effects WHERE op = ?", (args["title"],)).fetchone()
-        return NOT_FOUND if row is None else {"title": args["title"]}
-
-    @ledger.tool(name="holders.create", on_unknown="probe", probe=probe, lease=0.6)
-    def create(title):
-        conn.execute("INSERT INTO effects VALUES (?, ?, ?)", (title, str(os.getpid()), time.time()))
-        print("sent", flush=True)
-        if then == "die":
-            os.kill(os.getpid(), 9)
-        if then == "hang":
-            time.sleep(3600)
-        return {"title": title}
-
-    create(title)
-    print("settled", flush=True)
-    if then == "exit-hard":
-        time.sleep(1.5)  # the holder's refresh (about every second) says it holds nothing
-        os._exit(0)  # no finalizers: the holder's file stays, unlocked
-    ledger.close()
-    """
-)
-
-
-def _probe(conn: Any) -> Any:
-    from onceonly import NOT_FOUND
-
-    def probe(args: dict[str, Any], key: str) -> Any:
-        row = conn.execute("SELECT op FROM effects WHERE op = ?", (args["title"],)).fetchone()
-        return NOT_FOUND if row is None else {"title": args["title"]}
-
-    return probe
 
 
 @pytest.fixture
@@ -83,7 +38,7 @@ def app(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
     conn = effects_db(effects)
     ledger = Ledger.open(sqlite_url)
 
-    @ledger.tool(name="holders.create", on_unknown="probe", probe=_probe(conn), lease=0.6)
+    @ledger.tool(name=HOLDER_TOOL, on_unknown="probe", probe=holder_probe(conn), lease=0.6)
     def create(title: str) -> dict[str, Any]:
         raise AssertionError("the reconciler never runs the tool: it probes")
 
@@ -93,16 +48,19 @@ def app(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
 
 
 def _worker(url: str, effects: Path, then: str, title: str = "ticket-1") -> subprocess.Popen[str]:
+    """A ``holder_worker`` process; returns once its tool said it ran (unless it dies at its claim)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    script = "from tests._workers import holder_worker; holder_worker()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WORKER, url, str(effects), then, title],
+        [sys.executable, "-c", script, url, str(effects), then, title],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
         cwd=ROOT,
     )
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "sent"
+    if then != "die-after-claim":
+        assert proc.stdout.readline().strip() == "sent"
     return proc
 
 
@@ -115,18 +73,25 @@ def _end(proc: subprocess.Popen[str], *, kill: bool = True) -> int:
     return code
 
 
-def _holders(ledger: Ledger) -> list[str]:
+def _owners(ledger: Ledger) -> Path:
     store = ledger.store
     assert isinstance(store, SQLiteStore)
-    directory = owners_dir(store.path)
+    return owners_dir(store.path)
+
+
+def _holders(ledger: Ledger) -> list[str]:
+    directory = _owners(ledger)
     return sorted(n for n in os.listdir(directory) if not n.startswith(".")) if directory.exists() else []
 
 
 def _file(ledger: Ledger, name: str) -> dict[str, Any]:
-    store = ledger.store
-    assert isinstance(store, SQLiteStore)
-    data: dict[str, Any] = json.loads((owners_dir(store.path) / name).read_text())
+    data: dict[str, Any] = json.loads((_owners(ledger) / name).read_text())
     return data
+
+
+def _sleep_past(moment: float | None) -> None:
+    """Until a moment on the host's clock (a lease's end) has passed."""
+    time.sleep(max(0.0, (moment or 0.0) - time.time()) + 0.1)
 
 
 def _full_pass(ledger: Ledger) -> None:
@@ -162,7 +127,7 @@ def test_a_killed_holder_is_found_once_its_lease_runs_out(app: tuple[Ledger, Pat
     if rec.lease_until is not None and rec.lease_until > time.time() + 0.05:
         # Dead, but none of its leases has run out yet: nothing to read for it now.
         assert not reconcile(ledger).read_held
-    time.sleep(max(0.0, (rec.lease_until or 0) - time.time()) + 0.1)
+    _sleep_past(rec.lease_until)
     report = reconcile(ledger, wait=5)
     assert report.read_held and report.read_held_why == [f"{holder}: its holder died holding leases"]
     [line] = report.lines
@@ -170,11 +135,28 @@ def test_a_killed_holder_is_found_once_its_lease_runs_out(app: tuple[Ledger, Pat
     assert count_effects(effects) == {"ticket-1": 1}
     # Its file says until when it may have held leases (a lease ahead of its latest); the first full
     # pass after that removes it, and the passes after that skip the held records again.
-    hi = _file(ledger, holder)["hi"]
-    time.sleep(max(0.0, hi - time.time()) + 0.05)
+    _sleep_past(_file(ledger, holder)["hi"])
     assert reconcile(ledger).read_held
     assert _holders(ledger) == []
     assert not reconcile(ledger).read_held
+
+
+def test_a_holder_killed_the_moment_its_claim_is_written_is_found(app: tuple[Ledger, Path], sqlite_url: str) -> None:
+    """The lease is published before the claim is written: a worker SIGKILLed right after the write,
+    before anything else it would do, is still a dead holder of that lease, and a pass finds it."""
+    ledger, effects = app
+    _full_pass(ledger)
+    proc = _worker(sqlite_url, effects, "die-after-claim")
+    assert _end(proc, kill=False) == -signal.SIGKILL
+    [holder] = _holders(ledger)
+    assert _file(ledger, holder)["held"] == 1
+    [rec] = ledger.list()
+    assert rec.state is State.IN_FLIGHT
+    _sleep_past(rec.lease_until)
+    report = reconcile(ledger, wait=5)
+    assert report.read_held_why == [f"{holder}: its holder died holding leases"]
+    assert [ln.after for ln in report.lines] == [State.FAILED]  # the probe: it never happened
+    assert count_effects(effects) == {}
 
 
 def test_a_stalled_holder_is_found(app: tuple[Ledger, Path], sqlite_url: str) -> None:
@@ -186,7 +168,7 @@ def test_a_stalled_holder_is_found(app: tuple[Ledger, Path], sqlite_url: str) ->
         os.kill(proc.pid, signal.SIGSTOP)
         [holder] = _holders(ledger)
         [rec] = ledger.list()
-        time.sleep(max(0.0, (rec.lease_until or 0) - time.time()) + 0.1)
+        _sleep_past(rec.lease_until)
         report = reconcile(ledger, wait=5)
         assert report.read_held
         assert report.read_held_why == [f"{holder}: a lease ran out while its holder lives"]
