@@ -382,7 +382,12 @@ if _MISSING_CLI is None:
     @click.option("--since", type=Since(), default=None, help="Records settled since: a duration (1d) or an ISO time.")
     @click.option("--tool", default=None, help="Only this tool's records.")
     @click.option("--scope", default=None, help="Only this scope's records.")
-    @click.option("--every", type=Duration(), default=None, help="Audit every DURATION (1d) until stopped.")
+    @click.option(
+        "--every",
+        type=Duration(positive=True, example="1d"),
+        default=None,
+        help="Audit every DURATION (1d) until stopped.",
+    )
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
     def audit(
         app: str,
@@ -404,8 +409,6 @@ if _MISSING_CLI is None:
         """
         from onceonly.settle_cli import ATTENTION_EXIT, _load_app
 
-        if every is not None and every <= 0:
-            raise click.UsageError("--every needs a positive duration, e.g. 1d")
         if url:
             refuse_missing_ledger(url)
         source = _load_app(app, app_dir)
@@ -519,12 +522,15 @@ if _MISSING_CLI is None:
 
     @cli.command()
     @_url_option
-    @click.option("--every", type=Duration(), default=None, help="Purge every DURATION (1h) until stopped.")
+    @click.option(
+        "--every",
+        type=Duration(positive=True, example="1h"),
+        default=None,
+        help="Purge every DURATION (1h) until stopped.",
+    )
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
     def purge(url: str, every: float | None, as_json: bool) -> None:
         """Delete settled records whose ttl passed (unknown and needs_review are kept)."""
-        if every is not None and every <= 0:
-            raise click.UsageError("--every needs a positive duration, e.g. 1h")
         with _ledger(url) as ledger:
 
             def once() -> None:

@@ -47,17 +47,27 @@ def parse_duration(text: str) -> float:
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
-    """A click parameter: a duration such as ``30s``, in seconds."""
+    """A click parameter: a duration such as ``30s``, in seconds. ``positive``: 0 is refused, with
+    ``example`` in the message (the ``--every`` of a daemon, a period)."""
 
     name = "duration"
 
+    def __init__(self, *, positive: bool = False, example: str = "30s") -> None:
+        self.positive = positive
+        self.example = example
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, int | float):
-            return float(value)
-        try:
-            return parse_duration(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+            seconds = float(value)
+        else:
+            try:
+                seconds = parse_duration(str(value))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        if self.positive and not seconds > 0:
+            name = param.opts[0] if param is not None and param.opts else "this option"
+            raise click.UsageError(f"{name} needs a positive duration, e.g. {self.example}", ctx)
+        return seconds
 
 
 _COLOURS = {
@@ -109,7 +119,9 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     help="The ledger's store (default: the --app ledger's, else $ONCEONLY_URL, else the default file).",
 )
 @click.option("--once", is_flag=True, help="Run once and exit (the default without --every).")
-@click.option("--every", "every", type=Duration(), default=None, help="Run every DURATION (30s, 5m) until stopped.")
+@click.option(
+    "--every", "every", type=Duration(positive=True), default=None, help="Run every DURATION (30s, 5m) until stopped."
+)
 @click.option(
     "--review-after",
     type=Duration(),
@@ -142,14 +154,14 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
 )
 @click.option(
     "--purge-every",
-    type=Duration(),
+    type=Duration(positive=True, example="1h"),
     default=3600.0,
     show_default=True,
     help="With --purge and --every: how often to purge (a purge reads every record on SQLite).",
 )
 @click.option(
     "--full-every",
-    type=Duration(),
+    type=Duration(positive=True, example="10m"),
     default=DEFAULT_FULL_EVERY,
     show_default=True,
     help="SQLite: a run reads the in-flight records only when a holder of their leases died or stalled, "
@@ -191,12 +203,6 @@ def reconcile_command(
     """
     if once and every is not None:
         raise click.UsageError("give --once or --every DURATION, not both")
-    if every is not None and every <= 0:
-        raise click.UsageError("--every needs a positive duration, e.g. 30s")
-    if full_every <= 0:
-        raise click.UsageError("--full-every needs a positive duration, e.g. 10m")
-    if purge_every <= 0:
-        raise click.UsageError("--purge-every needs a positive duration, e.g. 1h")
     if url or not app:
         refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
     source = _load_app(app, app_dir) if app else None
