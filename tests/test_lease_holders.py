@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def app(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
-    """The reconciler's side: a ledger with the workers' tool registered (same name, same probe)."""
+    """The reconciler's side: a ledger with the workers' tool registered (same name, same probe),
+    after its first pass: that one reads everything (no full pass on record) and stamps one, so that
+    the passes after it may skip the held records."""
     effects = tmp_path / "effects.db"
     conn = effects_db(effects)
     ledger = Ledger.open(sqlite_url)
@@ -42,6 +44,9 @@ def app(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
     def create(title: str) -> dict[str, Any]:
         raise AssertionError("the reconciler never runs the tool: it probes")
 
+    first = reconcile(ledger)
+    assert first.read_held and first.read_held_why == ["no full pass on record"]
+    assert not reconcile(ledger).read_held
     yield ledger, effects
     ledger.close()
     conn.close()
@@ -94,16 +99,8 @@ def _sleep_past(moment: float | None) -> None:
     time.sleep(max(0.0, (moment or 0.0) - time.time()) + 0.1)
 
 
-def _full_pass(ledger: Ledger) -> None:
-    """A first pass reads everything (no full pass on record) and stamps one: later passes may skip."""
-    first = reconcile(ledger)
-    assert first.read_held and first.read_held_why == ["no full pass on record"]
-    assert not reconcile(ledger).read_held
-
-
 def test_a_pass_skips_held_records_while_every_holder_lives(app: tuple[Ledger, Path], sqlite_url: str) -> None:
     ledger, effects = app
-    _full_pass(ledger)
     proc = _worker(sqlite_url, effects, "hang")  # alive, its heartbeats keep the lease
     try:
         assert len(_holders(ledger)) == 1
@@ -118,7 +115,6 @@ def test_a_pass_skips_held_records_while_every_holder_lives(app: tuple[Ledger, P
 
 def test_a_killed_holder_is_found_once_its_lease_runs_out(app: tuple[Ledger, Path], sqlite_url: str) -> None:
     ledger, effects = app
-    _full_pass(ledger)
     proc = _worker(sqlite_url, effects, "die")
     assert _end(proc, kill=False) == -signal.SIGKILL
     [holder] = _holders(ledger)
@@ -145,7 +141,6 @@ def test_a_holder_killed_the_moment_its_claim_is_written_is_found(app: tuple[Led
     """The lease is published before the claim is written: a worker SIGKILLed right after the write,
     before anything else it would do, is still a dead holder of that lease, and a pass finds it."""
     ledger, effects = app
-    _full_pass(ledger)
     proc = _worker(sqlite_url, effects, "die-after-claim")
     assert _end(proc, kill=False) == -signal.SIGKILL
     [holder] = _holders(ledger)
@@ -162,7 +157,6 @@ def test_a_holder_killed_the_moment_its_claim_is_written_is_found(app: tuple[Led
 def test_a_stalled_holder_is_found(app: tuple[Ledger, Path], sqlite_url: str) -> None:
     """Alive (its lock held) but stopped: its heartbeats stop, the lease runs out, a pass reads it."""
     ledger, effects = app
-    _full_pass(ledger)
     proc = _worker(sqlite_url, effects, "hang")
     try:
         os.kill(proc.pid, signal.SIGSTOP)
@@ -181,7 +175,6 @@ def test_a_stalled_holder_is_found(app: tuple[Ledger, Path], sqlite_url: str) ->
 
 def test_holders_that_end_holding_nothing_leave_nothing_to_read(app: tuple[Ledger, Path], sqlite_url: str) -> None:
     ledger, effects = app
-    _full_pass(ledger)
     clean = _worker(sqlite_url, effects, "close")
     assert _end(clean, kill=False) == 0
     assert _holders(ledger) == []  # left cleanly: its file is gone
