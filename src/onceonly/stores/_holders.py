@@ -260,7 +260,6 @@ class Survey:
     directory: Path
     before: float
     needed: bool = False
-    full_due: bool = False
     why: list[str] = field(default_factory=list)
     stale: list[Path] = field(default_factory=list)
 
@@ -315,7 +314,7 @@ def survey(directory: Path, before: float, full_every: float | None) -> Survey:
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
-        out.needed, out.full_due = True, True
+        out.needed = True
         out.why.append("no full pass on record")
         return out
     if full_every is not None:
@@ -325,7 +324,7 @@ def survey(directory: Path, before: float, full_every: float | None) -> Survey:
         except (OSError, ValueError):
             at = None
         if at is None or at + full_every <= before or at > before:
-            out.needed, out.full_due = True, True
+            out.needed = True
             out.why.append("a full pass is due")
     for name in names:
         if name == FULL_PASS or name.startswith(f"{FULL_PASS}."):
