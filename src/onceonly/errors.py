@@ -40,11 +40,25 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type[OnceOnlyError], args: tuple[Any, ...], state: dict[str, Any]) -> OnceOnlyError:
+    """Unpickle an error without calling its ``__init__`` (whose keyword-only fields pickle cannot pass)."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class OnceOnlyError(Exception):
     """Root of every onceonly error.
 
+    Every one pickles with its message and attributes: durable engines (DBOS), task queues (Celery),
+    ``multiprocessing`` and Ray carry a failed step's exception to another process.
+
     .. versionadded:: 0.1
     """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class _RecordError(OnceOnlyError):
