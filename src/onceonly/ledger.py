@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import inspect
 import logging
 import os
@@ -24,6 +23,7 @@ from onceonly import drivers
 from onceonly import states as st
 from onceonly.clock import StoreClock
 from onceonly.drivers import CallInfo, amark_sent, current_call, mark_sent
+from onceonly.edge import TASK_SCOPE
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
@@ -48,8 +48,6 @@ _MISSING: Any = object()
 
 #: The most records one ``Ledger.list`` returns (a page; ``after=`` gives the next).
 _MAX_LIST = 1_000_000_000
-
-_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_scope", default=None)
 
 
 # --- the ledger -----------------------------------------------------------------------------------
@@ -142,7 +140,7 @@ class Ledger:
 
     def _scope(self) -> str:
         """The scope of keys here: the innermost ``task()``, else the ledger's."""
-        return _SCOPE.get() or self.scope
+        return TASK_SCOPE.get() or self.scope
 
     # --- the decorator ----------------------------------------------------------------------------
 
@@ -176,6 +174,7 @@ class Ledger:
         passthrough: Sequence[type[BaseException]] = (),
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
+        tell_model: bool = False,
     ) -> Callable[[Callable[P, R]], Any]: ...
 
     def tool(
@@ -203,6 +202,7 @@ class Ledger:
         passthrough: Sequence[type[BaseException]] = (),
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
+        tell_model: bool = False,
     ) -> Any:
         """Guard a function with side effects so that each logical call happens once.
 
@@ -242,6 +242,12 @@ class Ledger:
             on_similar: what such a call does: ``"replay"`` (default) the earlier outcome (waiting while
                 it runs), flagged ``Outcome.similar_to``; ``"review"`` park it as ``needs_review`` for a
                 person (``OutcomeUnknown``); ``"raise"`` ``SimilarCall`` with the earlier outcome.
+            tell_model: for a framework that onceonly has no integration for, which hands a tool's return
+                value or ``str(exception)`` to the model: the plain call returns ``onceonly.tell_model``'s
+                text instead of raising an outcome error (unknown, in progress, a conflict, attempts
+                exhausted, a retry scheduled), and a replay's text ("already done at …, not repeated;
+                its result: …") instead of the bare result; a fresh result is returned as it is. The
+                operator's next step goes to the ``onceonly`` log. ``.outcome()`` still raises.
 
         Returns:
             A real function (``async def`` for a coroutine function) with the original's name,
@@ -304,7 +310,7 @@ class Ledger:
             spec = ToolSpec(
                 self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
                 probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=passing,
-                similar=similar, on_similar=on_similar,
+                similar=similar, on_similar=on_similar, tell_model=tell_model,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)
@@ -335,11 +341,11 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        token = _SCOPE.set(validate_name(name, "task name"))
+        token = TASK_SCOPE.set(validate_name(name, "task name"))
         try:
             yield name
         finally:
-            _SCOPE.reset(token)
+            TASK_SCOPE.reset(token)
 
     # --- the operations API (CLI, dashboard) -----------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import threading
 import types
 import weakref
@@ -20,12 +21,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 from onceonly import drivers
-from onceonly.errors import InvalidKey
+from onceonly.edge import envelope
+from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.guard import Call, Outcome, Policy, plan
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Verdict, classify
 from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
 from onceonly.states import State
+from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
@@ -35,6 +38,8 @@ __all__ = ["AsyncTool", "Tool", "ToolSpec", "Wrappers", "make_tool"]
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+
+_log = logging.getLogger("onceonly")
 
 #: The argument the guard fills in with the call's key: never the caller's to give.
 KEY_PARAM = "idempotency_key"
@@ -241,6 +246,7 @@ class ToolSpec:
         passthrough: tuple[type[BaseException], ...] = (),
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
+        tell_model: bool = False,
     ) -> None:
         self.ledger = ledger
         self.fn = fn
@@ -271,6 +277,8 @@ class ToolSpec:
         self.passthrough = passthrough
         self.similar = similar
         self.on_similar = on_similar
+        #: The plain call returns the model's text for every state but a fresh result (``tell_model=True``).
+        self.tell_model = bool(tell_model)
         #: The key fields compared exactly when ``similar`` is set: they form a call's group.
         self.exact_fields: tuple[str, ...] = ()
         if similar is not None:
@@ -448,6 +456,17 @@ class AsyncUsing(Generic[P, R_co]):
         return await self.spec.arun(args, dict(kwargs), self.key, self.occurrence)
 
 
+def told(spec: ToolSpec, error: OnceOnlyError) -> str:
+    """The model's text for an outcome error of a ``tell_model=True`` tool; the operator's text is logged."""
+    _log.warning("onceonly %s: %s", spec.name, error)
+    return envelope(error).text
+
+
+def answered(out: Outcome) -> Any:
+    """What a ``tell_model=True`` tool returns for an outcome: a fresh result as it is, else the text."""
+    return out.result if not out.replayed else envelope(out).text
+
+
 def _sync_function(spec: ToolSpec) -> Callable[..., Any]:
     # Everything the body uses is a closure variable: the function is rebuilt over the original's
     # globals (see make_tool), where none of these names exist.
@@ -455,6 +474,19 @@ def _sync_function(spec: ToolSpec) -> Callable[..., Any]:
     refused = key_refused
     key_param = KEY_PARAM
     name = spec.name
+    answer, tell, outcome_errors = answered, told, TOLD
+
+    if spec.tell_model:
+
+        def guarded_told(*args: Any, **kwargs: Any) -> Any:
+            if key_param in kwargs:
+                raise refused(name)
+            try:
+                return answer(run(args, kwargs, None, 1))
+            except outcome_errors as err:
+                return tell(spec, err)
+
+        return guarded_told
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if key_param in kwargs:
@@ -469,6 +501,19 @@ def _async_function(spec: ToolSpec) -> Callable[..., Any]:
     refused = key_refused
     key_param = KEY_PARAM
     name = spec.name
+    answer, tell, outcome_errors = answered, told, TOLD
+
+    if spec.tell_model:
+
+        async def guarded_told(*args: Any, **kwargs: Any) -> Any:
+            if key_param in kwargs:
+                raise refused(name)
+            try:
+                return answer(await arun(args, kwargs, None, 1))
+            except outcome_errors as err:
+                return tell(spec, err)
+
+        return guarded_told
 
     async def guarded(*args: Any, **kwargs: Any) -> Any:
         if key_param in kwargs:

@@ -1,0 +1,226 @@
+"""The edge contract: how a call that enters from a framework or a protocol becomes a ledger call.
+
+Every integration (LangChain, the OpenAI Agents SDK, MCP, and the guarded function's own
+``tell_model=True``) goes through this module, so that four things are decided once:
+
+- **who is calling** (``caller_scope``, ``run_scope``, ``client_scope``): the conversation id the framework
+  gives; else the authenticated principal or the protocol session; else the run's own id, with one
+  warning naming the setting that shares records across runs. Never a process-wide scope by silent
+  fallback. A scope a client chooses is bound under its caller, so it never reaches another caller's
+  records;
+- **the arguments in their real form**: ``onceonly.schema.coerce`` (validated and coerced by the tool's
+  own JSON Schema before the fingerprint);
+- **what a result means** (``error_result_verdict``): a tool that reported an error after it may have
+  acted is an unknown outcome unless it is read-only; a protocol error before it ran is a failure;
+- **what the model reads** (``Envelope``, ``envelope``): the state and ``tell_model``'s text, never
+  ``str(exception)``; onceonly's own result marks (``OWN_META_PREFIX``) are set by onceonly alone
+  (``strip_own_meta``).
+
+Pure, framework-free and without I/O, apart from the one warning a run scope logs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from onceonly.errors import (
+    AttemptsExhausted,
+    InProgress,
+    KeyConflict,
+    OnceOnlyError,
+    OutcomeUnknown,
+    RetryScheduled,
+    SimilarCall,
+)
+from onceonly.guard import Outcome
+from onceonly.keys import safe_name
+from onceonly.policy import Verdict
+from onceonly.tell import TOLD, tell_model
+
+__all__ = [
+    "OWN_META_PREFIX",
+    "STATES",
+    "Envelope",
+    "EnvelopeState",
+    "caller_scope",
+    "client_scope",
+    "envelope",
+    "error_result_verdict",
+    "run_scope",
+    "strip_own_meta",
+    "task_scope",
+]
+
+_log = logging.getLogger("onceonly")
+
+#: The prefix of onceonly's own ``_meta`` keys on a result (``dev.onceonly/replayed``, ``dev.onceonly/key``).
+OWN_META_PREFIX = "dev.onceonly/"
+
+# The scope ``ledger.task()`` sets: here, below the ledger, so that the doors can tell "the caller chose a
+# task" from "nothing was chosen" without reading the ledger's private state.
+TASK_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_scope", default=None)
+
+# Scopes longer than this (or not valid names) are hashed, so that scope:tool:digest fits the key limit.
+MAX_SCOPE = 96
+
+
+def task_scope() -> str | None:
+    """The scope of the innermost ``ledger.task()`` around this call, or ``None`` outside any.
+
+    .. versionadded:: 0.1
+    """
+    return TASK_SCOPE.get()
+
+
+# --- who is calling -------------------------------------------------------------------------------
+
+
+def caller_scope(kind: Literal["c", "p", "s", "r", "local"], value: str = "", *, base: str | None = None) -> str:
+    """The scope of one caller: ``kind`` says where the identity came from — ``c`` a conversation the
+    application named, ``p`` an authenticated principal (already a keyed hash), ``s`` a protocol session,
+    ``r`` one run of a framework, ``local`` the one client of a transport that has exactly one (stdio,
+    in memory). ``base`` (a server's name) comes first, so that two servers on one ledger stay apart.
+
+    The parts are fixed-form (``base/p:…``), so no caller's value can spell another kind's scope.
+
+    .. versionadded:: 0.1
+    """
+    part = "local" if kind == "local" else f"{kind}:{value}"
+    text = part if base is None else f"{base}/{part}"
+    return safe_name(text, limit=MAX_SCOPE, prefix="h-")
+
+
+def client_scope(caller: str, chosen: str) -> str:
+    """A scope the client chose (``_meta["dev.onceonly/scope"]``, a conversation id it sent), bound under
+    its caller's scope: the same text sent by another caller names another scope.
+
+    .. versionadded:: 0.1
+    """
+    return safe_name(f"{caller}/c:{chosen}", limit=MAX_SCOPE, prefix="h-")
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def run_scope(run_id: str, *, integration: str, setting: str) -> str:
+    """The scope of a call made inside a framework run that names no conversation: that run's own id.
+
+    Calls of one run (a re-plan, a retry inside it) replay each other; another run — maybe another
+    user — runs its own. Logs one warning per integration and setting, naming what to set so that
+    records are shared across the runs of one conversation.
+
+    .. versionadded:: 0.1
+    """
+    with _warned_lock:
+        first = (integration, setting) not in _warned
+        _warned.add((integration, setting))
+    if first:
+        _log.warning(
+            "onceonly %s: this run names no conversation, so guarded calls are scoped to the run itself and a "
+            "later run (a resumed conversation, another process) runs them again; set %s to the conversation's "
+            "id to share records across its runs, or wrap the run in ledger.task(conversation_id)",
+            integration,
+            setting,
+        )
+    return caller_scope("r", run_id)
+
+
+# --- what a result means ----------------------------------------------------------------------------
+
+
+def error_result_verdict(*, read_only: bool) -> Verdict:
+    """What a tool's own error result (MCP ``isError: true``, a framework's "the tool ran and failed")
+    means for the ledger: a read-only tool failed (``FAILED``); any other may have acted before it
+    failed (``UNKNOWN``), so it is settled by its policy and never re-run blindly. A protocol error before
+    the tool ran (unknown tool, invalid params) is not a result: it is a failure, classified where it is
+    raised.
+
+    .. versionadded:: 0.1
+    """
+    return Verdict.FAILED if read_only else Verdict.UNKNOWN
+
+
+def strip_own_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``meta`` without onceonly's own keys: only onceonly sets them, so an upstream's are dropped (a forged
+    replay mark must not reach the client).
+
+    .. versionadded:: 0.1
+    """
+    if not meta:
+        return {}
+    return {k: v for k, v in meta.items() if not (isinstance(k, str) and k.startswith(OWN_META_PREFIX))}
+
+
+# --- what the model reads -----------------------------------------------------------------------------
+
+EnvelopeState = Literal["done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted"]
+
+#: Every state an envelope can have: ``not_run`` is the one that is safe to call again.
+STATES: tuple[EnvelopeState, ...] = ("done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted")
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """What happened to one guarded call, as every integration tells it to a model.
+
+    Attributes:
+        state: ``done`` (it ran now), ``replayed`` (done earlier, not repeated), ``unknown`` (it may have
+            happened; being checked: do not issue it again), ``in_progress`` (another call is doing it),
+            ``not_run`` (it did not happen: safe to call again, after ``retry_at`` when given),
+            ``conflict`` (the same operation was done with other details, or a similar one was),
+            ``exhausted`` (it failed and will not be retried automatically).
+        text: ``tell_model``'s text for the model: never an operator instruction.
+        result: the result for ``done``, ``replayed`` and a ``conflict`` replayed by ``on_conflict="replay"``
+            or a near-duplicate (``None`` otherwise).
+        key: the ledger key, for logs and ``onceonly show`` (not for the model).
+
+    .. versionadded:: 0.1
+    """
+
+    state: EnvelopeState
+    text: str
+    result: Any = None
+    key: str | None = None
+
+
+def _state_of(error: OnceOnlyError) -> EnvelopeState:
+    if isinstance(error, OutcomeUnknown):
+        return "unknown"
+    if isinstance(error, RetryScheduled):  # before InProgress, its base: nobody is running it
+        return "not_run"
+    if isinstance(error, InProgress):
+        return "in_progress"
+    if isinstance(error, KeyConflict | SimilarCall):
+        return "conflict"
+    if isinstance(error, AttemptsExhausted):
+        return "exhausted"
+    raise TypeError(f"{type(error).__name__} is not an outcome a model is told about: it is raised")
+
+
+def envelope(what: Outcome | BaseException) -> Envelope:
+    """The envelope of an ``Outcome``, or of one of the outcome errors (``onceonly.tell.TOLD``).
+
+    Raises:
+        TypeError: ``what`` is another exception (a store fault, the tool's own error): not an outcome,
+            so the caller raises it rather than telling the model.
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(what, Outcome):
+        if what.replayed and what.similar_to is not None:
+            state: EnvelopeState = "conflict"
+        elif what.replayed:
+            state = "conflict" if what.conflict else "replayed"
+        else:
+            state = "done"
+        return Envelope(state, tell_model(what), what.result, what.key or None)
+    if isinstance(what, TOLD):
+        key = getattr(what, "key", None)
+        return Envelope(_state_of(what), tell_model(what), None, key if isinstance(key, str) else None)
+    raise TypeError(f"envelope() takes an Outcome or an outcome error, not {type(what).__name__}: raise it")
