@@ -57,15 +57,15 @@ def test_same_key_runs_once_and_the_replay_says_so(tickets: Tickets, mcp_ledger:
     assert tickets.count() == 3
     assert not first.is_error and not (first.meta or {}).get(REPLAYED_META)
     assert second.meta[REPLAYED_META] is True
-    assert second.meta[KEY_META] == "tickets:create_ticket:order-1"
+    assert second.meta[KEY_META] == "tickets/local:create_ticket:order-1"  # the in-memory client: one caller
     assert "already done" in _texts(second)[0] and "not repeated" in _texts(second)[0]
     assert _texts(second)[1:] == _texts(first)
     assert second.structured_content == first.structured_content
 
 
 def test_scope_from_meta_and_sessions(tickets: Tickets, mcp_ledger: Ledger) -> None:
-    """No key: the same call in one conversation (_meta scope, or one handshake-era session) runs once,
-    in two conversations or two sessions twice."""
+    """No key: the same call in one conversation (_meta scope) runs once, in two conversations twice; an
+    in-memory transport has exactly one client, so its handshake-era sessions are one caller."""
     server = fastmcp_server(tickets)
     server.add_middleware(OnceOnlyMiddleware(mcp_ledger))
 
@@ -77,8 +77,8 @@ def test_scope_from_meta_and_sessions(tickets: Tickets, mcp_ledger: Ledger) -> N
     asyncio.run(calls("auto", [meta(scope="thread-a"), meta(scope="thread-a"), meta(scope="thread-b")]))
     assert tickets.count() == 2
     asyncio.run(calls("legacy", [None, None]))  # one session
-    asyncio.run(calls("legacy", [None]))  # another session
-    assert tickets.count() == 4
+    asyncio.run(calls("legacy", [None]))  # another session of the same one client
+    assert tickets.count() == 3
 
 
 def test_read_only_runs_every_time_and_error_result_is_retried(tickets: Tickets, mcp_ledger: Ledger) -> None:

@@ -120,7 +120,9 @@ def test_proxy_over_streamable_http(tmp_path: Path) -> None:
     assert out["counts"] == ({"result": 0}, {"result": 1})
     assert not (out["first"].meta or {}).get(REPLAYED_META) and out["again"].meta[REPLAYED_META] is True
     assert tickets.count("a") == 1
-    assert out["flaky_error"].is_error and not out["flaky_ok"].is_error
+    # An isError answer may come after the side effect: the probe settles it (not found) and it runs again.
+    assert not out["flaky_error"].is_error and not out["flaky_ok"].is_error
+    assert out["flaky_ok"].meta[REPLAYED_META] is True
     assert tickets.count("flaky") == 1
 
     unknown = out["killed"][0]

@@ -95,8 +95,10 @@ def test_proxy_over_stdio(tmp_path: Path) -> None:
     assert "not repeated" in out["again"].content[0].text
     assert tickets.count("a") == 1
 
-    assert out["flaky_error"].is_error and not _replayed(out["flaky_error"])
-    assert not out["flaky_ok"].is_error and not _replayed(out["flaky_ok"])
+    # An isError answer may come after the side effect: the outcome is unknown, so the probe settles it
+    # (not found: the ticket was not made) and the call runs again; the second call replays.
+    assert not out["flaky_error"].is_error and not _replayed(out["flaky_error"])
+    assert not out["flaky_ok"].is_error and _replayed(out["flaky_ok"])
     assert tickets.count("flaky") == 1
 
     assert not out["killed"].is_error and _replayed(out["killed"])

@@ -33,7 +33,8 @@ def fixture_mcp_ledger(tmp_path: Path) -> Any:
 
 def test_same_key_once_other_sessions_twice(tickets: Tickets, mcp_ledger: Ledger) -> None:
     """Without the guard the same call twice makes two tickets. With it: the same _meta key is one
-    execution and a replay; two handshake-era sessions without a key are two; one session is one."""
+    execution and a replay; an in-memory transport has exactly one client, so without a key its
+    handshake-era sessions are one caller and the call runs once."""
     plain = sdk_server(tickets)
 
     async def calls(server: MCPServer[Any], mode: str, metas: list[dict[str, Any] | None]) -> list[Any]:
@@ -54,7 +55,7 @@ def test_same_key_once_other_sessions_twice(tickets: Tickets, mcp_ledger: Ledger
 
     asyncio.run(calls(server, "legacy", [None, None]))
     asyncio.run(calls(server, "legacy", [None]))
-    assert tickets.count() == 5
+    assert tickets.count() == 4
 
 
 def test_read_only_passes_and_unknown_tool_records_nothing(tickets: Tickets, mcp_ledger: Ledger) -> None:

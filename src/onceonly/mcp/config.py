@@ -4,9 +4,13 @@
 scope = "tickets"            # the scope of keys when the client sends none (default: the upstream's name)
 annotations = true           # trust the upstream's readOnlyHint / idempotentHint to relax guarding
 tell_model = true            # precede a replay with the text that tells the model
+single_tenant = false        # true: every caller is one tenant, so records are shared across callers
+env = ["TICKETS_API_KEY"]    # variables of the proxy's environment the upstream command also gets
+allowed_hosts = []           # --listen: Host/Origin names accepted besides loopback ones
 
 [tools.create_ticket]
 on_unknown = "probe"
+on_error = "unknown"         # an isError answer may follow the side effect ("failed": it did nothing)
 probe = { tool = "find_ticket", arguments = { session_id = "$session_id", title = "$title" } }
 attempts = 3
 timeout = 30                 # seconds per attempt
@@ -29,8 +33,8 @@ from onceonly.mcp.core import META_KEY, ProbeTool, ToolPolicy
 
 __all__ = ["ProxyConfig", "load_config", "parse_config"]
 
-_PROXY_FIELDS = {"scope", "annotations", "tell_model", "meta_key"}
-_TOOL_FIELDS = {"guard", "on_unknown", "probe", "attempts", "timeout", "wait", "ttl", "key", "on_conflict"}
+_PROXY_FIELDS = {"scope", "annotations", "tell_model", "meta_key", "single_tenant", "env", "allowed_hosts"}
+_TOOL_FIELDS = {"guard", "on_unknown", "probe", "attempts", "timeout", "wait", "ttl", "key", "on_conflict", "on_error"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class ProxyConfig:
     tell_model: bool = True
     meta_key: str = META_KEY
     tools: dict[str, ToolPolicy] = field(default_factory=dict)
+    single_tenant: bool = False
+    env: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def load_config(path: str | Path) -> ProxyConfig:
@@ -98,7 +105,15 @@ def parse_config(data: dict[str, Any], source: str = "config") -> ProxyConfig:
         tell_model=_want(proxy.get("tell_model", True), bool, f"{where} tell_model", "true or false"),
         meta_key=_want(proxy.get("meta_key", META_KEY), str, f"{where} meta_key", "a string"),
         tools=tools,
+        single_tenant=_want(proxy.get("single_tenant", False), bool, f"{where} single_tenant", "true or false"),
+        env=_names(proxy.get("env", []), f"{where} env", "names of environment variables"),
+        allowed_hosts=_names(proxy.get("allowed_hosts", []), f"{where} allowed_hosts", "host names"),
     )
+
+
+def _names(value: Any, where: str, what: str) -> tuple[str, ...]:
+    items = _want(value, list, where, f"a list of {what}")
+    return tuple(_want(v, str, where, f"{what} (strings)") for v in items)
 
 
 def _tool(name: str, table: dict[str, Any], where: str) -> ToolPolicy:
@@ -108,7 +123,7 @@ def _tool(name: str, table: dict[str, Any], where: str) -> ToolPolicy:
     kw: dict[str, Any] = {}
     if "guard" in table:
         kw["guard"] = _want(table["guard"], bool, f"{where} guard", "true or false")
-    for text in ("on_unknown", "on_conflict"):
+    for text in ("on_unknown", "on_conflict", "on_error"):
         if text in table:
             kw[text] = _want(table[text], str, f"{where} {text}", "a string")
     if "attempts" in table:

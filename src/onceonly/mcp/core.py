@@ -1,35 +1,50 @@
 """What every MCP integration shares, free of any MCP library: keys, policies, and the guarded call.
 
-A ``tools/call`` is guarded as one ledger operation whose arguments are the call's JSON arguments. The
-framework adapters (``onceonly.mcp.fastmcp``, ``onceonly.mcp.sdk``) turn their request into a ``Request``
-and their results into wire dicts (``{"content": [...], "structuredContent": ..., "isError": ...,
-"_meta": {...}}``), and this module decides:
+A ``tools/call`` is guarded as one ledger operation whose arguments are the call's JSON arguments,
+coerced by the tool's own ``inputSchema`` (``onceonly.schema``: ``500``, ``"500"`` and ``500.0`` for an
+integer are one operation). The framework adapters (``onceonly.mcp.middleware``, ``onceonly.mcp.sdk``)
+turn their request into a ``Request`` and their results into wire dicts (``{"content": [...],
+"structuredContent": ..., "isError": ..., "_meta": {...}}``), and this module decides, through the edge
+contract (``onceonly.edge``):
 
-- the key: ``_meta[meta_key]`` from the client; else ``_meta["dev.onceonly/scope"]`` (a conversation)
-  + tool + canonical arguments; else the protocol session, on handshake-era connections; else the
-  server's own scope + tool + arguments;
+- who is calling (``caller``): the access token's principal, else the ``Authorization`` header (both as
+  a keyed hash), else the one client of a stdio or in-memory transport, else the handshake-era protocol
+  session, else a loopback client; a network caller with none of these shares nothing. A server guarded
+  for one tenant on purpose (``single_tenant=True``) shares its records across callers;
+- the key: ``_meta[meta_key]`` from the client, else ``_meta["dev.onceonly/scope"]`` (a conversation) +
+  tool + canonical arguments, else tool + canonical arguments: each within its caller's scope, so that
+  what a client chooses never reaches another caller's records;
 - the policy: a read-only tool (by its annotations, when they are trusted) passes through, an
   idempotent one settles an unknown by running again, everything else by review, unless the tool's
   ``ToolPolicy`` says otherwise (a probe may be another tool of the same server);
-- what the client reads: a fresh result as it came, an ``isError`` result as it came (a failed
-  attempt, never a confirmed outcome), a replay as the same content blocks preceded by one text
-  block of ``tell_model`` and marked ``_meta["dev.onceonly/replayed"] = true``, and an unknown or
-  any other refusal of the ledger as an error result with ``tell_model``'s text.
+- what a result means: an ``isError`` result of a tool that is not read-only says it ran and failed,
+  maybe after its side effect: an unknown outcome, settled by its policy (``ToolPolicy.on_error``
+  overrides it); a protocol error before the tool ran is a failure;
+- what the client reads: a fresh result as it came, without any ``dev.onceonly/*`` mark of the
+  upstream's; a replay as the same content blocks preceded by one text block of ``tell_model`` and marked
+  ``_meta["dev.onceonly/replayed"] = true``; an unknown or any other refusal of the ledger as an error
+  result with ``tell_model``'s text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
+import ipaddress
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from onceonly.errors import InvalidKey, OnceOnlyError
+from onceonly import edge
+from onceonly.callers import CallerHasher, check_secret, stored_secret
+from onceonly.errors import InvalidKey, OnceOnlyError, OutcomeUnknown
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Outcome, Policy
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, safe_name, select, validate_name
 from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
+from onceonly.schema import SchemaError, coerce
 from onceonly.tell import tell_model
 from onceonly.tools import ToolSpec
 
@@ -46,6 +61,7 @@ __all__ = [
     "ProbeTool",
     "Request",
     "ToolPolicy",
+    "Transport",
     "meta",
 ]
 
@@ -129,6 +145,7 @@ def _substitute(value: Any, arguments: Mapping[str, Any]) -> Any:
 
 
 ProbeFn = Callable[[dict[str, Any]], Any]
+OnError = Literal["unknown", "failed"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,11 @@ class ToolPolicy:
         ttl: seconds a result is kept and replayed (``None``: forever).
         key: the argument names that identify the operation (default: all arguments).
         on_conflict: an explicit key sent again with other arguments: ``"raise"`` or ``"replay"``.
+        on_error: what the tool's own error result (``isError: true``) means: ``"unknown"`` (default for a
+            tool that is not read-only: it ran, maybe after its side effect, so it is settled by
+            ``on_unknown`` and never re-run blindly), ``"failed"`` (it did nothing: the error is answered
+            as it came and a later call runs again), or a function of the result's wire dict that
+            returns one of the two.
 
     .. versionadded:: 0.1
     """
@@ -161,8 +183,14 @@ class ToolPolicy:
     ttl: float | None = DEFAULT_TTL
     key: tuple[str, ...] | None = None
     on_conflict: OnConflict = "raise"
+    on_error: OnError | Callable[[dict[str, Any]], OnError] | None = None
 
     def __post_init__(self) -> None:
+        if self.on_error is not None and not callable(self.on_error) and self.on_error not in get_args(OnError):
+            raise ValueError(
+                f"on_error={self.on_error!r}: use 'unknown', 'failed', or a function of the error result "
+                "that returns one of them"
+            )
         if self.on_unknown is not None and self.on_unknown not in get_args(OnUnknown):
             raise ValueError(f"on_unknown={self.on_unknown!r}: use one of {', '.join(get_args(OnUnknown))}")
         if self.on_conflict not in get_args(OnConflict):
@@ -192,23 +220,44 @@ class Hints:
     idempotent: bool | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """What the transport says about who sent a request, as an adapter reads it.
+
+    Attributes:
+        network: the request came over HTTP (streamable HTTP, SSE); ``False``: stdio or in memory, a
+            transport with exactly one client.
+        principal: the access token's ``(client_id, issuer, subject)`` when the server has auth.
+        authorization: the ``Authorization`` header as sent (hashed before anything keeps it).
+        peer: the client's address.
+        session: the protocol session of a handshake-era connection (``None`` on the stateless protocol).
+    """
+
+    network: bool = False
+    principal: tuple[str | None, ...] | None = None
+    authorization: str | None = None
+    peer: str | None = None
+    session: str | None = None
+
+
 @dataclass(slots=True)
 class Request:
     """One ``tools/call``, as an adapter sees it.
 
-    ``call`` runs the rest of the server's chain and returns the framework's result object; ``to_wire``
-    turns such an object into a wire dict; ``probe_call`` calls another tool of the server (for a
-    ``ProbeTool``) and returns its wire dict.
+    ``call`` runs the rest of the server's chain with the given arguments (coerced by the tool's schema)
+    and returns the framework's result object; ``to_wire`` turns such an object into a wire dict;
+    ``probe_call`` calls another tool of the server (for a ``ProbeTool``) and returns its wire dict.
     """
 
     name: str
     arguments: dict[str, Any]
     meta: Mapping[str, Any]
-    session: str | None
+    transport: Transport
     hints: Hints
-    call: Callable[[], Awaitable[Any]]
+    call: Callable[[dict[str, Any]], Awaitable[Any]]
     to_wire: Callable[[Any], dict[str, Any]]
     probe_call: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
+    schema: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -229,13 +278,26 @@ Answer = Forwarded | Made
 
 
 class _ToolFailed(Exception):
-    """The tool answered with ``isError``: a definite failed attempt, re-raised to be answered as it came."""
+    """The tool answered with ``isError`` and its policy says it did nothing: a definite failed attempt,
+    re-raised to be answered as it came."""
 
     onceonly_verdict = Verdict.FAILED
 
     def __init__(self, original: Any, wire: dict[str, Any]) -> None:
         super().__init__(_text_of(wire) or "the tool answered with an error result")
         self.original = original
+
+
+class _ToolErrorAfterRun(Exception):
+    """The tool answered with ``isError`` after it may have acted (an upstream's own timeout, a failure
+    half-way): the outcome is unknown, settled by the tool's policy."""
+
+    onceonly_verdict = Verdict.UNKNOWN
+
+    def __init__(self, wire: dict[str, Any]) -> None:
+        super().__init__(
+            f"the tool answered with an error result after it may have acted: {_text_of(wire)[:300]}".rstrip(": ")
+        )
 
 
 class _InputRequired(Exception):
@@ -250,21 +312,30 @@ class _InputRequired(Exception):
 class _Forward:
     """The guarded function's one argument that is not part of the operation: how to run it this time."""
 
-    __slots__ = ("original", "request")
+    __slots__ = ("arguments", "error", "forged", "on_error", "original", "request")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, arguments: dict[str, Any], on_error: Callable[[dict[str, Any]], str]) -> None:
         self.request = request
+        self.arguments = arguments
+        self.on_error = on_error
         self.original: Any = None
+        self.forged = False
+        #: The tool's own error result, when it answered with one that is taken as an unknown outcome.
+        self.error: dict[str, Any] | None = None
 
     async def __call__(self) -> dict[str, Any]:
         req = self.request
-        got = await req.call()
+        got = await req.call(self.arguments)
         wire = req.to_wire(got)
         if wire.get("resultType") == "input_required":
             raise _InputRequired(got)
         if wire.get("isError"):
-            raise _ToolFailed(got, wire)
+            if self.on_error(wire) == "failed":
+                raise _ToolFailed(got, wire)
+            self.error = wire
+            raise _ToolErrorAfterRun(wire)
         self.original = got
+        self.forged = has_own_meta(wire)
         return stored(wire)
 
 
@@ -280,13 +351,35 @@ _PROBE_CALL: contextvars.ContextVar[Callable[[str, dict[str, Any]], Awaitable[di
 
 def stored(wire: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a result that is kept: its content blocks, structured content, and the ``_meta``
-    keys that are the tool's own (not the protocol's ``io.modelcontextprotocol/*``)."""
+    keys that are the tool's own (not the protocol's ``io.modelcontextprotocol/*``, nor onceonly's
+    ``dev.onceonly/*``, which only onceonly sets)."""
     out: dict[str, Any] = {"content": list(wire.get("content") or [])}
     if wire.get("structuredContent") is not None:
         out["structuredContent"] = wire["structuredContent"]
-    own = {k: v for k, v in (wire.get("_meta") or {}).items() if not k.startswith("io.modelcontextprotocol/")}
+    own = {
+        k: v
+        for k, v in edge.strip_own_meta(wire.get("_meta")).items()
+        if not str(k).startswith("io.modelcontextprotocol/")
+    }
     if own:
         out["_meta"] = own
+    return out
+
+
+def has_own_meta(wire: Mapping[str, Any]) -> bool:
+    """Whether a result carries one of onceonly's own ``_meta`` marks (from an upstream: forged)."""
+    meta = wire.get("_meta")
+    return bool(meta) and len(edge.strip_own_meta(meta)) != len(meta)  # type: ignore[arg-type]
+
+
+def cleaned(wire: Mapping[str, Any]) -> dict[str, Any]:
+    """``wire`` without onceonly's own ``_meta`` marks, everything else as it came."""
+    out = dict(wire)
+    meta = edge.strip_own_meta(wire.get("_meta"))
+    if meta:
+        out["_meta"] = meta
+    else:
+        out.pop("_meta", None)
     return out
 
 
@@ -349,6 +442,18 @@ def _mcp_error_codes(exc: BaseException) -> Classification | None:
 
 Mode = Literal["pass", "guard"]
 
+#: Where a guard keeps the secret of its callers' hash, in the ledger's store.
+SECRET_KEY = "onceonly-mcp:meta:client-secret"
+
+
+def _loopback(peer: str | None) -> bool:
+    if not peer:
+        return False
+    try:
+        return ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return peer == "localhost"
+
 
 class Guard:
     """The MCP guard of one server (or proxy): its ledger, its key sources, its tools' policies.
@@ -356,11 +461,16 @@ class Guard:
     Args:
         ledger: the ledger.
         meta_key: the request ``_meta`` key of the client's own key.
-        scope: the scope of keys when neither the client nor the protocol gives one (default: the server's
-            name, as the adapter knows it).
+        scope: the server's part of every key's scope (default: the server's name, as the adapter knows
+            it), so that two servers on one ledger stay apart; each caller's scope is under it.
         tools: a ``ToolPolicy`` (or a dict of its fields) per tool name.
         annotations: trust the tools' annotations to relax guarding (``readOnlyHint``, ``idempotentHint``).
         tell_model: precede a replay's content with the text that tells the model it was not repeated.
+        single_tenant: every caller is the same tenant on purpose: records (and the keys and scopes clients
+            choose) are shared across callers. Off by default: a record is never shared between callers
+            that could be different people.
+        client_secret: the key of the callers' hash (16 bytes or more, the same in every process); default:
+            one made on first use and kept in the ledger's store.
     """
 
     def __init__(
@@ -372,6 +482,8 @@ class Guard:
         tools: Mapping[str, ToolPolicy | Mapping[str, Any]] | None = None,
         annotations: bool = True,
         tell_model: bool = True,
+        single_tenant: bool = False,
+        client_secret: bytes | str | None = None,
     ) -> None:
         self.ledger = ledger
         self.meta_key = validate_name(meta_key, "meta_key")
@@ -379,6 +491,10 @@ class Guard:
         self.tools = {name: p if isinstance(p, ToolPolicy) else ToolPolicy(**p) for name, p in (tools or {}).items()}
         self.annotations = annotations
         self.tell_model = tell_model
+        self.single_tenant = bool(single_tenant)
+        self._hasher = None if client_secret is None else CallerHasher(check_secret(client_secret))
+        self._hasher_lock = asyncio.Lock()
+        self._warned_anonymous = False
         self._specs: dict[tuple[str, str], ToolSpec] = {}
 
     # --- the decisions --------------------------------------------------------------------------
@@ -399,17 +515,80 @@ class Guard:
             return "retry"
         return "review"
 
-    def scope_and_key(self, req: Request, base: str) -> tuple[str, str | None]:
+    def on_error(self, name: str, hints: Hints) -> Callable[[dict[str, Any]], str]:
+        """What an ``isError`` result of this tool means: ``"unknown"`` unless it is read-only (its
+        annotations trusted) or its policy says otherwise."""
+        p = self.tools.get(name)
+        rule = p.on_error if p is not None else None
+        if callable(rule):
+            fn = rule
+
+            def ask(wire: dict[str, Any]) -> str:
+                verdict = fn(wire)
+                if verdict not in ("unknown", "failed"):
+                    raise TypeError(
+                        f"the on_error function of tool {name!r} returned {verdict!r}: return 'unknown' or 'failed'"
+                    )
+                return verdict
+
+            return ask
+        if rule is None:
+            read_only = self.annotations and hints.read_only is True
+            rule = "failed" if edge.error_result_verdict(read_only=read_only) is Verdict.FAILED else "unknown"
+        fixed = rule
+        return lambda _wire: fixed
+
+    def base(self, base: str) -> str:
+        return _safe_name(self.scope or base, _MAX_SCOPE, "h-")
+
+    async def hasher(self) -> CallerHasher:
+        if self._hasher is None:
+            async with self._hasher_lock:
+                if self._hasher is None:
+                    secret = await asyncio.to_thread(
+                        stored_secret, self.ledger.store, key=SECRET_KEY, scope="onceonly-mcp:meta", tool="mcp",
+                        now=self.ledger.clock(),
+                    )  # fmt: skip
+                    self._hasher = CallerHasher(secret)
+        return self._hasher
+
+    async def caller(self, req: Request, base: str) -> str:
+        """The scope of the caller of ``req``, under the server's ``base`` (see the module's docstring)."""
+        root = self.base(base)
+        if self.single_tenant:
+            return root
+        t = req.transport
+        if t.principal is not None:
+            return edge.caller_scope("p", (await self.hasher())("token", list(t.principal)), base=root)
+        if t.authorization:
+            return edge.caller_scope("p", (await self.hasher())("authorization", [t.authorization]), base=root)
+        if not t.network:
+            return edge.caller_scope("local", base=root)
+        if t.session is not None:
+            return edge.caller_scope("s", t.session, base=root)
+        if _loopback(t.peer):
+            return edge.caller_scope("local", base=root)
+        if not self._warned_anonymous:
+            self._warned_anonymous = True
+            _log.warning(
+                "onceonly mcp: a call over the network came with no credentials and no session, so its caller "
+                "cannot be told from others: it runs guarded on its own and nothing replays for it. Give the "
+                "server auth (or clients an Authorization header), or, if every caller is one tenant on "
+                "purpose, pass single_tenant=True"
+            )
+        return edge.caller_scope("r", uuid.uuid4().hex, base=root)
+
+    async def scope_and_key(self, req: Request, base: str) -> tuple[str, str | None]:
         """The key's scope and the client's own key (``None``: the key is tool + canonical arguments).
 
         Raises:
             BadRequest: a ``_meta`` key or scope that is not a usable name.
         """
-        base = _safe_name(self.scope or base, _MAX_SCOPE, "h-")
+        caller = await self.caller(req, base)
         raw = req.meta.get(self.meta_key)
         tool = self.tool_name(req.name)
         if raw is not None:
-            room = MAX_KEY_LENGTH - len(compose_key(base, tool, ""))  # as stored: ':' and '%' encoded
+            room = MAX_KEY_LENGTH - len(compose_key(caller, tool, ""))  # as stored: ':' and '%' encoded
             try:
                 key = validate_name(raw, f"_meta {self.meta_key!r}")
             except InvalidKey as exc:
@@ -419,7 +598,7 @@ class Guard:
                     f"the _meta {self.meta_key!r} is {len(key)} characters; with this server's scope and the "
                     f"tool name the limit is {room}: send a shorter key, or a hash of it"
                 )
-            return base, key
+            return caller, key
         conv = req.meta.get(SCOPE_META_KEY)
         if conv is not None:
             if not isinstance(conv, str) or not conv:
@@ -427,10 +606,8 @@ class Guard:
                     f"the _meta {SCOPE_META_KEY!r} must be a non-empty string (a conversation id), "
                     f"got {type(conv).__name__}: {conv!r}"[:300]
                 )
-            return _safe_name(f"{base}/c:{conv}", _MAX_SCOPE, "h-"), None
-        if req.session is not None:
-            return _safe_name(f"{base}/s:{req.session}", _MAX_SCOPE, "h-"), None
-        return base, None
+            return edge.client_scope(caller, conv), None
+        return caller, None
 
     def tool_name(self, name: str) -> str:
         return _safe_name(name, _MAX_TOOL, "tool-")
@@ -476,30 +653,52 @@ class Guard:
             Exception: whatever the rest of the chain raised (the framework answers it).
         """
         if self.mode(req.name, req.hints) == "pass":
-            return Forwarded(await req.call())
+            return self.passed(req, await req.call(req.arguments))
         if not isinstance(req.arguments, dict):
             raise BadRequest(
                 f"tools/call {req.name!r}: the arguments must be a JSON object, got {type(req.arguments).__name__}"
             )
-        scope, key = self.scope_and_key(req, base_scope)
+        arguments = self.coerced(req)
+        scope, key = await self.scope_and_key(req, base_scope)
         spec = self.spec(req.name, self.on_unknown(req.name, req.hints))
-        forward = _Forward(req)
+        forward = _Forward(req, arguments, self.on_error(req.name, req.hints))
         token = _PROBE_CALL.set(req.probe_call)
         try:
             with self.ledger.task(scope):
-                out = await spec.arun((req.arguments, forward), {}, key, 1)
+                out = await spec.arun((arguments, forward), {}, key, 1)
         except _ToolFailed as exc:
-            return Forwarded(exc.original)
+            return self.passed(req, exc.original)
         except _InputRequired as exc:
             return Forwarded(exc.original)
         except OnceOnlyError as exc:
             _log.warning("onceonly mcp %s: %s", req.name, exc)
-            return Made(self.refusal(exc))
+            return Made(self.refusal(exc, forward.error if isinstance(exc, OutcomeUnknown) else None))
         finally:
             _PROBE_CALL.reset(token)
         if not out.replayed and forward.original is not None:
+            if forward.forged:
+                return Made(cleaned(req.to_wire(forward.original)))
             return Forwarded(forward.original)
         return Made(self.replay(out))
+
+    @staticmethod
+    def passed(req: Request, got: Any) -> Answer:
+        """A result the guard passes on: as it came, less any ``dev.onceonly/*`` mark (only onceonly sets those)."""
+        wire = req.to_wire(got)
+        return Made(cleaned(wire)) if has_own_meta(wire) else Forwarded(got)
+
+    @staticmethod
+    def coerced(req: Request) -> dict[str, Any]:
+        """The call's arguments as the tool will see them, by its ``inputSchema``.
+
+        Raises:
+            BadRequest: the schema refuses them; nothing is recorded.
+        """
+        try:
+            made = coerce(req.schema, req.arguments)
+        except SchemaError as exc:
+            raise BadRequest(f"tools/call {req.name!r}: invalid arguments: {exc}") from None
+        return made if isinstance(made, dict) else req.arguments
 
     def replay(self, out: Outcome) -> dict[str, Any]:
         """A recorded result, as the client reads it again."""
@@ -518,9 +717,14 @@ class Guard:
         return wire
 
     @staticmethod
-    def refusal(exc: OnceOnlyError) -> dict[str, Any]:
-        """An unknown outcome (or any refusal of the ledger) as the client reads it: an error result."""
-        wire: dict[str, Any] = {"content": [{"type": "text", "text": tell_model(exc)}], "isError": True}
+    def refusal(exc: OnceOnlyError, error: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """An unknown outcome (or any refusal of the ledger) as the client reads it: an error result; after
+        the text, the tool's own error content when it answered with one (it is the tool's, not an
+        operator's)."""
+        content: list[Any] = [{"type": "text", "text": tell_model(exc)}]
+        if error is not None:
+            content += [b for b in error.get("content") or [] if isinstance(b, dict)]
+        wire: dict[str, Any] = {"content": content, "isError": True}
         key = getattr(exc, "key", None)
         if isinstance(key, str):
             wire["_meta"] = {KEY_META: key}

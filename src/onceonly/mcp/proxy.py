@@ -7,11 +7,15 @@ forwarded, and every ``tools/call`` goes through the ledger as the middleware de
     onceonly mcp-proxy --upstream http://127.0.0.1:9000/mcp --listen 127.0.0.1:8800
 
 It serves stdio (stdout is the protocol: the proxy logs to stderr), or streamable HTTP at ``/mcp`` with
-``--listen HOST:PORT``.
+``--listen HOST:PORT``, behind a front door (``onceonly.mcp.front``): loopback ``Host``/``Origin`` only
+unless configured, and a bearer token (``--token``) required beyond loopback. A stdio upstream gets the
+MCP SDK's safe environment (``PATH``, ``HOME``…) plus the variables the config names (``env = [...]``),
+never the proxy's whole environment (which holds ``$ONCEONLY_URL`` with its password).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -25,12 +29,14 @@ from onceonly._cli import printable
 from onceonly._install import install_hint
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.mcp.config import ProxyConfig, load_config
+from onceonly.mcp.front import FrontDoor, check_listen, is_loopback
 
 if TYPE_CHECKING:
     from fastmcp import FastMCP
 
 __all__ = ["COMMANDS", "build_proxy", "upstream_name"]
 
+_log = logging.getLogger("onceonly")
 _NOT_NAME = re.compile(r"[^A-Za-z0-9._:@/-]+")
 
 
@@ -73,8 +79,7 @@ def build_proxy(
     else:
         if not upstream:
             raise ValueError("no upstream: give a command after --, or --upstream URL")
-        # The upstream inherits the proxy's environment, as a command started from a shell would.
-        server = {"command": upstream[0], "args": list(upstream[1:]), "env": dict(os.environ)}
+        server = {"command": upstream[0], "args": list(upstream[1:]), "env": upstream_environment(config.env)}
         target = {"mcpServers": {"upstream": server}}
     proxy = create_proxy(target, name=name)
     proxy.add_middleware(
@@ -85,9 +90,20 @@ def build_proxy(
             tools=config.tools,
             annotations=config.annotations,
             tell_model=config.tell_model,
+            single_tenant=config.single_tenant,
         )
     )
     return proxy
+
+
+def upstream_environment(names: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of a stdio upstream: the MCP SDK's safe list (``PATH``, ``HOME``, ``USER``…) plus the
+    variables ``names`` (those set), never the proxy's own secrets unless named."""
+    from mcp.client.stdio import get_default_environment
+
+    env = get_default_environment()
+    env.update({name: os.environ[name] for name in names if name in os.environ})
+    return env
 
 
 def _listen(value: str | None) -> tuple[str, int] | None:
@@ -110,7 +126,13 @@ def _listen(value: str | None) -> tuple[str, int] | None:
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False), help="A TOML file.")
 @click.option("--upstream", default=None, help="A streamable-HTTP upstream URL (instead of a command after --).")
 @click.option("--listen", default=None, help="Serve streamable HTTP at HOST:PORT/mcp instead of stdio.")
-@click.option("--scope", default=None, help="The scope of keys when the client sends none [default: upstream's name].")
+@click.option("--scope", default=None, help="The server's part of every key's scope [default: upstream's name].")
+@click.option(
+    "--token",
+    envvar="ONCEONLY_PROXY_TOKEN",
+    default=None,
+    help="--listen: every request must send Authorization: Bearer TOKEN (required beyond loopback).",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def mcp_proxy(
     url: str,
@@ -118,6 +140,7 @@ def mcp_proxy(
     upstream: str | None,
     listen: str | None,
     scope: str | None,
+    token: str | None,
     command: tuple[str, ...],
 ) -> None:
     """Serve a guarded proxy of an MCP server: -- COMMAND … (stdio), or --upstream URL."""
@@ -126,6 +149,11 @@ def mcp_proxy(
     if upstream is not None and urlsplit(upstream).scheme not in ("http", "https"):
         raise click.BadParameter(f"{upstream!r}: give an http:// or https:// URL", param_hint="--upstream")
     address = _listen(listen)
+    if address is not None:
+        try:
+            check_listen(address[0], token)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--listen") from None
     try:
         import fastmcp  # noqa: F401
     except ImportError as exc:
@@ -143,7 +171,18 @@ def mcp_proxy(
         if address is None:
             proxy.run(transport="stdio", show_banner=False)
         else:
-            proxy.run(transport="http", host=address[0], port=address[1], path="/mcp", show_banner=False)
+            from starlette.middleware import Middleware
+
+            if token is None and is_loopback(address[0]):
+                _log.warning(
+                    "onceonly mcp-proxy: listening on %s with no token: only this machine can call it, and its "
+                    "clients are told apart only by the Authorization header they send (none: one local caller)",
+                    address[0],
+                )
+            door = Middleware(FrontDoor, token=token, allowed_hosts=config.allowed_hosts)
+            proxy.run(
+                transport="http", host=address[0], port=address[1], path="/mcp", show_banner=False, middleware=[door]
+            )
     finally:
         ledger.close()
 

@@ -6,6 +6,7 @@ little it reads itself (a ``tools/call`` whose arguments are not an object is re
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel
 
-from onceonly.mcp.core import META_KEY, BadRequest, Forwarded, Guard, Hints, Request, ToolPolicy
+from onceonly.mcp.core import META_KEY, BadRequest, Forwarded, Guard, Hints, Request, ToolPolicy, Transport
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
@@ -34,6 +35,25 @@ def to_wire(result: Any) -> dict[str, Any]:
     if isinstance(result, BaseModel):
         return result.model_dump(by_alias=True, exclude_none=True, mode="json")
     return dict(result or {})
+
+
+def transport_of(ctx: ServerRequestContext[Any, Any], session: str | None) -> Transport:
+    """Who sent ``ctx``: its HTTP request (``Authorization``, peer, the authenticated user's token) when it
+    came over HTTP; none for stdio and in-memory clients."""
+    request = ctx.request
+    headers = getattr(request, "headers", None)
+    if request is None or headers is None:
+        return Transport(network=False, session=session)
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import principal_components
+
+    user = getattr(request, "scope", {}).get("user")
+    principal = principal_components(user.access_token) if isinstance(user, AuthenticatedUser) else None
+    client = getattr(request, "client", None)
+    return Transport(
+        network=True, principal=principal, authorization=headers.get("authorization"),
+        peer=getattr(client, "host", None), session=session,
+    )  # fmt: skip
 
 
 class OnceOnlyServerMiddleware:
@@ -54,11 +74,14 @@ class OnceOnlyServerMiddleware:
         tools: Mapping[str, ToolPolicy | Mapping[str, Any]] | None = None,
         annotations: bool = True,
         tell_model: bool = True,
+        single_tenant: bool = False,
+        client_secret: bytes | str | None = None,
     ) -> None:
         self.server = server
         self.guard = Guard(
-            ledger, meta_key=meta_key, scope=scope, tools=tools, annotations=annotations, tell_model=tell_model
-        )
+            ledger, meta_key=meta_key, scope=scope, tools=tools, annotations=annotations, tell_model=tell_model,
+            single_tenant=single_tenant, client_secret=client_secret,
+        )  # fmt: skip
 
     async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
         params = ctx.params
@@ -87,15 +110,17 @@ class OnceOnlyServerMiddleware:
         if tool.annotations is not None:
             hints = Hints(read_only=tool.annotations.read_only_hint, idempotent=tool.annotations.idempotent_hint)
 
-        async def call() -> HandlerResult:
-            return await call_next(ctx)
+        async def call(args: dict[str, Any]) -> HandlerResult:
+            if args == arguments:
+                return await call_next(ctx)
+            return await call_next(dataclasses.replace(ctx, params={**params, "arguments": args}))
 
         async def probe_call(probe: str, args: dict[str, Any]) -> dict[str, Any]:
             return to_wire(await self.server.call_tool(probe, args))
 
         req = Request(
-            name=name, arguments=arguments, meta=ctx.meta or {}, session=session, hints=hints, call=call,
-            to_wire=to_wire, probe_call=probe_call,
+            name=name, arguments=arguments, meta=ctx.meta or {}, transport=transport_of(ctx, session), hints=hints,
+            call=call, to_wire=to_wire, probe_call=probe_call, schema=tool.input_schema,
         )  # fmt: skip
         try:
             answer = await self.guard.run(req, self.server.name)
@@ -118,6 +143,8 @@ def guard_server(
     tools: Mapping[str, ToolPolicy | Mapping[str, Any]] | None = None,
     annotations: bool = True,
     tell_model: bool = True,
+    single_tenant: bool = False,
+    client_secret: bytes | str | None = None,
 ) -> OnceOnlyServerMiddleware:
     """Guard every ``tools/call`` of an official-SDK ``MCPServer`` (adds ``OnceOnlyServerMiddleware`` to
     ``server.middleware``) and return the middleware.
@@ -126,7 +153,7 @@ def guard_server(
     """
     mw = OnceOnlyServerMiddleware(
         ledger, server=server, meta_key=meta_key, scope=scope, tools=tools, annotations=annotations,
-        tell_model=tell_model,
+        tell_model=tell_model, single_tenant=single_tenant, client_secret=client_secret,
     )  # fmt: skip
     server.middleware.append(mw)
     return mw
