@@ -2,11 +2,13 @@
 
 Run as ``python _mcp_charge_server.py CHARGES_DB [LEDGER_URL]``. Every charge that runs is a row in
 CHARGES_DB's ``charges`` table. With a LEDGER_URL the server is guarded by onceonly
-(``onceonly.mcp.guard_server``): a call whose ``_meta`` carries a key runs once per key.
+(``onceonly.mcp.guard_server``): a call whose ``_meta`` carries a key runs once per key. ``environment``
+names the variables the server was started with.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import sys
 
@@ -26,6 +28,12 @@ def charge(customer: str, cents: int) -> str:
         conn.execute("CREATE TABLE IF NOT EXISTS charges (customer TEXT, cents INTEGER)")
         number = conn.execute("INSERT INTO charges VALUES (?, ?)", (customer, cents)).lastrowid
     return f"charged {customer} {cents} (charge #{number})"
+
+
+@server.tool(annotations={"readOnlyHint": True})
+def environment() -> list[str]:
+    """The names of this server's environment variables (what its parent passed it)."""
+    return sorted(os.environ)
 
 
 if __name__ == "__main__":
