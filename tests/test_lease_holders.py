@@ -640,3 +640,24 @@ def test_the_directory_is_made_writable_by_its_owner_alone(tmp_path: Path) -> No
             assert not reconcile(ledger).read_held
     finally:
         os.umask(old)
+
+
+def test_a_holder_leaving_after_its_directory_was_swapped_removes_only_its_own_file(tmp_path: Path) -> None:
+    """A process removes its file when it closes holding nothing: through the directory it made the
+    file in, not through whatever now bears that directory's name."""
+    from onceonly.stores._holders import Holder
+
+    owners = tmp_path / "l.db-owners"
+    holder = Holder(owners)
+    holder.held("k", "o", 2000.0, 1000.0)
+    holder.gone("k", "o")
+    assert holder.path is not None
+    name = holder.path.name
+    owners.rename(tmp_path / "moved")
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / name).write_text("not onceonly's")
+    owners.symlink_to(target)
+    holder.close()
+    assert (target / name).read_text() == "not onceonly's"
+    assert not (tmp_path / "moved" / name).exists()
