@@ -7,10 +7,13 @@ sides: a pass skips the held records while every holder lives, and never misses 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -395,3 +398,266 @@ def test_a_closed_store_publishes_nothing(tmp_path: Path) -> None:
     with pytest.raises(StoreUnavailable, match="was closed"):
         store.insert(make("k1"))
     assert not owners_dir(store.path).exists()
+
+
+# --- the directory is trusted only as far as it must be: a pass removes files in it --------------
+
+_DEAD_EMPTY = '{"held": 0, "lo": null, "hi": null, "pid": 1, "host": "web-1", "since": "2026-12-01T00:00:00Z"}\n'
+_VICTIMS = {"backup.tar": b"\x00tar", "id_ed25519": b"-----BEGIN OPENSSH PRIVATE KEY-----\n", "thesis.tex": b"\\x"}
+
+
+def _victims(directory: Path) -> dict[str, bytes]:
+    """Files that are not onceonly's, among them one with a holder's name saying it died holding nothing."""
+    directory.mkdir()
+    files = {**_VICTIMS, "web-1-4242-0123abcd": _DEAD_EMPTY.encode()}
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def _dead_holder(url: str, now: float) -> Path:
+    """A holder that died holding one lease (written at ``now``, held 30 s), its file left unlocked."""
+    store = SQLiteStore(url)
+    assert store.insert(make("k1", now=now))
+    path = store._holder.path
+    assert path is not None
+    store._holder.forget()  # as a fork child would: its descriptor closed, the lock gone
+    return path
+
+
+def test_a_symlinked_owners_directory_is_neither_followed_nor_cleaned(tmp_path: Path) -> None:
+    """``<ledger>-owners`` pointing elsewhere: a pass deletes nothing there and writes nothing, reads
+    the held records and says why; a guarded call is refused before it runs, naming what to do."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    target = tmp_path / "home"
+    files = _victims(target)
+    SQLiteStore(url).close()  # the ledger file
+    (tmp_path / "l.db-owners").symlink_to(target)
+    runs = [CliRunner().invoke(cli, ["reconcile", "--url", url, "--json"]) for _ in range(2)]
+    assert _contents(target) == files  # every file there, as it was, and nothing added
+    for run in runs:
+        assert run.exit_code == 0, run.output
+        report = json.loads(run.stdout)
+        assert report["read_held"] and "symbolic link" in report["read_held_why"][0]
+    with Ledger.open(url) as ledger:
+
+        @ledger.tool(name="t")
+        def t() -> int:
+            raise AssertionError("must not run")
+
+        with pytest.raises(StoreUnavailable, match=r"l\.db-owners is a symbolic link: .* remove l\.db-owners"):
+            t()
+        assert ledger.list() == []
+    assert _contents(target) == files
+
+
+def test_a_directory_swapped_for_a_link_after_the_survey_is_not_cleaned(tmp_path: Path) -> None:
+    """The survey saw a dead holder's file to remove after the pass; meanwhile the directory became a
+    link to another with a file of that name. The removal happens in the directory surveyed, or not at all."""
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    holder = _dead_holder(url, now=980.0)
+    store = SQLiteStore(url)
+    looked = store.lease_survey(1050.0, None)  # past its lease (1010) and the one after it (hi: 1040)
+    assert looked.needed and looked.why == [f"{holder.name}: its holder died holding leases"]
+    owners = owners_dir(store.path)
+    owners.rename(tmp_path / "moved")
+    target = tmp_path / "home"
+    files = _victims(target)
+    (target / holder.name).write_bytes(b"a file of the same name, not onceonly's")
+    files[holder.name] = (target / holder.name).read_bytes()
+    owners.symlink_to(target)
+    looked.done()
+    assert _contents(target) == files
+    store.close()
+
+
+def _reconcile_within(ledger: Ledger, fifos: list[Path], seconds: float = 10.0) -> Any:
+    """A pass on another thread, given ``seconds``; a pass blocked opening a FIFO is let go (a writer
+    opens it) so that the test ends either way."""
+    import threading
+
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(reconcile(ledger)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    finished = not thread.is_alive()
+    if not finished:
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+    assert finished, "the reconcile pass blocked on a FIFO in the owners directory"
+    return result[0]
+
+
+@pytest.mark.parametrize("name", ["web-1-4242-0123abcd", ".web-1-4242-0123abcd.new", FULL_PASS, "notes"])
+def test_a_fifo_in_the_owners_directory_does_not_hold_up_a_pass(tmp_path: Path, name: str) -> None:
+    """A FIFO planted there (under a holder's name, a half-made one's, the stamp's, any other): the
+    pass opens no such file, finishes, and settles the abandoned call it has to."""
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    _dead_holder(url, now=980.0)
+    fifo = owners_dir(tmp_path / "l.db") / name
+    os.mkfifo(fifo)
+    with Ledger(SQLiteStore(url), clock=lambda: 1050.0) as ledger:
+        report = _reconcile_within(ledger, [fifo])
+        assert report.read_held
+        assert [(ln.key, ln.after) for ln in report.lines] == [("k1", State.UNKNOWN)]
+    if name != FULL_PASS:  # not onceonly's: left alone (the stamp's name is replaced by the stamp)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_directory_other_users_can_write_is_not_used_to_skip_reads(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user who can write the directory could remove a dead holder's file (or write the
+    stamp), and so hide an abandoned call: every pass reads the held records, changes nothing there,
+    and says why; calls go on, with a warning."""
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    owners = tmp_path / "l.db-owners"
+    owners.mkdir()
+    owners.chmod(mode)
+    (owners / "web-1-4242-0123abcd").write_text(_DEAD_EMPTY)  # would be removed in a trusted directory
+    with Ledger.open(url) as ledger:
+
+        @ledger.tool(name="t")
+        def t(n: int) -> int:
+            return n
+
+        caplog.set_level(logging.WARNING, logger="onceonly.stores.sqlite")
+        assert t(1) == 1
+        for _ in range(2):
+            report = reconcile(ledger)
+            assert report.read_held
+            assert [w.split(" (")[0] for w in report.read_held_why] == ["l.db-owners is writable by other users"]
+        assert (owners / "web-1-4242-0123abcd").read_text() == _DEAD_EMPTY
+        assert not (owners / FULL_PASS).exists()
+        warned = [r.getMessage() for r in caplog.records if "writable by other users" in r.getMessage()]
+        assert len(warned) == 3  # the call's process when it made its file, and each pass
+    owners.chmod(0o755)  # as the message says: then the directory is used again
+    with Ledger.open(url) as ledger:
+        assert reconcile(ledger).read_held  # the first full pass on record
+        assert not reconcile(ledger).read_held
+        assert not (owners / "web-1-4242-0123abcd").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give the directory to another user")
+def test_a_directory_of_another_user_is_not_used_to_skip_reads(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    owners = tmp_path / "l.db-owners"
+    owners.mkdir(mode=0o755)
+    (owners / "web-1-4242-0123abcd").write_text(_DEAD_EMPTY)
+    os.chown(owners, 65534, 65534)
+    with Ledger.open(url) as ledger:
+        for _ in range(2):
+            report = reconcile(ledger)
+            assert report.read_held and "belongs to uid 65534" in report.read_held_why[0]
+    assert (owners / "web-1-4242-0123abcd").read_text() == _DEAD_EMPTY
+    assert not (owners / FULL_PASS).exists()
+
+
+def test_a_pass_removes_no_file_under_a_name_onceonly_never_writes(tmp_path: Path) -> None:
+    """Files planted under other names are neither read nor removed; a dead holder's own file is."""
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    with Ledger.open(url) as ledger:
+        assert reconcile(ledger).read_held  # makes the directory, stamps a full pass
+        owners = _owners(ledger)
+        planted = {
+            "notes.txt": b"mine",
+            "web-1-4242-XYZ": b"{}",
+            ".hidden": b"",
+            "web-1-4242-0123abcd.bak": _DEAD_EMPTY.encode(),
+            ".full-pass.old": b"",
+        }
+        for name, data in planted.items():
+            (owners / name).write_bytes(data)
+        (owners / "web-1-4242-0123abcd").write_text(_DEAD_EMPTY)  # onceonly's name: a dead holder's
+        reports = [reconcile(ledger, full_every=1e-9) for _ in range(2)]
+        assert {n: (owners / n).read_bytes() for n in planted} == planted
+        assert [r.read_held_why for r in reports] == [["a full pass is due"]] * 2
+        assert not (owners / "web-1-4242-0123abcd").exists()
+
+
+def test_a_pass_passes_over_directories_and_links_there(tmp_path: Path) -> None:
+    """A directory, and a link under a holder's name to a file that reads as a dead holder's: the
+    pass neither opens nor removes them (a link is not followed), and does not fail on them."""
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    with Ledger.open(url) as ledger:
+        assert reconcile(ledger).read_held
+        owners = _owners(ledger)
+        (owners / "web-1-4242-0000000a").mkdir()
+        (owners / "web-1-4242-0000000a" / "kept").write_text("kept")
+        outside = tmp_path / "outside.json"
+        outside.write_text(_DEAD_EMPTY)
+        (owners / "web-1-4242-0000000b").symlink_to(outside)
+        for _ in range(2):
+            assert reconcile(ledger, full_every=1e-9).read_held_why == ["a full pass is due"]
+        assert (owners / "web-1-4242-0000000a" / "kept").read_text() == "kept"
+        assert (owners / "web-1-4242-0000000b").is_symlink() and outside.read_text() == _DEAD_EMPTY
+
+
+def test_a_host_name_of_any_characters_makes_a_holder_a_pass_recognises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file's name is made of the host name's safe characters, and is what a pass looks for."""
+    import socket
+
+    from onceonly.stores._holders import Holder
+
+    monkeypatch.setattr(socket, "gethostname", lambda: ".web 1/über.example")
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    holder = _dead_holder(url, now=980.0)
+    assert holder.name.startswith("web_1__ber.example-")
+    assert json.loads(holder.read_text())["host"] == ".web 1/über.example"
+    looked = SQLiteStore(url).lease_survey(1050.0, None)
+    assert looked.why == [f"{holder.name}: its holder died holding leases"] and looked.stale == [holder.name]
+    looked.done()
+    assert not holder.exists()
+    live = Holder(tmp_path / "other-owners")
+    live.held("k", "o", 2000.0, 1000.0)
+    assert live.path is not None and live.path.exists()
+    live.gone("k", "o")
+    live.close()  # holding nothing: it removes its own file
+    assert not live.path.exists()
+
+
+def test_the_directory_is_made_writable_by_its_owner_alone(tmp_path: Path) -> None:
+    """Whatever the umask (002 is common): a directory onceonly makes is used to skip reads."""
+    old = os.umask(0o002)
+    try:
+        with Ledger.open(f"sqlite:///{tmp_path / 'l.db'}") as ledger:
+            ledger.tool(name="t")(lambda n: n)(1)
+            assert stat.S_IMODE(_owners(ledger).stat().st_mode) == 0o755
+            assert reconcile(ledger).read_held
+            assert not reconcile(ledger).read_held
+    finally:
+        os.umask(old)
+
+
+def test_a_holder_leaving_after_its_directory_was_swapped_removes_only_its_own_file(tmp_path: Path) -> None:
+    """A process removes its file when it closes holding nothing: through the directory it made the
+    file in, not through whatever now bears that directory's name."""
+    from onceonly.stores._holders import Holder
+
+    owners = tmp_path / "l.db-owners"
+    holder = Holder(owners)
+    holder.held("k", "o", 2000.0, 1000.0)
+    holder.gone("k", "o")
+    assert holder.path is not None
+    name = holder.path.name
+    owners.rename(tmp_path / "moved")
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / name).write_text("not onceonly's")
+    owners.symlink_to(target)
+    holder.close()
+    assert (target / name).read_text() == "not onceonly's"
+    assert not (tmp_path / "moved" / name).exists()

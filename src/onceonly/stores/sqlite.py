@@ -31,7 +31,7 @@ from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
 from onceonly.states import HELD as HELD_STATES
 from onceonly.states import Record, State
-from onceonly.stores._holders import Holder, Survey, owners_dir, survey
+from onceonly.stores._holders import Holder, Survey, UnsafeOwnersDir, owners_dir, survey
 from onceonly.stores._sql import (
     COLUMN_OF,
     COLUMNS,
@@ -481,6 +481,8 @@ class SQLiteStore:
         """Publish a lease of ours before writing it (stores/_holders.py); True when it is a new one."""
         try:
             return self._holder.held(record.key, record.lease_owner, record.lease_until, record.updated_at)
+        except UnsafeOwnersDir as exc:
+            raise StoreUnavailable(str(exc)) from exc  # says what it is and what to do
         except OSError as exc:
             raise StoreUnavailable(
                 f"cannot write {self._holder.directory} ({exc}): a SQLite ledger keeps who holds its "
