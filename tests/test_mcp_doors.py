@@ -201,9 +201,9 @@ def test_an_upstream_error_after_the_side_effect_is_unknown_through_a_proxy(tmp_
 
     async def twice(proxy: FastMCP[Any]) -> list[Any]:
         async with Client(proxy) as client:
+            args = {"customer": "c", "cents": 5}
             return [
-                await client.call_tool("charge", {"customer": "c", "cents": 5}, meta=meta("order-9"), raise_on_error=False)
-                for _ in range(2)
+                await client.call_tool("charge", args, meta=meta("order-9"), raise_on_error=False) for _ in range(2)
             ]
 
     server, made = upstream()

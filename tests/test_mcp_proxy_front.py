@@ -17,8 +17,8 @@ import httpx
 import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StreamableHttpTransport
-from mcp import StdioServerParameters
 from mcp import Client as SDKClient
+from mcp import StdioServerParameters
 
 from onceonly.mcp import REPLAYED_META
 
@@ -96,7 +96,7 @@ def test_the_front_door_refuses_before_the_upstream(tmp_path: Path) -> None:
             {},
             {"Authorization": "Bearer not-the-token"},
         ):
-            with pytest.raises(Exception):  # noqa: B017, PT011 - the client's own error for a refused request
+            with pytest.raises(Exception):
                 asyncio.run(call(headers))
         raw = httpx.post(url, json={}, headers={"Host": "attacker.example"})
         assert raw.status_code == 403 and raw.headers["content-type"] == "application/problem+json"
@@ -114,10 +114,17 @@ def test_listening_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
     base = [*PROXY, "--url", f"sqlite:///{tmp_path / 'ledger.db'}", "--upstream", "http://127.0.0.1:9/mcp"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("ONCEONLY_PROXY_TOKEN", None)
-    out = subprocess.run([*base, "--listen", "0.0.0.0:8800"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [*base, "--listen", "0.0.0.0:8800"], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.returncode == 2 and "give a token" in out.stderr
     out = subprocess.run(
-        [*base, "--listen", "0.0.0.0:8800", "--token", "short"], capture_output=True, text=True, env=env, timeout=60
+        [*base, "--listen", "0.0.0.0:8800", "--token", "short"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert out.returncode == 2 and "at least 16" in out.stderr
 
