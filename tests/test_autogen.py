@@ -341,3 +341,20 @@ def test_onceonly_does_not_import_autogen() -> None:
     missing = "import sys; sys.modules['autogen_core'] = None; import onceonly.autogen"
     done = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, check=False)
     assert "onceonly.autogen needs autogen-core and autogen-agentchat: pip install 'onceonly[autogen]" in done.stderr
+
+
+def test_the_same_call_twice_in_one_response_makes_one_ticket(ledger: Ledger, tickets: Tickets) -> None:
+    """AutoGen runs the calls of one response at once (asyncio.gather): the second waits for the first
+    and replays it."""
+
+    def create_ticket(title: str) -> str:
+        """Open a support ticket."""
+        return f"ticket {tickets.add(title)}"
+
+    both = [*ticket_call("call_0"), *ticket_call("call_1")]
+    with ledger.task("conv-a"):
+        result = asyncio.run(agent(ScriptedClient(both), guard_tools([create_ticket], ledger)).run(task="t"))
+    assert tickets.count() == 1
+    contents = [r.content for r in executed(result)]
+    assert sorted(NOT_REPEATED in c for c in contents) == [False, True], contents
+    assert all("ticket 1" in c for c in contents)
