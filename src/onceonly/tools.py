@@ -53,6 +53,9 @@ _INTEGRATIONS = {
     "on the plain function",
     "fastmcp": "onceonly.mcp.OnceOnlyMiddleware(ledger) on the server, or @ledger.tool on the plain function",
     "mcp": "onceonly.mcp.OnceOnlyMiddleware(ledger) on the server, or @ledger.tool on the plain function",
+    "autogen_core": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
+    "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
+    "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
 }
 
 
@@ -433,6 +436,11 @@ class Using(Generic[P, R_co]):
         self.spec, self.key, self.occurrence = spec, key, occurrence
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        if self.spec.tell_model:  # the plain call with a chosen key: what the model reads, as without one
+            try:
+                return cast(R_co, answered(self.outcome(*args, **kwargs)))
+            except TOLD as err:
+                return cast(R_co, told(self.spec, err))
         return cast(R_co, self.outcome(*args, **kwargs).result)
 
     def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome:
@@ -448,6 +456,11 @@ class AsyncUsing(Generic[P, R_co]):
         self.spec, self.key, self.occurrence = spec, key, occurrence
 
     async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        if self.spec.tell_model:
+            try:
+                return cast(R_co, answered(await self.outcome(*args, **kwargs)))
+            except TOLD as err:
+                return cast(R_co, told(self.spec, err))
         return cast(R_co, (await self.outcome(*args, **kwargs)).result)
 
     async def outcome(self, *args: P.args, **kwargs: P.kwargs) -> Outcome:
