@@ -1,7 +1,8 @@
 """The short fault matrix (``python -m tests.chaos --short``) in the suite, one store per test: on each
 store lost answers, SIGKILLed workers, cut connections (Redis, PostgreSQL) and racing reconcilers at
-once (``together``), and on Redis and PostgreSQL a private server crashed and restarted halfway through
-a pass. Every cell must be green: no side effect twice, none lost, every operation confirmed."""
+once (``together``), a caller's clock stepped 10 minutes (``clock-jump``), and on Redis and PostgreSQL a
+private server crashed and restarted halfway through a pass. Every cell must be green: no side effect
+twice, none lost, every operation confirmed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from tests.conftest import POSTGRES_URL, REDIS_URL, _reachable, _unavailable, re
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The cells --short runs per store.
-CELLS = {"sqlite": ["together"], "redis": ["together", "restart-aof"], "postgres": ["together", "restart"]}
+CELLS = {
+    "sqlite": ["together", "clock-jump"],
+    "redis": ["together", "clock-jump", "restart-aof"],
+    "postgres": ["together", "clock-jump", "restart"],
+}
 
 
 def _require(store: str) -> None:
@@ -68,7 +73,7 @@ def test_the_short_matrix_is_green(store: str) -> None:
 
 def test_a_cell_fails_the_run_unless_green_or_allowed_not_to_be() -> None:
     """Any duplicate, lost or unsettled operation fails the run, as does a cell that could not run; a
-    cell allowed not to be green (a clock step, a Redis that persists nothing) says so and does not."""
+    cell allowed not to be green (a Redis that persists nothing) says so and does not."""
     green = {"duplicates": 0, "lost": 0, "unsettled": 0}
     assert _verdict(green) == ("yes", False)
     for column in green:

@@ -1,6 +1,7 @@
 """Hosts whose clocks differ, on every store: each caller gets a clock of its own (``clock=``), and the
 ledger reads leases and due times on the store's clock where it has one (Redis ``TIME``, PostgreSQL
-``clock_timestamp()``). SQLite has no clock of its own: its callers share one host and one clock."""
+``clock_timestamp()``). SQLite has no clock of its own: its callers share one host and one clock, to
+which ``store_clock=True`` corrects an injected clock."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 
 import pytest
 
-import onceonly
 from onceonly import InProgress, Ledger, Retry, State
 from onceonly import states as st
 from onceonly.stores import open_store
@@ -66,9 +66,25 @@ def test_a_caller_whose_clock_runs_ahead_does_not_take_over_a_live_lease(store_u
     """A host two minutes ahead saw a live lease as expired, marked the record unknown and ran the charge
     a second time (``on_unknown="retry"``). On the store's clock the lease is alive: it waits, then
     ends with ``InProgress``, and the holder's result is the only one."""
-    if not _has_clock(store_url):
-        pytest.skip("SQLite: the callers of one ledger file share one host and its clock (docs/sqlite.md)")
-    ahead = _skewed(store_url, lambda: time.time() + 120)
+    _one_charge(store_url, accurate, _skewed(store_url, lambda: time.time() + 120))
+
+
+def test_a_clock_stepped_after_open_is_followed_at_the_next_reading(store_url: str, accurate: Ledger) -> None:
+    """A host whose clock stepped 10 minutes ahead after its ledger had measured the offset (NTP, a VM
+    resumed) read the store's time 10 minutes off until the next measurement, a minute later: it took
+    the holder's live lease for run out and ran the charge a second time. The reading that meets the
+    step (the clock against ``time.monotonic``) measures the offset again first: the lease is alive."""
+    step = [0.0]
+    stepped = _skewed(store_url, lambda: time.time() + step[0])
+    assert stepped.clock_offset == pytest.approx(0, abs=2)
+    _one_charge(store_url, accurate, stepped, step=(step, 600.0))  # the step comes while the holder runs
+    assert stepped.clock_offset == pytest.approx(-600, abs=2)
+    assert stepped.clock() == pytest.approx(time.time(), abs=2)
+
+
+def _one_charge(store_url: str, accurate: Ledger, ahead: Ledger, step: tuple[list[float], float] | None = None) -> None:
+    """``accurate`` holds a charge while ``ahead`` asks for it (its clock first stepped by ``step``, when
+    given): ``ahead`` must wait and end with ``InProgress``, the record still the holder's."""
     charges: list[str] = []
     started, release = threading.Event(), threading.Event()
 
@@ -89,6 +105,8 @@ def test_a_caller_whose_clock_runs_ahead_does_not_take_over_a_live_lease(store_u
     thread.start()
     try:
         assert started.wait(5)
+        if step is not None:
+            step[0][0] = step[1]
         with pytest.raises(InProgress):
             late(5)
         rec = ahead.get(late.key_for(5))
@@ -105,9 +123,8 @@ def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(
     store_url: str, accurate: Ledger, face: str
 ) -> None:
     """A host 30 s behind read a retry due in half a second as due in 30.5 s and slept it out despite
-    ``wait=1``. On the store's clock it sleeps the half second and runs; on SQLite (no store clock) the
-    wait is still bounded: the call ends at once with ``RetryScheduled``, which says when. The same
-    for an ``async def`` tool, whose driver reads the same clock."""
+    ``wait=1``. On the store's clock (on SQLite: the host's) it sleeps the half second and runs, no
+    sleep longer than ``wait``. The same for an ``async def`` tool, whose driver reads the same clock."""
     behind = FakeClock()
     behind.now = time.time() - 30
 
@@ -144,12 +161,7 @@ def test_a_caller_whose_clock_runs_behind_waits_no_longer_than_wait(
     failed = st.fail(first, error="ConnectionRefusedError: refused", now=now, retry_at=now + 0.5, ttl=60, by="a")
     assert accurate.store.insert(failed)
     try:
-        if _has_clock(store_url):
-            assert call() == "sent" and runs == [1]
-        else:
-            with pytest.raises(onceonly.RetryScheduled) as info:
-                call()
-            assert info.value.retry_at == failed.next_attempt_at and runs == []
+        assert call() == "sent" and runs == [1]
         assert all(s <= 1 for s in behind.sleeps), behind.sleeps
     finally:
         ledger.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 import warnings
@@ -784,7 +785,8 @@ def test_two_ledgers_in_one_process_never_take_each_others_claim_for_their_own(
     def pay_a(n: int) -> str:
         runs.append("a")
         with pytest.raises(InProgress):
-            pay_b(n)  # while A holds the claim
+            # While A holds the claim, from a context of its own: another caller's, not a call inside A's.
+            contextvars.Context().run(pay_b, n)
         return "a"
 
     try:

@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from onceonly import NOT_FOUND, KeyConflict, Ledger, OutcomeUnknown, Retry, State, ops
+from onceonly import states as st
 from onceonly.errors import AttemptsExhausted, InProgress, OnceOnlyError, RetryScheduled, SimilarCall, StoreUnavailable
 from onceonly.metrics import LedgerCollector, asgi_app, call_outcome, instrument
 from onceonly.stores.sqlite import SQLiteStore
@@ -33,7 +34,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 class _Crash(BaseException):
-    """The process dies mid-call: the lease is left to run out (as KeyboardInterrupt would)."""
+    """An interrupt mid-call (as KeyboardInterrupt): the attempt is recorded unknown at once."""
 
 
 def _scrape(url: str) -> Samples:
@@ -67,8 +68,8 @@ def _transitions_into_unknown(ledger: Ledger, tool: str) -> int:
 
 def _make_calls(ledger: Ledger, clock: FakeClock) -> None:
     """One confirmed call and its replay, a conflict, a definite failure, an unknown settled by the
-    probe, two parked for review (one then resolved by a person), a crash whose lease a later caller
-    takes over, and an async tool's call and replay."""
+    probe, two parked for review (one then resolved by a person), an interrupted call, a dead holder's
+    record whose lease a later caller takes over, and an async tool's call and replay."""
     crash = {"now": True}
 
     @ledger.tool(name="charge", key=["order"])
@@ -109,9 +110,16 @@ def _make_calls(ledger: Ledger, clock: FakeClock) -> None:
             refund(order)
     ledger.resolve(refund.key_for("o-2"), confirmed={"refunded": True}, by="ops")
     with pytest.raises(_Crash):
-        deliver("o-1")
-    clock.now += 6.0  # the lease ran out; the next caller takes the record over and probes
+        deliver("o-0")
     crash["now"] = False
+    # A process that died mid-call (no Python runs in a SIGKILLed one) left its record in flight.
+    call = deliver.spec.call(("o-1",), {}, None, 1)
+    left = st.new_record(
+        key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint, args_json=call.args_json,
+        state=State.IN_FLIGHT, owner="dead-host:1:1", now=clock.now, lease_seconds=5.0,
+    )  # fmt: skip
+    assert ledger.store.insert(left)
+    clock.now += 6.0  # the lease ran out; the next caller takes the record over and probes
     assert deliver("o-1") == {"delivered": True}
     assert asyncio.run(notify("ann")) == asyncio.run(notify("ann")) == "told ann"
 

@@ -4,20 +4,23 @@ Leases, due times and settle times are compared across hosts: a host whose clock
 ahead sees another's live lease as expired and takes it over; one 30 s behind sees every due time 30 s
 later than it is. A store that has a clock of its own (Redis ``TIME``, PostgreSQL ``clock_timestamp()``)
 reports it through an optional ``time()`` method, and the ledger reads the store's time as this host's
-clock plus an offset: measured when the ledger opens and again every ``every`` seconds (by the ledger's
-heartbeat thread), never per guarded call. SQLite has no server and no clock of its own: its hosts are
-one host, with one clock.
+clock plus an offset: measured when the ledger opens, again every ``every`` seconds (by the ledger's
+heartbeat thread), and at once when this host's clock steps. A step (NTP, a VM resumed, a clock set by
+hand) is seen for free: each reading compares this host's clock with ``time.monotonic``, which no step
+moves, and a gap beyond ``STEP_SECONDS`` since the last measurement is one. SQLite has no server and no
+clock of its own: its hosts are one host, with one clock.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 from onceonly.errors import StoreError
 
-__all__ = ["DEFAULT_SYNC_SECONDS", "StoreClock"]
+__all__ = ["DEFAULT_SYNC_SECONDS", "STEP_SECONDS", "StoreClock"]
 
 log = logging.getLogger("onceonly")
 
@@ -25,8 +28,15 @@ log = logging.getLogger("onceonly")
 #: stepped clock (NTP) is followed within this time.
 DEFAULT_SYNC_SECONDS = 60.0
 
+#: How far this host's clock may move against ``time.monotonic`` between two measurements before it counts
+#: as stepped and the offset is measured again at once. A clock that NTP slews (at most 500 ppm) moves
+#: 0.03 s in the minute between two measurements; a lease is seconds long.
+STEP_SECONDS = 0.25
+
 #: An offset beyond this is worth a line in the log: this host's clock is off.
 _NOTEWORTHY_SECONDS = 1.0
+
+_monotonic = time.monotonic
 
 
 class StoreClock:
@@ -39,7 +49,8 @@ class StoreClock:
         where: the store, as the log names it.
 
     The first measurement is made here. A store that cannot answer leaves the offset at its last
-    value (0 at first), logged once, and is asked again within a few seconds.
+    value (0 at first), logged once, and is asked again within a few seconds. ``local`` stepping
+    (``STEP_SECONDS`` against ``time.monotonic``) makes the reading that sees it measure again first.
 
     .. versionadded:: 0.1
     """
@@ -62,10 +73,23 @@ class StoreClock:
         self.measured = False
         self._tried_at = 0.0  # time.monotonic() of the last measurement, or attempt at one
         self._failing = False
+        #: ``local() - time.monotonic()`` at the last measurement: a reading far from it is a step.
+        self._gap = 0.0
+        self._stepping = threading.Lock()
         self.sync()
 
     def now(self) -> float:
-        """The store's time now, in seconds since the epoch, with no round trip."""
+        """The store's time now, in seconds since the epoch: no round trip, but after a step of this
+        host's clock (then one measurement, for every thread that reads the clock meanwhile)."""
+        local = self._local()
+        if -STEP_SECONDS <= local - _monotonic() - self._gap <= STEP_SECONDS:  # no abs(): a call less
+            return local + self.offset
+        return self._stepped()
+
+    def _stepped(self) -> float:
+        with self._stepping:
+            if abs(self._local() - _monotonic() - self._gap) > STEP_SECONDS:  # not measured by another thread
+                self.sync()
         return self._local() + self.offset
 
     def sync(self) -> None:
@@ -84,6 +108,8 @@ class StoreClock:
                     exc,
                     "the last measured offset" if self.measured else "this host's clock until it answers",
                 )
+            # Readings stop seeing a step here: each one would try again, and sync_if_due does within seconds.
+            self._gap = self._local() - _monotonic()
             return
         after = self._local()
         offset = theirs - (before + after) / 2
@@ -91,6 +117,8 @@ class StoreClock:
             log.info("onceonly: this host's clock is %+.3f s off the clock of %s; the ledger uses the store's",
                      -offset, self.where)  # fmt: skip
         self.offset = offset
+        # Only now, after the offset: a reading meanwhile still sees the step, and waits for this one.
+        self._gap = after - _monotonic()
         self.measured = True
         self._failing = False
 

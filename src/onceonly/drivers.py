@@ -34,6 +34,7 @@ from onceonly.guard import (
     Insert,
     Probe,
     Probed,
+    Running,
     SimilarClaim,
     SimilarLock,
     SimilarUnlock,
@@ -111,10 +112,12 @@ class Lease:
     It is also the running tool's current call (``current_call()``, ``mark_sent()``), through ``ledger``.
     """
 
-    __slots__ = ("beat_at", "keyed", "ledger", "lock", "lost", "record", "released", "seconds")
+    __slots__ = ("beat_at", "keyed", "ledger", "lock", "lost", "outer", "record", "released", "seconds")
 
     def __init__(self, record: Record, seconds: float, now: float, ledger: Ledger) -> None:
         self.ledger = ledger
+        #: The guarded call this one runs inside, if any: the chain a re-entered key is looked up in.
+        self.outer = CURRENT.get()
         self.record = record
         self.seconds = seconds
         self.beat_at = now
@@ -356,6 +359,8 @@ def drive(
             elif kind is WaitChange:
                 store.wait_for_change(action.key, action.version, action.seconds)  # type: ignore[union-attr]
                 send = None
+            elif kind is Running:
+                send = _running(action.owner)  # type: ignore[union-attr]
             else:
                 send = _similar(ledger, store, action)
         except StoreError as exc:
@@ -418,6 +423,8 @@ async def adrive(
             elif kind is WaitChange:
                 await store.await_for_change(action.key, action.version, action.seconds)  # type: ignore[union-attr]
                 send = None
+            elif kind is Running:
+                send = _running(action.owner)  # type: ignore[union-attr]
             else:
                 send = await _asimilar(ledger, store, action)
         except StoreError as exc:
@@ -428,6 +435,16 @@ async def adrive(
 
 
 _REVIEW = State.NEEDS_REVIEW
+
+
+def _running(owner: str | None) -> bool:
+    """Whether the call holding ``owner``'s lease is one this code runs inside (``guard.Running``)."""
+    lease = CURRENT.get()
+    while lease is not None:
+        if lease.record.lease_owner == owner:
+            return True
+        lease = lease.outer
+    return False
 
 
 def _similar(ledger: Ledger, store: Any, action: Action) -> Any:
@@ -482,10 +499,13 @@ def _emit_if_landed(ledger: Ledger, written: Record, now_stored: Record | None) 
 # --- running a tool ------------------------------------------------------------------------------
 
 
-def _raised(spec: ToolSpec, exc: Exception, latest: Record) -> Executed:
+def _raised(spec: ToolSpec, exc: BaseException, latest: Record) -> Executed:
     # Control flow (a LangGraph interrupt, a passthrough= type) is not an outcome: the plan gives the
-    # claim back uncounted and re-raises it.
-    return Executed(error=exc, record=latest, released=spec.is_control_flow(exc))
+    # claim back uncounted and re-raises it. An interrupt (KeyboardInterrupt, SystemExit: not an
+    # Exception) is recorded at once and re-raised; anything else is the attempt's outcome.
+    if spec.is_control_flow(exc):
+        return Executed(error=exc, record=latest, released=True)
+    return Executed(error=exc, record=latest, interrupted=not isinstance(exc, Exception))
 
 
 def _execute(
@@ -499,13 +519,8 @@ def _execute(
         token = CURRENT.set(lease)
         try:
             value = fn(*args, **kw)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the plan records them at once
             return _raised(spec, exc, beats.release(lease))
-        except BaseException:
-            # KeyboardInterrupt, SystemExit: stop beating; the lease runs out and the record
-            # becomes unknown, to be settled by the next caller or the reconciler.
-            beats.release(lease)
-            raise
         finally:
             CURRENT.reset(token)
         return Executed(value, None, False, beats.release(lease))
@@ -531,7 +546,16 @@ def _execute(
             _settle_late(ledger, call, rec.fence, box.get("value"), box.get("error"))
 
     threading.Thread(target=run, name=f"onceonly-{spec.name}"[:60], daemon=True).start()
-    finished.wait(spec.timeout)
+    try:
+        finished.wait(spec.timeout)
+    except BaseException as exc:  # Ctrl-C while waiting: the tool runs on, and its outcome is recorded late
+        with guard:
+            ended = box.get("finished", False)
+            box["timed_out"] = True
+        latest = beats.release(lease)
+        if ended:  # it finished just before: nobody else records what it returned
+            _settle_late(ledger, call, rec.fence, box.get("value"), box.get("error"))
+        return Executed(error=exc, record=latest, interrupted=True)
     with guard:
         timed_out = not box.get("finished", False)
         box["timed_out"] = timed_out
@@ -541,8 +565,6 @@ def _execute(
     err = box.get("error")
     if err is None:
         return Executed(value=box.get("value"), record=latest)
-    if not isinstance(err, Exception):
-        raise err
     return _raised(spec, err, latest)
 
 
@@ -559,11 +581,12 @@ async def _aexecute(
         CURRENT.reset(token)
     try:
         done, _ = await asyncio.wait({task}, timeout=spec.timeout)
-    except asyncio.CancelledError:
-        # Our caller was cancelled, not the tool: it runs on and its outcome settles the record.
-        beats.release(lease)
+    except asyncio.CancelledError as exc:
+        # Our caller was cancelled, not the tool: the plan records the attempt unknown at once, and the
+        # tool runs on, its outcome settling the record late (as after a timeout).
+        latest = beats.release(lease)
         _settle_late_async(ledger, task, call, rec.fence)
-        raise
+        return Executed(error=exc, record=latest, interrupted=True)
     latest = beats.release(lease)
     if not done:
         _settle_late_async(ledger, task, call, rec.fence)
@@ -573,8 +596,6 @@ async def _aexecute(
     err = task.exception()
     if err is None:
         return Executed(value=task.result(), record=latest)
-    if not isinstance(err, Exception):
-        raise err
     return _raised(spec, err, latest)
 
 

@@ -7,6 +7,7 @@
     ├── KeyConflict            the same key was used with other arguments
     ├── SimilarCall            a call much like this one was made earlier (on_similar="raise")
     ├── AttemptsExhausted      the persisted attempt limit was reached
+    ├── ReentrantCall          the operation was called again inside its own running call
     ├── InvalidKey             a key, scope or tool name that cannot be stored (also ValueError)
     ├── NotSerializable        an argument or result that has no canonical JSON form (also TypeError)
     └── StoreError             the ledger's store failed (infrastructure, not an outcome)
@@ -32,6 +33,7 @@ __all__ = [
     "NotSerializable",
     "OnceOnlyError",
     "OutcomeUnknown",
+    "ReentrantCall",
     "RetryScheduled",
     "SimilarCall",
     "StoreCorrupt",
@@ -167,6 +169,18 @@ class AttemptsExhausted(_RecordError):
     ) -> None:
         super().__init__(message, key=key, record=record)
         self.last_exception = last_exception
+
+
+class ReentrantCall(_RecordError):
+    """A guarded call made inside the running call of the same operation (a tool that calls itself, or
+    calls a tool that calls it back, with the same key): it would wait on its own claim until ``wait``
+    ran out. Refused at once; this call ran nothing. ``key`` and ``record`` are the running call's.
+
+    A fault of the program, not an outcome: give the inner call a key of its own (other arguments, or
+    ``tool.using(occurrence=2)``), or call the function it guards directly.
+
+    .. versionadded:: 0.1
+    """
 
 
 class InvalidKey(OnceOnlyError, ValueError):

@@ -33,8 +33,10 @@ from onceonly.errors import (
     NotSerializable,
     OnceOnlyError,
     OutcomeUnknown,
+    ReentrantCall,
     RetryScheduled,
     SimilarCall,
+    StoreCorrupt,
     StoreError,
 )
 from onceonly.keys import canonical_json
@@ -54,6 +56,7 @@ __all__ = [
     "Policy",
     "Probe",
     "Probed",
+    "Running",
     "SimilarClaim",
     "SimilarLock",
     "SimilarUnlock",
@@ -134,7 +137,8 @@ class Executed:
     error: BaseException | None = None
     timed_out: bool = False
     record: Record | None = None  # the held record as the driver last wrote it (heartbeats)
-    released: bool = False  # ``error`` is control flow (an interrupt), not an outcome
+    released: bool = False  # ``error`` is control flow (a framework's interrupt), not an outcome
+    interrupted: bool = False  # ``error`` stopped the call (KeyboardInterrupt, a cancelled caller): re-raise it
 
 
 @dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow
@@ -158,6 +162,14 @@ class WaitChange:
     key: str
     version: int
     seconds: float
+
+
+@dataclass(slots=True)
+class Running:
+    """Whether ``owner`` is a call this one runs inside (a tool that calls itself): answered ``True`` or
+    ``False``. Asked only of a record another call holds, before waiting on it."""
+
+    owner: str | None
 
 
 @dataclass(slots=True)
@@ -191,7 +203,20 @@ class SimilarUnlock:
     token: str
 
 
-Action = Get | Claim | Insert | Swap | Execute | Probe | Sleep | WaitChange | SimilarLock | SimilarClaim | SimilarUnlock
+Action = (
+    Get
+    | Claim
+    | Insert
+    | Swap
+    | Execute
+    | Probe
+    | Sleep
+    | WaitChange
+    | Running
+    | SimilarLock
+    | SimilarClaim
+    | SimilarUnlock
+)
 Plan = Generator[Action, Any, "Outcome"]
 
 
@@ -301,6 +326,9 @@ def landed(written: Record, now_stored: Record | None) -> bool:
     )
 
 
+#: How the guard's reason for a timed-out attempt begins.
+_TIMED_OUT = "attempt timed out"
+
 #: Pauses after the store refused a write (it failed, and the record read back unchanged); one more
 #: refusal raises. About 1.3 s in all: enough for a flicker, not a spin on a store that refuses writes.
 _REFUSAL_DELAYS = (0.05, 0.25, 1.0)
@@ -369,6 +397,36 @@ def _message(rec: Record, what: str, nxt: str) -> str:
     return f"{what} (key {rec.key!r}, state {rec.state.value}, attempt {rec.attempts}): {nxt}"
 
 
+def _cause(rec: Record) -> str:
+    """Why the outcome of ``rec`` is unknown, for a message: `` because …`` from the reason recorded when
+    the record became unknown, or ``""`` when its history has none."""
+    with contextlib.suppress(StoreCorrupt):  # a damaged history: the message does without it
+        for entry in reversed(rec.history):
+            if entry.get("to") == State.UNKNOWN.value:
+                reason = str(entry.get("reason") or "")
+                return f" because {_cause_of(reason, rec.error)}" if reason else ""
+    return ""
+
+
+def _cause_of(reason: str, error: str | None) -> str:
+    """A reason the guard or the reconciler records on the way to unknown, as the cause a reader needs."""
+    if reason.startswith("lease of ") and reason.endswith(" expired"):
+        holder = reason[len("lease of ") : -len(" expired")]
+        return (
+            f"the lease of {holder} ran out before it recorded an outcome (that caller was stopped, killed or "
+            "cut off from the store while its tool ran)"
+        )
+    if reason.startswith(_TIMED_OUT):
+        return "the attempt timed out (it runs on, and a late result still counts)"
+    if reason.startswith("interrupted "):
+        return f"the attempt was {reason}"
+    if reason.startswith("HTTP 5"):
+        return f"of an upstream error (the other side answered {reason.partition(' in ')[0]}, and may have acted first)"
+    if error and error.startswith(reason):  # classified by the error's type: no answer said what happened
+        return f"its answer was lost (the attempt ended with {error[:300]}, after the request may have left)"
+    return f"of {reason}"
+
+
 def _when(at: float) -> str:
     """A time for a message: ISO 8601 in UTC, to the second."""
     try:
@@ -400,7 +458,7 @@ def _unsettled_until(rec: Record, what: str, due: float, now: float, wait: float
     return OutcomeUnknown(
         _message(
             rec,
-            f"the outcome is unknown and {_due(what, due, now, wait)}",
+            f"the outcome is unknown{_cause(rec)}, and {_due(what, due, now, wait)}",
             "do not run it again: a call after that time settles it, or the reconciler (onceonly reconcile) does",
         ),
         key=rec.key,
@@ -568,6 +626,7 @@ def plan(call: Call) -> Plan:
     poll = 0.002
     last_exc: BaseException | None = None
     waited_version: int | None = None  # the unknown record whose settle/backoff wait we already did
+    asked: str | None = None  # the last holder asked about (Running): a wait is on another call, or on ours
     conflict = False
     held_state = State.PENDING if p.reports_dispatch else State.IN_FLIGHT
 
@@ -664,6 +723,10 @@ def plan(call: Call) -> Plan:
 
             if state in HELD:
                 if not rec.lease_expired(now):
+                    if rec.lease_owner != asked:
+                        asked = rec.lease_owner
+                        if (yield Running(asked)):
+                            raise _reentered(rec, call)
                     if now >= deadline:
                         raise InProgress(
                             _message(
@@ -725,7 +788,7 @@ def plan(call: Call) -> Plan:
                 raise OutcomeUnknown(
                     _message(
                         rec,
-                        "this operation is waiting for a person to settle it",
+                        f"this operation is waiting for a person to settle it: its outcome is unknown{_cause(rec)}",
                         f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON | --failed REASON",
                     ),
                     key=key,
@@ -778,10 +841,14 @@ def plan(call: Call) -> Plan:
             assert ran.error is not None
             yield from _release(rec, call, ran.error)
             raise ran.error
+        if ran.interrupted:
+            assert ran.error is not None
+            yield from _interrupted(rec, call, ran.error)
+            raise ran.error
 
         now = call.clock()
         if ran.timed_out:
-            verdict = Classification(Verdict.UNKNOWN, None, "attempt timed out (it runs on; a late result counts)")
+            verdict = Classification(Verdict.UNKNOWN, None, f"{_TIMED_OUT} (it runs on; a late result counts)")
             last_exc = TimeoutError(verdict.reason)
         else:
             assert ran.error is not None
@@ -834,6 +901,40 @@ def _release(rec: Record, call: Call, exc: BaseException) -> Generator[Action, A
         next_attempt_at=None, expires_at=None if call.policy.ttl is None else now + call.policy.ttl,
     )  # fmt: skip
     yield from _write(rec, new, call)
+
+
+def _interrupted(rec: Record, call: Call, exc: BaseException) -> Generator[Action, Any, None]:
+    """An interrupt stopped the call while its tool ran (``KeyboardInterrupt``, ``SystemExit``, a cancelled
+    async caller): record the attempt now rather than leave the lease to run out. Unknown (the
+    interruption may have come after the send), or failed as not sent when the tool had not reported its
+    dispatch. One write, best effort: the interrupt goes on up whatever the store answers, and a record
+    that moved on meanwhile (a late result landed) is left as it is."""
+    now = call.clock()
+    why = f"interrupted by {type(exc).__name__} while the tool ran"
+    if rec.state is State.PENDING:
+        new = st.fail(
+            rec, error=f"{why}, before its dispatch", now=now, retry_at=None, ttl=call.policy.ttl, by=call.owner,
+            effect=False,
+        )  # fmt: skip
+    else:
+        new = st.mark_unknown(rec, now=now, reason=why, by=call.owner, error=_err_text(exc))
+    with contextlib.suppress(StoreError):
+        yield Swap(new, rec)
+
+
+def _reentered(rec: Record, call: Call) -> ReentrantCall:
+    """``call`` met the claim of a call it runs inside: it would wait on itself."""
+    return ReentrantCall(
+        _message(
+            rec,
+            f"{call.tool!r} was called again with the same key inside its own running call (a tool that calls "
+            "itself, or calls a tool that calls it back)",
+            "this inner call was refused at once and ran nothing: give it a key of its own (other arguments, "
+            "or tool.using(occurrence=2)), or call the function it guards directly",
+        ),
+        key=rec.key,
+        record=rec,
+    )
 
 
 def _reclaim(rec: Record, call: Call, state: State, now: float, reason: str) -> Record:
@@ -932,7 +1033,7 @@ def _settle(
         raise OutcomeUnknown(
             _message(
                 parked,
-                "the outcome is unknown and this tool settles unknowns by review",
+                f"the outcome is unknown{_cause(rec)}, and this tool settles unknowns by review",
                 f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
             ),
             key=rec.key,
@@ -953,7 +1054,7 @@ def _settle(
             raise OutcomeUnknown(
                 _message(
                     rec,
-                    f"the outcome is unknown and the probe failed ({_err_text(probed.error)})",
+                    f"the outcome is unknown{_cause(rec)}, and the probe failed ({_err_text(probed.error)})",
                     "the record stays unknown; the reconciler (onceonly reconcile) will probe it again",
                 ),
                 key=rec.key,
@@ -986,7 +1087,7 @@ def _settle(
         raise OutcomeUnknown(
             _message(
                 parked,
-                "all attempts ended with an unknown outcome",
+                f"all attempts ended with an unknown outcome, the last{_cause(rec)}",
                 f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
             ),
             key=rec.key,

@@ -61,10 +61,11 @@ class Ledger:
         scope: the scope of keys outside any ``ledger.task()``.
         clock: this host's clock, seconds since the epoch (injectable for tests).
         store_clock: read leases, due times and settle times on the store's clock where the store has
-            one (Redis, PostgreSQL; ``onceonly.clock``), as ``clock`` plus an offset measured at open and
-            every minute, so that hosts whose clocks differ agree. Default: on for the host's clock
-            (``time.time``), off for an injected ``clock`` (a test's fake time is used as it is); pass
-            ``True`` to correct an injected clock too. ``ledger.clock`` is the clock the ledger reads.
+            one (Redis, PostgreSQL; ``onceonly.clock``), as ``clock`` plus an offset measured at open,
+            every minute and at once when ``clock`` steps, so that hosts whose clocks differ agree.
+            Default: on for the host's clock (``time.time``), off for an injected ``clock`` (a test's
+            fake time is used as it is); pass ``True`` to correct an injected clock too (on SQLite, to
+            this host's clock). ``ledger.clock`` is the clock the ledger reads.
         sleep: blocking sleep (injectable for tests); ``asleep`` its async twin.
         rng: the random source of backoff jitter.
 
@@ -90,6 +91,9 @@ class Ledger:
         self.scope = validate_name(scope, "scope")
         store_time = getattr(store, "time", None)
         use_store = (clock is time.time) if store_clock is None else store_clock
+        if store_time is None and store_clock and clock is not time.time:
+            # A store with no clock of its own (SQLite) is on one host: this host's clock is its clock.
+            store_time = time.time
         self._store_clock = StoreClock(store_time, clock, where=self.url) if use_store and store_time else None
         self.clock: Callable[[], float] = clock if self._store_clock is None else self._store_clock.now
         self.sleep = sleep
