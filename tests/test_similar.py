@@ -86,6 +86,31 @@ def test_a_dissimilar_title_runs(ledger: Ledger, effects: Path) -> None:
     assert _runs(effects) == 4
 
 
+def test_a_short_subject_does_not_swallow_the_group(ledger: Ledger, effects: Path) -> None:
+    """An earlier email with the subject 'the', then three different emails to the same customer: each
+    is sent (a text without a meaningful word matches nothing, and one whose words are all inside a
+    longer one's scores in proportion). A reworded one of them still replays it."""
+    send = _ticket_tool(ledger, effects, name="send_email")
+    assert send.outcome("ada@example.com", "the").similar_to is None
+    subjects = ["The invoice for March", "The meeting moved to Friday", "The contract renewal"]
+    outs = [send.outcome("ada@example.com", subject) for subject in subjects]
+    assert [o.similar_to for o in outs] == [None, None, None] and not any(o.replayed for o in outs)
+    assert _runs(effects) == 4
+    again = send.outcome("ada@example.com", "Invoice for March!")
+    assert again.replayed and again.similar_to == outs[0].key
+    assert _runs(effects) == 4
+
+
+def test_a_short_subject_with_a_word_of_its_own_does_not_swallow_either(ledger: Ledger, effects: Path) -> None:
+    """'Invoice' covers one word of 'Invoice for March' (0.67): in either order, two emails."""
+    send = _ticket_tool(ledger, effects, name="send_email")
+    send("ada@example.com", "Invoice")
+    assert send.outcome("ada@example.com", "Invoice for March").similar_to is None
+    send("bob@example.com", "Invoice for April")
+    assert send.outcome("bob@example.com", "invoice").similar_to is None
+    assert _runs(effects) == 4
+
+
 def test_numbers_compare_exactly(ledger: Ledger, effects: Path) -> None:
     """'refund order 1234' and 'refund order 1235' score high as text, and are two operations."""
     create = _ticket_tool(ledger, effects)
@@ -321,12 +346,34 @@ def test_a_custom_score_is_used(ledger: Ledger, effects: Path) -> None:
         (lambda: Similar(fields=("title",), window=0), "window"),
         (lambda: Similar(fields=("title",), candidates=0), "candidates"),
         (lambda: Similar(fields=("title",), score="fuzzy"), "give a function"),  # type: ignore[arg-type]
+        (lambda: Similar(fields=("title",), min_words=0), "min_words"),
+        (lambda: Similar(fields=("title",), stop_words="the"), "set of words"),
+        (lambda: Similar(fields=("title",), stop_words={"don't"}), "not one word"),
     ],
 )
 def test_bad_settings_say_what_to_give(make: Callable[[], Similar], message: str) -> None:
     """Each bad setting is refused with what to give instead."""
     with pytest.raises((TypeError, ValueError), match=message):
         make()
+
+
+def test_stop_words_and_min_words_can_be_set(ledger: Ledger, effects: Path) -> None:
+    """``stop_words`` replaces the built-in list (case folded); ``min_words`` holds with a score of
+    one's own too."""
+    plain = Similar(fields=("title",))
+    assert plain.field_score("the", "the") == 0.0 and plain.field_score("Printer on fire", "the printer on fire") == 1.0
+    german = Similar(fields=("title",), stop_words={"Der", "ist"})
+    assert german.field_score("Der Drucker brennt", "Drucker ist brennt") == 1.0
+    assert german.field_score("the printer", "printer") < german.threshold  # "the" counts now
+    everything = Similar(fields=("title",), stop_words=frozenset())
+    assert everything.field_score("the", "The!") == 1.0
+    strict = Similar(fields=("title",), min_words=2, score=lambda a, b: 1.0)
+    assert strict.field_score("Refund", "refund") == 0.0 and strict.field_score("Refund it", "refund order") == 0.0
+    assert strict.field_score("Refund order", "refund the order") == 1.0
+    create = _ticket_tool(ledger, effects, similar=strict)
+    create("s1", "Refund")
+    assert create.outcome("s1", "refund!").similar_to is None
+    assert _runs(effects) == 2
 
 
 def test_bad_tool_settings_say_what_to_give(ledger: Ledger) -> None:

@@ -18,9 +18,10 @@ from onceonly.similar import Candidate, Match, best_match, field_text, similarit
 
 # Words that make every branch of the default score likely: short shared words beside long distinct
 # ones (the share of common words above the sorted-text ratio), typos and plurals ("fier", "fires"),
-# digit words (exact tokens), case, punctuation, other scripts and astral characters (code point order).
+# digit words (exact tokens), case, punctuation, other scripts and astral characters (code point order),
+# stop-words (which carry no weight, and may leave a text without a meaningful word).
 WORDS = ["printer", "printr", "on", "fire", "fier", "fires", "x", "y", "1234", "1235", "a1", "émail",
-         "ß", "\U0001d523ire", "PRINTER", "!", "extraordinarily", "notwithstanding"]  # fmt: skip
+         "ß", "\U0001d523ire", "PRINTER", "!", "extraordinarily", "notwithstanding", "the", "Is", "a"]  # fmt: skip
 TYPOS = {"printer": "printr", "fire": "fier", "fier": "fires", "extraordinarily": "extraordinary", "1234": "1243"}
 
 
@@ -76,6 +77,7 @@ def reference(sim: Similar, texts: dict[str, str], candidates: list[Candidate], 
     two_fields=st_.booleans(),
     exact_tokens=st_.booleans(),
     own=st_.integers(-1, 12),
+    min_words=st_.integers(1, 3),
 )
 def test_the_choice_is_that_of_scoring_every_candidate(
     data: st_.DataObject,
@@ -84,12 +86,13 @@ def test_the_choice_is_that_of_scoring_every_candidate(
     two_fields: bool,
     exact_tokens: bool,
     own: int,
+    min_words: int,
 ) -> None:
-    """Whatever the texts, threshold and fields, best_match picks the same candidate, with the same
+    """Whatever the texts, threshold, fields and min_words, best_match picks the same candidate, with the same
     score and arguments, as scoring each candidate in full (ties: the newest; damaged or other-shaped
     candidates left out; the call's own key wins outright)."""
     fields = ("title", "body") if two_fields else ("title",)
-    sim = Similar(fields=fields, threshold=threshold, exact_tokens=exact_tokens)
+    sim = Similar(fields=fields, threshold=threshold, exact_tokens=exact_tokens, min_words=min_words)
     group = data.draw(candidates(new))
     assert best_match(sim, new, group, f"k{own}") == reference(sim, new, group, f"k{own}")
 
@@ -122,9 +125,9 @@ def test_candidates_are_decoded_once_per_process(monkeypatch: pytest.MonkeyPatch
     decoded: list[str] = []
     decode = sim_mod._decode_texts
 
-    def counted(args_json: str, fields: tuple[str, ...]) -> Any:
+    def counted(args_json: str, kind: Any) -> Any:
         decoded.append(args_json)
-        return decode(args_json, fields)
+        return decode(args_json, kind)
 
     monkeypatch.setattr(sim_mod, "_decode_texts", counted)
     sim = Similar(fields=("title",))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -26,6 +26,7 @@ from onceonly.keys import canonical_json, compose_key, fingerprint, normalize_te
 
 __all__ = [
     "MAX_CANDIDATES",
+    "STOP_WORDS",
     "Candidate",
     "Lookup",
     "Match",
@@ -49,6 +50,18 @@ _WORD = re.compile(r"\w+")
 _DIGITS = re.compile(r"\w*\d\w*")
 _DIGIT = re.compile(r"\d")
 _NO_DIGITS: frozenset[str] = frozenset()
+
+#: Words that carry no weight in the default score and are not counted by ``Similar.min_words``: English
+#: articles, forms of "be", "do" and "have", a few auxiliaries, pronouns and determiners, "of", "for",
+#: "at", "by", "and", and the courtesies a model adds. Left out on purpose, because adding or changing one
+#: changes an operation: not, no, on, off, in, out, up, down, to, from, with, or. ``Similar(stop_words=...)``
+#: replaces the list (``frozenset()``: every word counts).
+STOP_WORDS: frozenset[str] = frozenset((
+    "a", "an", "the", "am", "is", "are", "was", "were", "be", "been", "being", "do", "does", "did", "has",
+    "have", "had", "will", "would", "shall", "should", "could", "i", "me", "my", "we", "our", "you", "your",
+    "he", "him", "his", "she", "her", "it", "its", "they", "them", "their", "this", "that", "these", "those",
+    "of", "for", "at", "by", "and", "please", "kindly", "thanks", "thank",
+))  # fmt: skip
 
 
 class Candidate(NamedTuple):
@@ -75,75 +88,76 @@ def _fuzz() -> Any:
 
 
 class _Text(NamedTuple):
-    """A field's text, prepared once: as given, its words, its words that hold a digit, and what the
-    default score compares: the words joined, the words sorted and joined (``token_sort_ratio``'s
-    text), and the set of words."""
+    """A field's text, prepared once: as given, its words that hold a digit, and what the default score
+    compares: its meaningful words (stop-words left out) sorted and joined (``token_sort_ratio``'s
+    text), and their set."""
 
     raw: str
-    words: list[str]
     digits: frozenset[str]
-    joined: str
     sorted_text: str
     wordset: frozenset[str]
 
 
-def _prepare(text: str) -> _Text:
-    """``text``'s words after ``normalize_text`` (whitespace collapsed, case folded), punctuation dropped."""
+def _prepare(text: str, stop: frozenset[str]) -> _Text:
+    """``text``'s words after ``normalize_text`` (whitespace collapsed, case folded), punctuation and the
+    words in ``stop`` dropped."""
     norm = normalize_text(text)
     # Most texts hold no digit: one search spares them the second pass.
     digits = frozenset(_DIGITS.findall(norm)) if _DIGIT.search(norm) else _NO_DIGITS
-    words = _WORD.findall(norm)
-    return _Text(text, words, digits, " ".join(words), " ".join(sorted(words)), frozenset(words))
+    words = [w for w in _WORD.findall(norm) if w not in stop]
+    return _Text(text, digits, " ".join(sorted(words)), frozenset(words))
 
 
-#: Candidates' prepared texts, kept in-process per ``Similar.fields`` (a group's candidates come back on
+#: Candidates' prepared texts, kept in-process per ``Similar.fields`` and stop-words (a group's candidates come back on
 #: each of its lookups). An argument set longer than ``_CACHED_CHARS`` is prepared each time and never
 #: kept; the whole is emptied when it would hold more than ``_CACHED`` argument sets or ``_CACHED_TOTAL``
 #: characters (argument sets and their prepared texts: about 10 MB at most).
 _CACHED = 4096
 _CACHED_CHARS = 4096
 _CACHED_TOTAL = 4_000_000
-_cache: dict[tuple[str, ...], dict[str, tuple[_Text, ...] | None]] = {}
+_Kind = tuple[tuple[str, ...], frozenset[str]]  # the fields, the stop-words: what a prepared text depends on
+_cache: dict[_Kind, dict[str, tuple[_Text, ...] | None]] = {}
 _cached = [0, 0]  # sets, characters: a cell that threads may add to at once (it only bounds)
 _MISSING: Any = object()
 
 
-def _decode_texts(args_json: str, fields: tuple[str, ...]) -> tuple[_Text, ...] | None:
+def _decode_texts(args_json: str, kind: _Kind) -> tuple[_Text, ...] | None:
     """The prepared texts of ``fields`` in a candidate's arguments; ``None`` when they are not
     comparable: damaged JSON, or another shape of call (the tool's signature changed)."""
     try:
         args = json.loads(args_json)
     except ValueError:
         return None
+    fields, stop = kind
     if not isinstance(args, dict) or not all(name in args for name in fields):
         return None
-    return tuple(_prepare(field_text(args[name])) for name in fields)
+    return tuple(_prepare(field_text(args[name]), stop) for name in fields)
 
 
-def _rows(candidates: Sequence[Candidate], fields: tuple[str, ...]) -> list[_Row]:
+def _rows(candidates: Sequence[Candidate], kind: _Kind) -> list[_Row]:
     """Each comparable candidate with the prepared texts of its fields, from the cache where it can."""
-    kept = _cache.get(fields, {})
+    kept = _cache.get(kind, {})
     rows: list[_Row] = []
     for cand in candidates:
         theirs = kept.get(cand.args_json, _MISSING)
         if theirs is _MISSING:
-            theirs = _decode_texts(cand.args_json, fields)
+            theirs = _decode_texts(cand.args_json, kind)
             if len(cand.args_json) <= _CACHED_CHARS:
-                _keep(fields, cand.args_json, theirs)
+                _keep(kind, cand.args_json, theirs)
         if theirs is not None:
             rows.append((cand, theirs))
     return rows
 
 
-def _keep(fields: tuple[str, ...], args_json: str, texts: tuple[_Text, ...] | None) -> None:
+def _keep(kind: _Kind, args_json: str, texts: tuple[_Text, ...] | None) -> None:
     """Keep one candidate's prepared texts, emptying the cache first when it is full (not LRU: a clear
     is safe under threads, and refilling costs one decoding per candidate)."""
-    # Each text is held about five times (as given, its words, joined, sorted, as a set).
-    chars = len(args_json) + 5 * sum(len(t.raw) for t in texts or ())
+    # Each text is held about three times (as given, its words sorted, as a set).
+    chars = len(args_json) + 3 * sum(len(t.raw) for t in texts or ())
     if _cached[0] >= _CACHED or _cached[1] + chars > _CACHED_TOTAL:
         _cache.clear()
         _cached[0] = _cached[1] = 0
-    _cache.setdefault(fields, {})[args_json] = texts
+    _cache.setdefault(kind, {})[args_json] = texts
     _cached[0] += 1
     _cached[1] += chars
 
@@ -152,34 +166,37 @@ def _keep(fields: tuple[str, ...], args_json: str, texts: tuple[_Text, ...] | No
 _Row = tuple[Candidate, tuple[_Text, ...]]
 
 
-def fuzzy_score(a: str, b: str) -> float:
-    """The default score, 0..1: rapidfuzz's token-based fuzzy ratios on the normalised words.
+def fuzzy_score(a: str, b: str, *, stop_words: Collection[str] = STOP_WORDS) -> float:
+    """The default score, 0..1: rapidfuzz's fuzzy ratios on the meaningful words, those left after
+    ``normalize_text``, punctuation and ``stop_words`` are dropped. A text without one scores 0.
 
-    - The words of one text are all among the other's (a re-plan that adds words: "Printer on fire" and
-      "The printer is on fire!"): ``token_set_ratio``, which scores that 1.0.
+    - The words of one text are all among the other's (a re-plan that adds or drops words): how much
+      the two have in common, in proportion to both (``2 * shared / (len(a) + len(b))``): "Printer on
+      fire" and "The printer is on fire!" share all of theirs (1.0), three words and a fourth added
+      score 0.86, one word of two 0.67, so a short text cannot swallow a longer one.
     - Each text has words of its own, and those are alike (a typo, a plural: "fier" for "fire"):
-      ``token_sort_ratio``, how much of the whole text is the same.
+      ``token_sort_ratio``, how much of the whole meaningful text is the same.
     - Each has words of its own, and those differ (another name, another place: "alice" for "bob"):
-      the share of words the two have in common, so one changed word in five scores 0.67, not the 0.85
-      that a character ratio gives a long shared phrase.
+      the share of all their words the two have in common, so one changed word in four scores 0.6.
 
     .. versionadded:: 0.1
     """
-    return _fuzzy(_prepare(a), _prepare(b))
+    stop = _stop_words(stop_words)
+    return _fuzzy(_prepare(a, stop), _prepare(b, stop))
 
 
 def _fuzzy(a: _Text, b: _Text) -> float:
-    ta, tb = a.words, b.words
-    if not ta or not tb:
-        return 1.0 if ta == tb else 0.0
-    fuzz = _fuzz()
     sa, sb = a.wordset, b.wordset
-    if sa <= sb or sb <= sa:
-        return float(fuzz.token_set_ratio(a.joined, b.joined)) / 100.0
+    if not sa or not sb:
+        return 0.0  # nothing meaningful to compare: never the same operation
+    shared = len(sa & sb)
+    if shared == min(len(sa), len(sb)):  # one within the other
+        return 2.0 * shared / (len(sa) + len(sb))
+    fuzz = _fuzz()
     changed = fuzz.ratio(" ".join(sorted(sa - sb)), " ".join(sorted(sb - sa))) / 100.0
     if changed >= _ALIKE:
-        return float(fuzz.token_sort_ratio(a.joined, b.joined)) / 100.0
-    return len(sa & sb) / len(sa | sb)
+        return float(fuzz.ratio(a.sorted_text, b.sorted_text)) / 100.0
+    return shared / (len(sa) + len(sb) - shared)
 
 
 #: Slack on the threshold when ruling candidates out, so that float rounding never rules out one that
@@ -187,23 +204,26 @@ def _fuzzy(a: _Text, b: _Text) -> float:
 _SLACK = 1e-9
 
 
-def _may_reach(threshold: float, mine: tuple[_Text, ...], rows: list[_Row]) -> list[_Row]:
-    """The candidates whose default score may reach ``threshold``, found mostly in C; the others score
-    below it for sure. ``_fuzzy`` scores a pair with one of three numbers, and a candidate is ruled out
-    only when all three are below the threshold for some field:
+def _may_reach(sim: Similar, mine: tuple[_Text, ...], rows: list[_Row]) -> list[_Row]:
+    """The candidates whose default score may reach ``sim.threshold``, found mostly in C; the others
+    score below it for sure. ``_fuzzy`` scores a pair with one of three numbers, and a candidate is
+    ruled out when, for some field, it or the new call has fewer than ``sim.min_words`` meaningful
+    words, or all three are below the threshold:
 
-    - 1.0 when one text's words are all among the other's (so a candidate sharing no word with ours
-      is out, and one sharing some needs the two numbers below);
-    - ``token_sort_ratio``, which is ``ratio`` of the sorted words: one batch call over all candidates;
-    - the share of words in common, computed from the shared count.
+    - the share in proportion when one text's words are all among the other's, and the share of all
+      words otherwise, both computed from the shared count (a candidate sharing no word scores 0 by
+      both);
+    - ``token_sort_ratio``, which is ``ratio`` of the sorted words: one batch call over all candidates.
     """
     from rapidfuzz import fuzz, process
 
+    threshold, least = sim.threshold, sim.min_words
     for i, ours in enumerate(mine):
         if not rows:
             break
-        if not ours.words:
-            continue  # an empty text matches only an empty one: the exact score decides
+        words = ours.wordset
+        if len(words) < least:
+            return []  # the new call has too few meaningful words: it matches nothing
         near = {
             found[2]
             for found in process.extract(
@@ -211,24 +231,47 @@ def _may_reach(threshold: float, mine: tuple[_Text, ...], rows: list[_Row]) -> l
                 score_cutoff=max(threshold * 100.0 - 1e-6, 0.0), limit=None,
             )
         }  # fmt: skip
-        words = ours.wordset
-        rows = [
-            row
-            for n, row in enumerate(rows)
-            if n in near or (not words.isdisjoint(row[1][i].wordset) and _overlap(words, row[1][i].wordset, threshold))
-        ]
+        kept: list[_Row] = []
+        for n, row in enumerate(rows):
+            theirs = row[1][i].wordset
+            if len(theirs) >= least and (
+                n in near or (not words.isdisjoint(theirs) and _overlap(words, theirs, threshold))
+            ):
+                kept.append(row)
+        rows = kept
     return rows
 
 
 def _overlap(a: frozenset[str], b: frozenset[str], threshold: float) -> bool:
-    """Whether two word sets that share a word score 1.0 (one within the other) or share at least
-    ``threshold`` of their words."""
+    """Whether two word sets that share a word score at least ``threshold`` by the words they share:
+    in proportion when one is within the other, as a share of all their words otherwise."""
     shared = len(a & b)
-    return shared == min(len(a), len(b)) or shared / (len(a) + len(b) - shared) >= threshold - _SLACK
+    if shared == min(len(a), len(b)):
+        return 2.0 * shared / (len(a) + len(b)) >= threshold - _SLACK
+    return shared / (len(a) + len(b) - shared) >= threshold - _SLACK
 
 
 #: How alike the words only one text has must be to count as the same words re-typed (0..1).
 _ALIKE = 0.75
+
+
+def _stop_words(given: Collection[str]) -> frozenset[str]:
+    """``given`` as the score sees words (case folded), each checked to be one word; the built-in list
+    as it is."""
+    if given is STOP_WORDS:
+        return STOP_WORDS
+    if isinstance(given, str) or not isinstance(given, Collection):
+        raise TypeError(f"stop_words={given!r}: give a set of words, such as {{'the', 'a'}} (frozenset() for none)")
+    words = set()
+    for word in given:
+        found = _WORD.findall(normalize_text(word)) if isinstance(word, str) else []
+        if len(found) != 1 or found[0] != normalize_text(word):
+            raise ValueError(
+                f"stop_words: {word!r} is not one word; give words of letters, digits or '_' "
+                "(the score splits a text at anything else)"
+            )
+        words.add(found[0])
+    return frozenset(words)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +290,11 @@ class Similar:
             score: "refund order 1234" never matches "refund order 1235". ``False`` leaves it to ``score``.
         candidates: the most earlier calls one lookup scores: the newest of the group within the window
             (default 100, at most 1000).
+        stop_words: words that carry no weight: the default score leaves them out, and ``min_words``
+            does not count them; default ``STOP_WORDS`` (a small English list), ``frozenset()`` for none.
+        min_words: the fewest meaningful words (not stop-words, counted once each) a field's text needs,
+            in both calls, before they can match, with any ``score``; default 1, so a subject such as
+            "the" or "Re:" matches nothing.
 
     Raises:
         ImportError: no ``score`` given and rapidfuzz is not installed (the message says how to add it).
@@ -261,6 +309,10 @@ class Similar:
     score: Score | None = None
     exact_tokens: bool = True
     candidates: int = field(default=MAX_CANDIDATES)
+    stop_words: Collection[str] = field(default=STOP_WORDS, repr=False)  # a long list: left out of repr
+    min_words: int = 1
+    #: What a prepared text depends on: the fields and the stop-words (the cache's key).
+    _kind: _Kind = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = self.fields
@@ -278,17 +330,30 @@ class Similar:
         n = self.candidates
         if type(n) is not int or not 1 <= n <= _CANDIDATES_LIMIT:
             raise ValueError(f"Similar(candidates={n!r}): give an int from 1 to {_CANDIDATES_LIMIT}")
+        m = self.min_words
+        if type(m) is not int or m < 1:
+            raise ValueError(f"Similar(min_words={m!r}): give an int of at least 1, such as 2")
+        try:
+            stop = _stop_words(self.stop_words)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"Similar({exc}") from None
+        object.__setattr__(self, "stop_words", stop)
+        object.__setattr__(self, "_kind", (self.fields, stop))
         if self.score is None:
             _fuzz()  # fail at decoration, not at the first call
         elif not callable(self.score):
             raise TypeError(f"Similar(score={self.score!r}): give a function (earlier_text, new_text) -> 0..1")
 
     def field_score(self, a: str, b: str) -> float:
-        """One field's score, 0..1: ``score`` (or ``fuzzy_score``), and 0 where the digit words differ."""
-        return self._score(_prepare(a), _prepare(b))
+        """One field's score, 0..1: ``score`` (or ``fuzzy_score`` with ``stop_words``), and 0 where the
+        digit words differ or a text has fewer than ``min_words`` meaningful words."""
+        stop = self._kind[1]
+        return self._score(_prepare(a, stop), _prepare(b, stop))
 
     def _score(self, a: _Text, b: _Text) -> float:
         if self.exact_tokens and a.digits != b.digits:
+            return 0.0
+        if len(a.wordset) < self.min_words or len(b.wordset) < self.min_words:
             return 0.0
         if self.score is None:
             return _fuzzy(a, b)
@@ -312,8 +377,9 @@ def similarity(sim: Similar, earlier: Mapping[str, str], new: Mapping[str, str])
 
     .. versionadded:: 0.1
     """
+    stop = sim._kind[1]
     return _similarity(
-        sim, tuple(_prepare(earlier[n]) for n in sim.fields), tuple(_prepare(new[n]) for n in sim.fields)
+        sim, tuple(_prepare(earlier[n], stop) for n in sim.fields), tuple(_prepare(new[n], stop) for n in sim.fields)
     )
 
 
@@ -350,11 +416,11 @@ def best_match(sim: Similar, texts: Mapping[str, str], candidates: Sequence[Cand
             except ValueError:
                 break  # damaged arguments: not comparable, so not a match (and left out below)
             return Match(cand.key, 1.0, args if isinstance(args, dict) else {})
-    fields = sim.fields
-    mine = tuple(_prepare(texts[name]) for name in fields)  # once, not per candidate
-    rows = _rows(candidates, fields)
+    kind = sim._kind
+    mine = tuple(_prepare(texts[name], kind[1]) for name in kind[0])  # once, not per candidate
+    rows = _rows(candidates, kind)
     if sim.score is None:
-        rows = _may_reach(sim.threshold, mine, rows)
+        rows = _may_reach(sim, mine, rows)
     best: tuple[Candidate, float] | None = None
     for cand, theirs in sorted(rows, key=_newest_first):  # stable: the newest of equals wins
         score = _similarity(sim, theirs, mine)
