@@ -4,6 +4,7 @@
     python benchmarks/bench_redis.py --throughput 8           # 8 processes: guarded vs raw calls/s
     python benchmarks/bench_redis.py --preload 1000000        # per-call cost with 1M records stored
     python benchmarks/bench_redis.py --decompose              # where a first call's time goes, one run
+    python benchmarks/bench_redis.py --replicas               # what replicas=1 (WAIT) costs a call, one run
 
 Every contender uses the same redis-py client settings as the store (retries off, 5 s timeouts), the
 same server ($ONCEONLY_BENCH_REDIS_URL, default redis://127.0.0.1:6379/0) and does the same work:
@@ -403,7 +404,97 @@ def decompose(rounds: int, batch: int) -> list[dict[str, object]]:
     return report("redis", contenders)
 
 
+@contextmanager
+def _master_and_replica(workdir: Path) -> Iterator[str]:
+    """A private master and one replica of it (``redis-server`` on free ports, persisting nothing), stopped
+    by PID: the URL of the master. The shared server is left alone (it may have no replica)."""
+    import socket
+    import subprocess
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        return port
+
+    def ask(port: int, *command: str) -> str:
+        out = subprocess.run(["redis-cli", "-p", str(port), *command], capture_output=True, timeout=10, check=False)
+        return out.stdout.decode()
+
+    master, replica = free_port(), free_port()
+    procs = []
+    try:
+        for port, extra in ((master, ()), (replica, ("--replicaof", "127.0.0.1", str(master)))):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "redis-server",
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(workdir),
+                        "--dbfilename",
+                        f"{port}.rdb",
+                        *extra,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.monotonic() + 20
+        while "state=online" not in ask(master, "INFO", "replication"):
+            if time.monotonic() > deadline:
+                raise SystemExit("the private replica did not come online within 20 s")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{master}/0"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def replicas_cost(rounds: int, batch: int) -> list[dict[str, object]]:
+    """One run on a private master with one replica: a guarded first call and a replay on a plain URL and
+    on ``replicas=1`` (each write followed by a barrier write and ``WAIT 1``, in the same packet)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="onceonly-bench-") as tmp, _master_and_replica(Path(tmp)) as url:
+        plain = onceonly.Ledger.open(f"{url}?prefix=plain&warn_persistence=false")
+        waited = onceonly.Ledger.open(f"{url}?prefix=waited&warn_persistence=false&replicas=1")
+        store = plain.store
+        assert isinstance(store, RedisStore)
+        first, replay = guarded_pair(plain.tool(name="bench.tool")(tool_body))
+        w_first, w_replay = guarded_pair(waited.tool(name="bench.tool")(tool_body))
+        w_first.name, w_replay.name = "guarded first call, replicas=1", "replay, replicas=1"
+        contenders = [Contender("floor: 2 raw round trips", floor(store, "floor")), first, w_first, replay, w_replay]
+        interleave(contenders, rounds, batch)
+        plain.close()
+        waited.close()
+    rows = report("redis", contenders)
+    for name, base, other in (("first call", first, w_first), ("replay", replay, w_replay)):
+        ratio = statistics.median(w / p for w, p in zip(other.per_call, base.per_call, strict=True))
+        print(f"redis: {name} with replicas=1 / without = {ratio:.2f}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--replicas" in args:
+        import argparse
+
+        parser = argparse.ArgumentParser(description="what replicas=1 costs a guarded call")
+        parser.add_argument("--replicas", action="store_true")
+        parser.add_argument("--rounds", type=int, default=30)
+        parser.add_argument("--batch", type=int, default=200)
+        parsed = parser.parse_args(args)
+        replicas_cost(parsed.rounds, parsed.batch)
+        return 0
     return store_main(argv, __doc__, bench, throughput_table, preload, decompose)
 
 

@@ -182,3 +182,115 @@ class PrivateRedisCluster:
         for proc in self.procs:
             proc.wait(10)
         self.procs = []
+
+
+class PrivateSentinel:
+    """A master, ``replicas`` replicas of it and ``sentinels`` Redis Sentinels watching it as ``service``,
+    all of the test's own on free ports, persisting nothing; stopped by their PIDs.
+
+    ``start()`` returns once every replica is online on the master and every sentinel knows the
+    replicas and the other sentinels (so that ``failover()`` has somewhere to go). ``master_port()`` is
+    where the sentinels say the master is now.
+    """
+
+    def __init__(self, workdir: Path, *, replicas: int = 1, sentinels: int = 3, service: str = "mymaster") -> None:
+        server = shutil.which("redis-server")
+        if server is None:
+            pytest.skip("redis-server is not installed: cannot start a private Redis with Sentinel")
+        self.server = server
+        self.workdir = workdir
+        self.service = service
+        self.master = PrivateRedis(workdir / "master")
+        self.replicas = [PrivateRedis(workdir / f"replica{i}") for i in range(replicas)]
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinel_procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://`` naming every sentinel and the service (no query)."""
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def ask(self, port: int, *command: str) -> str:
+        """One command on one server or sentinel through redis-cli (no client library involved)."""
+        out = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *command], capture_output=True, timeout=10, check=False
+        )
+        return out.stdout.decode()
+
+    def start(self) -> PrivateSentinel:
+        try:
+            for node in (self.master, *self.replicas):
+                node.workdir.mkdir(parents=True, exist_ok=True)
+            self.master.start()
+            for replica in self.replicas:
+                replica.args = ("--replicaof", "127.0.0.1", str(self.master.port))
+                replica.start()
+            for i, port in enumerate(self.sentinel_ports):
+                conf = self.workdir / f"sentinel{i}.conf"
+                conf.write_text(
+                    f"port {port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                    f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 2\n"
+                    f"sentinel down-after-milliseconds {self.service} 1000\n"
+                    f"sentinel failover-timeout {self.service} 3000\n"
+                )
+                self.sentinel_procs.append(
+                    subprocess.Popen(
+                        [self.server, str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    )
+                )
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, seconds: float = 20) -> None:
+        """Every replica online on the current master, every sentinel agreeing on that master and
+        knowing every replica and the other sentinels."""
+        deadline = time.monotonic() + seconds
+        while True:
+            ready = self._ready()
+            if ready is True:
+                return
+            assert time.monotonic() < deadline, f"Sentinel set not ready within {seconds:g} s: {ready}"
+            time.sleep(0.1)
+
+    def _ready(self) -> bool | str:
+        port = self.master_port()
+        if port is None:
+            return "no master agreed"
+        online = self.ask(port, "INFO", "replication").count(",state=online,")
+        if online < len(self.replicas):
+            return f"{online} of {len(self.replicas)} replicas online on {port}"
+        for sentinel in self.sentinel_ports:
+            info = self.ask(sentinel, "SENTINEL", "MASTER", self.service).split()
+            fields = dict(zip(info[::2], info[1::2], strict=False))
+            if fields.get("num-slaves") != str(len(self.replicas)):
+                return f"sentinel {sentinel}: {fields.get('num-slaves')} replicas known"
+            if fields.get("num-other-sentinels") != str(len(self.sentinel_ports) - 1):
+                return f"sentinel {sentinel}: {fields.get('num-other-sentinels')} other sentinels known"
+        return True
+
+    def master_port(self) -> int | None:
+        """The master's port as every sentinel gives it, or None while they disagree or do not answer."""
+        ports = set()
+        for sentinel in self.sentinel_ports:
+            answer = self.ask(sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service).split()
+            ports.add(int(answer[1]) if len(answer) == 2 and answer[1].isdigit() else None)
+        return ports.pop() if len(ports) == 1 else None
+
+    def failover(self) -> None:
+        """``SENTINEL FAILOVER``: a replica is promoted, the master demoted, without the master's consent."""
+        answer = self.ask(self.sentinel_ports[0], "SENTINEL", "FAILOVER", self.service)
+        assert answer.strip() == "OK", f"SENTINEL FAILOVER answered {answer!r}"
+
+    def stop(self) -> None:
+        for proc in self.sentinel_procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.sentinel_procs:
+            proc.wait(10)
+        self.sentinel_procs = []
+        for node in (*self.replicas, self.master):
+            node.stop()

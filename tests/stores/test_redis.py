@@ -769,7 +769,16 @@ def test_eviction_is_checked_through_info_where_config_is_disabled(
 def test_url_options() -> None:
     """Onceonly's options are taken out of the URL; redis-py's stay; bad values are explained."""
     client_url, opts = parse_redis_url("redis://h:1/2?prefix=app&shards=4&socket_timeout=2&client_name=x")
-    assert opts == {"prefix": "app", "shards": 4, "warn_persistence": True, "allow_eviction": False, "cluster": False}
+    assert opts == {
+        "prefix": "app",
+        "shards": 4,
+        "warn_persistence": True,
+        "allow_eviction": False,
+        "cluster": False,
+        "replicas": 0,
+        "replicas_timeout": 1.0,
+        "sentinel": None,
+    }
     assert parse_redis_url("redis://h/0?allow_eviction=yes")[1]["allow_eviction"] is True
     assert "prefix" not in client_url and "socket_timeout=2" in client_url and "client_name=x" in client_url
     assert "socket_connect_timeout=5" in client_url

@@ -13,7 +13,7 @@ __all__ = ["AsyncStore", "Query", "Store", "open_store", "redact_url"]
 
 def open_store(url: str) -> Store:
     """The store for ``url``: ``sqlite:///…``, ``redis://…`` / ``rediss://…`` (``redis+cluster://…`` for a
-    Redis Cluster), ``postgresql://…``.
+    Redis Cluster, ``redis+sentinel://…`` for a master that Redis Sentinel watches), ``postgresql://…``.
 
     .. versionadded:: 0.1
     """
@@ -23,7 +23,7 @@ def open_store(url: str) -> Store:
         from onceonly.stores.sqlite import SQLiteStore
 
         return SQLiteStore(url)
-    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
         try:
             from onceonly.stores.redis import RedisStore
         except ImportError as exc:  # pragma: no cover - depends on the installed extras

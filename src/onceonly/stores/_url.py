@@ -17,9 +17,10 @@ _BARE_USERINFO = re.compile(r"^(?P<user>[^:/@?#\s]*):(?P<password>[^/?#\s]+)@")
 # An option: name=value after "?", "&" or ";" in a query, or at the start or after whitespace in a libpq
 # keyword string (where a value may be quoted).
 _OPTION = re.compile(r"(?:^|(?<=[?&;\s]))(?P<name>[^=&;?#\s]+)=(?P<value>'(?:[^'\\]|\\.)*'|[^&;#\s]*)")
-# The options that carry a secret: libpq's password and sslpassword, redis-py's password, the usual
-# spellings of others (a token, a secret). Not passfile: that is the name of a file.
-_SECRET = re.compile(r"(?:ssl)?password|passwd|pwd|pass|[a-z0-9_]*(?:secret|token)", re.IGNORECASE)
+# The options that carry a secret: libpq's password and sslpassword, redis-py's password, onceonly's
+# sentinel_password, the usual spellings of others (a token, a secret). Not passfile: that is the name
+# of a file.
+_SECRET = re.compile(r"[a-z0-9_]*password|passwd|pwd|pass|[a-z0-9_]*(?:secret|token)", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import heapq
 import json
 import logging
@@ -56,11 +57,13 @@ import time
 import weakref
 import zlib
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -96,6 +99,17 @@ _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 # What a failed command raises: redis-py's cluster client raises some of its own (no node reachable,
 # a slot no node serves) outside RedisError.
 _FAILURES = (RedisError, RedisClusterException)
+
+
+class _Undurable(RedisError):
+    """A write (``replicas=N``) that fewer than N replicas acknowledged within the timeout: it is on the
+    master, and whether it survives a failover is unknown."""
+
+
+#: The store (its ``id``) whose last write in this thread or task was not acknowledged by its replicas:
+#: its next read there must prove what it reads is on them too (``RedisStore.get``). A context variable,
+#: so that a doubt follows the call that raised it (a thread, an asyncio task), not the connection.
+_DOUBT: contextvars.ContextVar[int] = contextvars.ContextVar("onceonly_redis_doubt", default=0)
 _fork_generation = 0
 
 
@@ -438,11 +452,108 @@ def _matches(r: Record, q: Query, states: frozenset[State] | None) -> bool:
 
 # --- the URL ------------------------------------------------------------------------------------------
 
-_OURS = ("prefix", "shards", "warn_persistence", "allow_eviction", "cluster")
+_OURS = (
+    "prefix", "shards", "warn_persistence", "allow_eviction", "cluster", "replicas", "replicas_timeout",
+    "sentinel_username", "sentinel_password", "sentinel_ssl",
+)  # fmt: skip
 #: URL schemes that open a Redis Cluster client, and the scheme redis-py is given instead.
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+#: URL schemes that find the master through Redis Sentinel, and the scheme of the master's URL.
+_SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+_SENTINEL_PORT = 26379
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+#: Seconds a write waits for its replicas (``replicas=N``) unless ``replicas_timeout`` says otherwise.
+DEFAULT_REPLICAS_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """Where a ``redis+sentinel://`` URL finds its master: the sentinels, the name they monitor it
+    under, and the options of the connections to the sentinels themselves (``sentinel_password`` …).
+
+    .. versionadded:: 0.1
+    """
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _sentinel_hosts(netloc: str, shown: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The user part and the ``host:port`` pairs of a sentinel URL's ``host1:26379,host2:26379``."""
+    userinfo, at, hosts = netloc.rpartition("@")
+    found: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, port = item.strip(), str(_SENTINEL_PORT)
+        if host.startswith("["):  # [::1]:26379
+            host, _, rest = host[1:].partition("]")
+            if rest:
+                port = rest.removeprefix(":")
+        elif host.count(":") == 1:
+            host, port = host.split(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"sentinel {item.strip()!r} in {shown!r}: give each sentinel as host:port, separated by commas "
+                "(redis+sentinel://host1:26379,host2:26379,host3:26379/mymaster/0)"
+            )
+        found.append((host, int(port)))
+    return (userinfo + at), tuple(found)
+
+
+def _sentinel_url(
+    parts: SplitResult, ours: dict[str, str], flags: dict[str, bool], shown: str
+) -> tuple[SplitResult, SentinelTarget]:
+    """A ``redis+sentinel://[user:password@]host1:26379,host2:26379/service[/db]`` URL: the master's
+    URL for redis-py (its host left for the sentinels to say) and where to ask for it."""
+    if flags["cluster"]:
+        raise ValueError(f"{shown!r}: Sentinel watches one master and its replicas, not a Cluster: drop cluster=true")
+    userinfo, sentinels = _sentinel_hosts(parts.netloc, shown)
+    service, _, db = parts.path.strip("/").partition("/")
+    if not service or "/" in db or (db and not db.isdigit()):
+        raise ValueError(
+            f"{shown!r}: a Sentinel URL names the master's service and, optionally, a database: "
+            "redis+sentinel://host1:26379,host2:26379/mymaster/0"
+        )
+    options: dict[str, Any] = {}
+    if ours.get("sentinel_username"):
+        options["username"] = ours["sentinel_username"]
+    if ours.get("sentinel_password"):
+        options["password"] = ours["sentinel_password"]
+    ssl = ours.get("sentinel_ssl", "true" if parts.scheme.lower() == "rediss+sentinel" else "false").lower()
+    if ssl not in _TRUE + _FALSE:
+        raise ValueError(f"sentinel_ssl={ssl!r} in {shown!r}: use true or false")
+    if ssl in _TRUE:
+        options["ssl"] = True
+    master = parts._replace(
+        scheme=_SENTINEL_SCHEMES[parts.scheme.lower()], netloc=f"{userinfo}sentinel-master", path=f"/{db or 0}"
+    )
+    return master, SentinelTarget(sentinels, unquote(service), options)
+
+
+def _replicas(ours: dict[str, str], theirs: list[tuple[str, str]], shown: str) -> tuple[int, float]:
+    """``replicas=N`` and ``replicas_timeout`` (seconds): how many replicas each write waits for, how long."""
+    try:
+        replicas = int(ours.get("replicas", "0"))
+    except ValueError:
+        raise ValueError(f"replicas={ours['replicas']!r} in {shown!r}: give a whole number such as 1") from None
+    if not 0 <= replicas <= 100:
+        raise ValueError(f"replicas={replicas} in {shown!r}: use 0 (do not wait) to 100")
+    try:
+        timeout = float(ours.get("replicas_timeout", DEFAULT_REPLICAS_TIMEOUT))
+    except ValueError:
+        shown_timeout = ours["replicas_timeout"]
+        raise ValueError(f"replicas_timeout={shown_timeout!r} in {shown!r}: give seconds, such as 1") from None
+    try:
+        socket_timeout = float(dict(theirs)["socket_timeout"])
+    except ValueError:  # "none" or the like: redis-py reads it, and the connection never times out
+        socket_timeout = float("inf")
+    if replicas and not 0.001 <= timeout < socket_timeout:
+        raise ValueError(
+            f"replicas_timeout={timeout:g} in {shown!r}: give 0.001 s or more, and less than socket_timeout "
+            f"({socket_timeout:g} s), or the connection times out before the replicas answer"
+        )
+    return replicas, timeout
 
 
 def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -452,20 +563,26 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
     ``shards`` (default 16), ``warn_persistence`` (default ``true``), ``allow_eviction`` (default
     ``false``: a server whose ``maxmemory-policy`` evicts keys is refused), ``cluster`` (default
     ``false``; ``true``, or the scheme ``redis+cluster://`` / ``rediss+cluster://``, opens a Redis
-    Cluster client on the node of the URL, which finds the others). Every other query parameter is
-    redis-py's (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``,
-    ``client_name``…); the two timeouts default to 5 seconds here, so that a dead server is reported
-    rather than waited on forever.
+    Cluster client on the node of the URL, which finds the others), ``replicas`` (default 0: each
+    write waits for that many replicas to acknowledge it, ``WAIT``, up to ``replicas_timeout``
+    seconds, default 1). ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` (``rediss+sentinel``
+    for TLS) asks the sentinels for the master of ``mymaster``; ``sentinel_password``,
+    ``sentinel_username`` and ``sentinel_ssl`` are for the sentinels, the URL's user part for the master
+    (the returned options' ``sentinel`` then holds a ``SentinelTarget``, and the URL is the master's
+    with a placeholder host). Every other query parameter is redis-py's (``socket_timeout``,
+    ``socket_connect_timeout``, ``max_connections``, ``client_name``…); the two timeouts default to 5
+    seconds here, so that a dead server is reported rather than waited on forever.
 
     .. versionadded:: 0.1
     """
     parts = urlsplit(url)
     shown = redact_url(url)
     scheme = parts.scheme.lower()
-    if scheme not in ("redis", "rediss", "unix", *_CLUSTER_SCHEMES):
+    if scheme not in ("redis", "rediss", "unix", *_CLUSTER_SCHEMES, *_SENTINEL_SCHEMES):
         raise ValueError(
-            f"not a Redis URL: {shown!r}: use redis://host:6379/0, rediss://…, unix:///path.sock, or "
-            "redis+cluster://host:7000 for a Redis Cluster"
+            f"not a Redis URL: {shown!r}: use redis://host:6379/0, rediss://…, unix:///path.sock, "
+            "redis+cluster://host:7000 for a Redis Cluster, or redis+sentinel://host1:26379,host2:26379/mymaster "
+            "for a master that Redis Sentinel watches"
         )
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
@@ -496,6 +613,12 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
         if flag not in _TRUE + _FALSE:
             raise ValueError(f"{name}={flag!r} in {shown!r}: use true or false")
         flags[name] = flag in _TRUE
+    replicas, replicas_timeout = _replicas(ours, theirs, shown)
+    sentinel: SentinelTarget | None = None
+    if scheme in _SENTINEL_SCHEMES:
+        parts, sentinel = _sentinel_url(parts, ours, flags, shown)
+    elif any(name.startswith("sentinel_") for name in ours):
+        raise ValueError(f"{shown!r}: sentinel_* options belong to a redis+sentinel:// URL")
     if scheme in _CLUSTER_SCHEMES:
         if "cluster" in ours and not flags["cluster"]:
             raise ValueError(f"{shown!r} says {scheme}:// and cluster=false: drop one of them")
@@ -511,14 +634,35 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
             )
         parts = parts._replace(path="")
     client_url = urlunsplit(parts._replace(query=urlencode(theirs)))
-    return client_url, {"prefix": prefix, "shards": shards, **flags}
+    return client_url, {
+        "prefix": prefix,
+        "shards": shards,
+        **flags,
+        "replicas": replicas,
+        "replicas_timeout": replicas_timeout,
+        "sentinel": sentinel,
+    }
 
 
 def _where(url: str) -> str:
     """The URL without credentials, for messages."""
     parts = urlsplit(url)
+    if parts.scheme.lower() in _SENTINEL_SCHEMES:
+        hosts = parts.netloc.rpartition("@")[2]
+        return f"{parts.scheme}://{hosts}/{parts.path.strip('/').partition('/')[0]}"
     host = parts.hostname or parts.path or "?"
     return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}"
+
+
+def _sentinel_kwargs(master: dict[str, Any], target: SentinelTarget) -> tuple[dict[str, Any], dict[str, Any]]:
+    """redis-py's keywords for a Sentinel: the master's connections (``master``: the master URL's
+    ``parse_url``, its placeholder host dropped) and the sentinels' own (their password, TLS, and the
+    master's socket timeouts, so that a dead sentinel is reported as fast as a dead master)."""
+    kwargs = {k: v for k, v in master.items() if k not in ("host", "port", "path")}
+    if kwargs.pop("connection_class", None) is not None:  # rediss+sentinel: the master over TLS
+        kwargs["ssl"] = True
+    options = {k: v for k, v in kwargs.items() if k.startswith("socket_")} | target.options
+    return kwargs, options
 
 
 # --- change notifications ---------------------------------------------------------------------------
@@ -661,15 +805,25 @@ class _AsyncSide:
     ``finally`` closes the client there, even when nobody called ``aclose()``.
     """
 
-    __slots__ = ("claim", "claim_again", "client", "closer", "delete", "swap", "swap_again")
+    __slots__ = ("claim", "claim_again", "client", "closer", "delete", "sentinel", "swap", "swap_again")
 
-    def __init__(self, url: str, scripts: Sequence[str], cluster: bool) -> None:
+    def __init__(self, url: str, scripts: Sequence[str], cluster: bool, sentinel: SentinelTarget | None) -> None:
         from redis.asyncio.retry import Retry as AsyncRetry
 
         # Retries off for the same reason as the sync client's (a blindly re-run script is not a no-op);
         # the cluster client still follows MOVED and ASK, which ran nothing.
-        kind: Any = redis.asyncio.RedisCluster if cluster else redis.asyncio.Redis
-        self.client: Any = kind.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
+        self.sentinel: Any = None
+        if sentinel is not None:
+            from redis.asyncio.connection import parse_url as async_parse_url
+            from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+            kwargs, options = _sentinel_kwargs(dict(async_parse_url(url)), sentinel)
+            make: Any = AsyncSentinel  # untyped in redis-py
+            self.sentinel = make(sentinel.sentinels, sentinel_kwargs=options, **kwargs)
+            self.client: Any = self.sentinel.master_for(sentinel.service, retry=AsyncRetry(NoBackoff(), 0))
+        else:
+            kind: Any = redis.asyncio.RedisCluster if cluster else redis.asyncio.Redis
+            self.client = kind.from_url(url, retry=AsyncRetry(NoBackoff(), 0))
         self.claim, self.claim_again, self.swap, self.swap_again, self.delete = (
             self.client.register_script(text) for text in scripts
         )
@@ -680,6 +834,9 @@ class _AsyncSide:
             yield
         finally:
             await self.client.aclose()
+            if self.sentinel is not None:
+                for client in self.sentinel.sentinels:
+                    await client.aclose()
 
 
 # --- the store --------------------------------------------------------------------------------------
@@ -724,6 +881,14 @@ class RedisStore:
         self._where = _where(url)
         #: A Redis Cluster client (``redis+cluster://`` or ``cluster=true``), else one endpoint's.
         self.cluster: bool = opts["cluster"]
+        #: Where the sentinels are, for a ``redis+sentinel://`` URL.
+        self._target: SentinelTarget | None = opts["sentinel"]
+        #: ``replicas=N``: each write waits for N replicas (``WAIT N ms``); None when it waits for none.
+        self.replicas: int = opts["replicas"]
+        self._wait: tuple[int, int] | None = (
+            (self.replicas, max(1, round(opts["replicas_timeout"] * 1000))) if self.replicas else None
+        )
+        self._sentinel: Any = None  # a redis.sentinel.Sentinel for redis+sentinel://
         # One pool. Pipelines, scans, the pub/sub listener and opening use it through `_client`; the
         # hot primitives use one single-connection client per thread on the same pool (`_thread`):
         # that skips the pool's check-out and its "has this idle connection data?" probe, about a
@@ -738,6 +903,15 @@ class RedisStore:
                 self._client = redis.RedisCluster.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
             except _FAILURES as exc:
                 raise self._unavailable(exc, "opening the ledger") from exc
+        elif self._target is not None:
+            # redis-py's Sentinel asks the sentinels for the master's address at every new connection,
+            # and a connection to a master since demoted fails (READONLY) and connects anew.
+            parse: Any = redis.connection.parse_url  # untyped in redis-py, like Sentinel
+            kwargs, options = _sentinel_kwargs(parse(client_url), self._target)
+            make: Any = redis.sentinel.Sentinel
+            self._sentinel = make(self._target.sentinels, sentinel_kwargs=options, **kwargs)
+            self._client = self._sentinel.master_for(self._target.service, retry=redis.retry.Retry(NoBackoff(), 0))
+            self._pool = self._client.connection_pool
         else:
             self._pool = redis.ConnectionPool.from_url(client_url, retry=redis.retry.Retry(NoBackoff(), 0))
             self._client = redis.Redis(connection_pool=self._pool)
@@ -762,6 +936,8 @@ class RedisStore:
             self._open(warn=opts["warn_persistence"], allow_eviction=opts["allow_eviction"])
         except BaseException:
             self._client.close()
+            if self._sentinel is not None:
+                self._sentinel.close()
             raise
 
     # --- opening ----------------------------------------------------------------------------------
@@ -780,9 +956,11 @@ class RedisStore:
             pipe.config_get("appendonly")
             pipe.config_get("save")
             pipe.config_get("maxmemory-policy")
+            pipe.execute_command("ROLE")
             answers = pipe.execute(raise_on_error=False)
         except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
+        self._check_role(answers[9])
         stored = self._meta(answers[0])
         for answer in answers[1:6]:
             if isinstance(answer, Exception):
@@ -819,6 +997,29 @@ class RedisStore:
         except _FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         self._check_meta(stored)
+
+    def _check_role(self, answer: Any) -> None:
+        """Refuse a read-only replica (every write would fail), and, with ``replicas=N``, a master with
+        fewer than N replicas connected (every write would wait, then fail). ``answer``: ``ROLE``'s."""
+        if isinstance(answer, Exception) or not isinstance(answer, list) or not answer:
+            log.info("onceonly: the Redis server at %s did not say its role (%s)", self._where, answer)
+            return
+        role = answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])
+        if role in ("slave", "replica"):
+            host, port = (x.decode() if isinstance(x, bytes) else str(x) for x in answer[1:3])
+            raise StoreError(
+                f"the Redis server at {self._where} is a read-only replica (of the master at {host}:{port}): the "
+                "ledger writes every call, so it needs the master. Give the master's URL, or "
+                "redis+sentinel://sentinel1:26379,sentinel2:26379/<master name>/0 so that the master is found "
+                "and followed across failovers"
+            )
+        connected = len(answer[2]) if role == "master" and len(answer) > 2 else None
+        if self._wait is not None and connected is not None and connected < self.replicas:
+            raise StoreUnavailable(
+                f"the Redis master at {self._where} has {connected} replica(s) connected, and this URL says "
+                f"replicas={self.replicas}: every write would wait for replicas that are not there. Start or "
+                "reconnect the replicas, or give a smaller replicas="
+            )
 
     def _check_meta(self, stored: dict[bytes, bytes]) -> None:
         """The prefix's metadata (written now if the prefix has none) must say this schema and shard count."""
@@ -990,6 +1191,14 @@ class RedisStore:
                 f"{self._where}: a key under prefix {self.prefix!r} is not what onceonly wrote ({exc}) while "
                 f"{what}. Nothing was changed: check what else writes under this prefix"
             )
+        if isinstance(exc, _Undurable):
+            assert self._wait is not None
+            return StoreUnavailable(
+                f"the Redis ledger at {self._where}, while {what}: fewer replicas than replicas={self.replicas} "
+                f"acknowledged the write within {self._wait[1] / 1000:g} s ({exc}). The master has it, but whether "
+                "it survives a failover is unknown, so it counts as not made: nothing runs on it. A replica is down "
+                "or lagging, or a failover is under way: call again once the master has its replicas in sync"
+            )
         return StoreUnavailable(
             f"the Redis ledger at {self._where} failed while {what}: {type(exc).__name__}: {exc}. Whether "
             "the last write landed is unknown; the ledger re-reads the record before it decides anything"
@@ -1044,12 +1253,105 @@ class RedisStore:
             self._thread()
             conn = local.conn
         conn.send_packed_command([_pack_command(args)] if _pack_command is not None else conn.pack_command(*args))
-        return conn.read_response()
+        try:
+            return conn.read_response()
+        except _TRANSIENT:
+            self._drop_connection(conn)
+            raise
+
+    def _drop_connection(self, conn: Any) -> None:
+        """Close this thread's connection after a failure, and make the next command take a new one from
+        the pool. A reply left unread would answer the next command (redis-py's own connection closes
+        itself then; a Sentinel-managed one leaves it to the client layer), and only the pool's check-out
+        asks the sentinels where the master is now: a connection that merely reconnects itself goes back
+        to the address it had, a master since demoted."""
+        conn.disconnect()
+        local = self._local
+        client = getattr(local, "client", None)
+        local.client = local.conn = None
+        if client is not None:
+            client.close()
+
+    def _evalsha(self, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
+        if self._wait is None:
+            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return self._waited(keys[1], ("EVALSHA", script.sha, len(keys), *keys, *args))
+
+    def _barrier(self, index: str) -> str:
+        """The shard's barrier key, from its all-keys index ``<tag>:k``: written right before ``WAIT``."""
+        return index[:-1] + "w"
+
+    def _waited(self, index: str, command: tuple[Any, ...]) -> Any:
+        """``command``, then a write of its shard's barrier key and ``WAIT replicas ms``, on one connection
+        and in one packet (on a Cluster: the command, then the barrier and ``WAIT`` on its node).
+
+        ``WAIT`` returns once that many replicas have everything the master did up to this connection's
+        last write. The barrier (in the command's slot, so on its node) is that write: it comes after the
+        command, and after anything anyone wrote on the record before, so the acknowledgement covers the
+        record as the command left or found it, even when the command itself wrote nothing (an "again"
+        re-run, a read). Raises ``_Undurable`` when fewer replicas answer in time.
+        """
+        assert self._wait is not None
+        n, ms = self._wait
+        _DOUBT.set(id(self))  # until the replicas say otherwise
+        barrier = self._barrier(index)
+        if self.cluster:
+            reply = self._client.execute_command(*command)
+            node = self._client.get_redis_connection(self._client.get_node_from_key(barrier))
+            pipe = node.pipeline(transaction=False)
+            pipe.execute_command("SET", barrier, "1")
+            pipe.execute_command("WAIT", n, ms)
+            try:
+                acked = pipe.execute()[1]
+            except ResponseError as exc:  # a slot that moved, a node now a replica
+                acked = exc
+        else:
+            local = self._local
+            if getattr(local, "conn", None) is None or local.generation != _fork_generation:
+                self._thread()
+            conn = local.conn
+            packed = [command, ("SET", barrier, "1"), ("WAIT", n, ms)]
+            conn.send_packed_command(
+                [_pack_command(c) for c in packed] if _pack_command is not None else conn.pack_commands(packed)
+            )
+            try:
+                try:
+                    reply = conn.read_response()
+                except ResponseError as exc:  # the server's answer to the command: the other two follow
+                    reply = exc
+                conn.read_response()
+                try:
+                    acked = conn.read_response()
+                except ResponseError as exc:  # WAIT refused (a replica now), or unblocked by a role change
+                    acked = exc
+            except _TRANSIENT:
+                self._drop_connection(conn)
+                raise
+            if isinstance(reply, Exception):
+                raise reply
+            if self._short(acked):
+                # A master that lost its replicas may have lost its post too (a failover promoted one of
+                # them): connect anew, which under Sentinel asks the sentinels where the master is now.
+                self._drop_connection(conn)
+        self._check_acked(acked)
+        return reply
+
+    def _short(self, acked: Any) -> bool:
+        assert self._wait is not None
+        return isinstance(acked, Exception) or int(acked) < self._wait[0]
+
+    def _check_acked(self, acked: Any) -> None:
+        assert self._wait is not None
+        n, ms = self._wait
+        if self._short(acked):
+            got = f"the master answered {acked}" if isinstance(acked, Exception) else f"{acked} of {n} did"
+            raise _Undurable(f"replicas={n}: WAIT {n} {ms} returned before enough replicas acknowledged ({got})")
+        _DOUBT.set(0)
 
     def _script(self, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
         """``EVALSHA`` of one of our scripts; loaded again if the server lost it (restart, failover, FLUSH)."""
         try:
-            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return self._evalsha(script, keys, args)
         except NoScriptError:
             # NOSCRIPT ran nothing: loading the script and running it now is the first run. A server that
             # lost its scripts may have lost the ledger's metadata with them: restore it first.
@@ -1061,13 +1363,56 @@ class RedisStore:
                 stored = dict(zip(stored[::2], stored[1::2], strict=True))
             self._check_restored(stored)
             self._command("SCRIPT", "LOAD", script.script)
-            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return self._evalsha(script, keys, args)
+
+    async def _aevalsha(self, side: _AsyncSide, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
+        if self._wait is None:
+            return await side.client.evalsha(script.sha, len(keys), *keys, *args)
+        return await self._awaited(side, keys[1], ("EVALSHA", script.sha, len(keys), *keys, *args))
+
+    async def _awaited(self, side: _AsyncSide, index: str, command: tuple[Any, ...]) -> Any:
+        """``_waited`` awaited: the command, the barrier and ``WAIT`` in one pipeline (one connection);
+        on a Cluster the barrier and ``WAIT`` on one connection of the command's node."""
+        assert self._wait is not None
+        n, ms = self._wait
+        _DOUBT.set(id(self))
+        barrier = self._barrier(index)
+        client: Any = side.client
+        acked: Any
+        if self.cluster:
+            reply = await client.execute_command(*command)
+            node = client.get_node_from_key(barrier)
+            conn = node.acquire_connection()
+            try:
+                await conn.send_packed_command(conn.pack_commands([("SET", barrier, "1"), ("WAIT", n, ms)]))
+                await conn.read_response()
+                acked = await conn.read_response()
+            except ResponseError as exc:
+                await conn.disconnect()  # the other reply may be unread
+                acked = exc
+            except BaseException:
+                await conn.disconnect()
+                raise
+            finally:
+                node.release(conn)
+        else:
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command(*command)
+            pipe.execute_command("SET", barrier, "1")
+            pipe.execute_command("WAIT", n, ms)
+            reply, _, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, Exception):
+                raise reply
+            if self._short(acked):  # as in _waited: connect anew (the pipeline's connection is idle now)
+                await client.connection_pool.disconnect(inuse_connections=False)
+        self._check_acked(acked)
+        return reply
 
     async def _ascript(self, side: _AsyncSide, script: Any, keys: list[str], args: tuple[Any, ...]) -> Any:
         """``_script`` awaited, on the event loop's client."""
         client: Any = side.client
         try:
-            return await client.evalsha(script.sha, len(keys), *keys, *args)
+            return await self._aevalsha(side, script, keys, args)
         except NoScriptError:
             meta = self._meta_key
             pipe = client.pipeline(transaction=False)
@@ -1076,7 +1421,7 @@ class RedisStore:
             pipe.hgetall(meta)
             self._check_restored((await pipe.execute())[2])
             await client.script_load(script.script)
-            return await client.evalsha(script.sha, len(keys), *keys, *args)
+            return await self._aevalsha(side, script, keys, args)
 
     def _check_restored(self, stored: dict[bytes, bytes]) -> None:
         """After the server lost its scripts: the metadata, restored by this store or by another one
@@ -1095,12 +1440,19 @@ class RedisStore:
 
     def get(self, key: str) -> Record | None:
         self._check_open()
-        rk = self._records[self._shard(key)] + key
+        shard = self._shard(key)
+        rk = self._records[shard] + key
         try:
-            try:
-                d, a = self._command("HMGET", rk, "d", "a")
-            except _TRANSIENT:
-                d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
+            if self._wait is not None and _DOUBT.get() == id(self):
+                # The last write here was not acknowledged by the replicas: what this read finds (that
+                # write, say) counts only once they have it too. Not retried: a new connection's WAIT
+                # would not cover the read.
+                d, a = self._waited(self._indexes[shard][0], ("HMGET", rk, "d", "a"))
+            else:
+                try:
+                    d, a = self._command("HMGET", rk, "d", "a")
+                except _TRANSIENT:
+                    d, a = self._command("HMGET", rk, "d", "a")  # a read is safe to repeat
         except _FAILURES as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
@@ -1284,6 +1636,8 @@ class RedisStore:
         self._client.close()
         if self._pool is not None:
             self._pool.disconnect()
+        if self._sentinel is not None:
+            self._sentinel.close()
         # The async clients close on their own loops (aclose(), or the loop's shutdown: _AsyncSide).
         self._async = {}
 
@@ -1297,19 +1651,24 @@ class RedisStore:
         self._check_open()
         # Forget the clients of loops that are gone (their shutdown closed them).
         self._async = {lp: sd for lp, sd in self._async.items() if not lp.is_closed()}
-        side = self._async[loop] = _AsyncSide(self._client_url, self._scripts, self.cluster)
+        side = self._async[loop] = _AsyncSide(self._client_url, self._scripts, self.cluster, self._target)
         await side.closer.__anext__()  # started here, so this loop's shutdown finalises it
         return side
 
     async def aget(self, key: str) -> Record | None:
         self._check_open()
-        rk = self._records[self._shard(key)] + key
-        client: Any = (await self._side()).client
+        shard = self._shard(key)
+        rk = self._records[shard] + key
+        side = await self._side()
+        client: Any = side.client
         try:
-            try:
-                d, a = await client.execute_command("HMGET", rk, "d", "a")
-            except _TRANSIENT:
-                d, a = await client.execute_command("HMGET", rk, "d", "a")
+            if self._wait is not None and _DOUBT.get() == id(self):  # as in get()
+                d, a = await self._awaited(side, self._indexes[shard][0], ("HMGET", rk, "d", "a"))
+            else:
+                try:
+                    d, a = await client.execute_command("HMGET", rk, "d", "a")
+                except _TRANSIENT:
+                    d, a = await client.execute_command("HMGET", rk, "d", "a")
         except _FAILURES as exc:
             raise self._unavailable(exc, f"reading {key!r}") from exc
         return None if d is None else _decode(key, d, a)
