@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -287,13 +288,25 @@ def test_cut_connections_lose_nothing_and_repeat_nothing(
 
 @pytest.mark.parametrize("face", ["sync", "async"])
 def test_a_read_only_postgresql_refuses_the_claim_and_the_call_says_so(postgres_database_url: str, face: str) -> None:
-    """A server that takes reads but refuses writes (a standby after a failover; here this ledger's
-    own connections, through libpq's ``options``): the call ends with a clear StoreUnavailable after a
-    few pauses, the tool never ran, and the store was not hammered. Before, the guard took each
-    unchanged re-read for a lost race and inserted again at once, thousands of times a second."""
-    url = join_url(postgres_database_url, schema=f"readonly_{uuid.uuid4().hex[:8]}")
+    """A server that takes reads but refuses writes once the ledger is open (a standby after a
+    failover; here this ledger's own role, made read-only after the open, whose check it passed, and
+    its backends cut): the call ends with a clear StoreUnavailable after a few pauses, the tool never
+    ran, and the store was not hammered. Before, the guard took each unchanged re-read for a lost race
+    and inserted again at once, thousands of times a second."""
+    import psycopg
+
+    tag = f"readonly_{uuid.uuid4().hex[:8]}"
+    url = join_url(postgres_database_url, schema=tag)
     onceonly.Ledger.open(url).close()  # the schema, made while writes are allowed
-    store = CountingStore(open_store(url + "&options=-c%20default_transaction_read_only%3Don"))
+    admin = psycopg.connect(postgres_database_url, autocommit=True)
+    admin.execute(f'CREATE ROLE "{tag}" LOGIN')
+    admin.execute(f'GRANT USAGE ON SCHEMA "{tag}" TO "{tag}"')
+    admin.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{tag}" TO "{tag}"')
+    parts = urlsplit(url)
+    role_url = parts._replace(netloc=f"{tag}@{parts.hostname}:{parts.port or 5432}").geturl()
+    store = CountingStore(open_store(role_url))
+    admin.execute(f'ALTER ROLE "{tag}" SET default_transaction_read_only = on')
+    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (tag,))
     ledger = onceonly.Ledger(store)  # type: ignore[arg-type]
     runs: list[int] = []
     try:
@@ -323,3 +336,7 @@ def test_a_read_only_postgresql_refuses_the_claim_and_the_call_says_so(postgres_
         assert ledger.get(ledger.tools["charge"].key_for(1)) is None
     finally:
         ledger.close()
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (tag,))
+        admin.execute(f'DROP OWNED BY "{tag}"')
+        admin.execute(f'DROP ROLE "{tag}"')
+        admin.close()

@@ -24,7 +24,7 @@ from typing import Any
 
 from psycopg import errors as e
 from psycopg import pq
-from psycopg.generators import execute
+from psycopg.generators import execute, fetch_many, send
 
 from onceonly.states import Record, State, not_finite_time
 from onceonly.stores._sql import bad_state, bad_value
@@ -40,6 +40,11 @@ int4, int8, float8 = _I4.pack, _I8.pack, _F8.pack
 _STATE_BYTES = {s: s.value.encode() for s in State}
 _STATES = {s.value.encode(): s for s in State}
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
+#: Sets the statement's timeout for its own transaction only (SET LOCAL): nothing stays on the session,
+#: which a transaction pooler hands to others.
+SET_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
+_SET_TIMEOUT = SET_TIMEOUT.replace("%s", "$1").encode()
 #: invalid_sql_statement_name: e.g. a transaction pooler moved us to another backend (the store's
 #: ``_translate`` names the likely cause when it comes back after the statement was prepared again).
 NOT_PREPARED = "26000"
@@ -143,11 +148,47 @@ def run(
         pgconn.send_query_prepared(stmt.name, params, stmt.formats, _BINARY)
         results = yield from execute(pgconn)
         res = results[-1]
-        if attempt == 1 and res.error_field(pq.DiagnosticField.SQLSTATE) == NOT_PREPARED.encode():
-            # The statement ran nowhere: forget what this connection had prepared and do it again.
-            prepared.clear()
-            continue
-        # A second 26000 is raised: preparing again did not help, so the preparation and the execution
-        # reached different backends. Once is enough: it ran nowhere, and a loop might never end.
+        if res.error_field(pq.DiagnosticField.SQLSTATE) == NOT_PREPARED.encode():
+            if attempt == 1:
+                # The statement ran nowhere: forget what this connection had prepared and do it again.
+                prepared.clear()
+                continue
+            # Preparing again did not help: the preparation and the execution reached different
+            # backends (a transaction pooler without prepared-statement support). It ran nowhere, so
+            # send it once unnamed, parsed and run in one message train, which one backend gets.
+            return (yield from run_unnamed(pgconn, stmt, params, None))
         return _check(results)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def run_unnamed(
+    pgconn: pq.abc.PGconn, stmt: Statement, params: Sequence[bytes | None], timeout: bytes | None
+) -> Generator[Any, Any, pq.abc.PGresult]:
+    """Run ``stmt`` unnamed (parsed, bound and run in one message train): nothing is left prepared on
+    the backend, for a transaction pooler that hands each transaction another one.
+
+    ``timeout``: PostgreSQL's ``statement_timeout`` for this statement, sent in the same pipeline before
+    it with one Sync, so both run in one implicit transaction on one backend, which ``SET LOCAL`` needs.
+    """
+    if timeout is None:
+        pgconn.send_query_params(stmt.sql, params, stmt.types, stmt.formats, _BINARY)
+        return _check((yield from execute(pgconn)))
+    pgconn.enter_pipeline_mode()
+    try:
+        pgconn.send_query_params(_SET_TIMEOUT, [timeout], [TEXT])
+        pgconn.send_query_params(stmt.sql, params, stmt.types, stmt.formats, _BINARY)
+        pgconn.pipeline_sync()
+        yield from send(pgconn)
+        answers: list[list[pq.abc.PGresult]] = []
+        while True:
+            got = yield from fetch_many(pgconn)
+            if got and got[-1].status == _PIPELINE_SYNC:
+                break
+            answers.append(got)
+    finally:
+        if pgconn.pipeline_status != pq.PipelineStatus.OFF and not pgconn.is_busy():
+            pgconn.exit_pipeline_mode()
+    for got in answers:  # the first error is the cause; a statement after it reports only "aborted"
+        if got and got[-1].status not in _OK:
+            _check(got)
+    return _check(answers[-1])

@@ -35,6 +35,7 @@ import importlib.metadata
 import logging
 import operator
 import os
+import re
 import select
 import threading
 import time
@@ -194,8 +195,17 @@ class PostgresOptions:
         pool_max_size: connections each pool may open.
         pool_timeout: seconds to wait for a connection before ``StoreUnavailable``.
         listen: wake waiters by LISTEN/NOTIFY (``False``: poll, e.g. behind a transaction pooler).
+        warn_durability: log a warning at open when the server may lose acknowledged commits
+            (``synchronous_commit=off``, ``fsync=off``).
+        require_durability: refuse to open on such a server instead (``StoreError``).
+        statement_timeout: PostgreSQL's ``statement_timeout`` for every statement of the store
+            (``"5s"``, ``"500ms"``), set with ``SET LOCAL`` in the statement's own transaction, so that
+            it works through a transaction pooler; ``None``: the server's.
+        prepare: prepare the hot statements once per connection (``False``: send them unnamed, for
+            a transaction pooler without prepared-statement support, PgBouncer before 1.21).
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2 ``warn_durability``, ``require_durability``, ``statement_timeout``, ``prepare``.
     """
 
     conninfo: str
@@ -204,9 +214,28 @@ class PostgresOptions:
     pool_max_size: int = 10
     pool_timeout: float = 10.0
     listen: bool = True
+    warn_durability: bool = True
+    require_durability: bool = False
+    statement_timeout: str | None = None
+    prepare: bool = True
 
 
-_OPTIONS = frozenset({"schema", "pool_min_size", "pool_max_size", "pool_timeout", "listen"})
+_OPTIONS = frozenset(
+    {
+        "schema",
+        "pool_min_size",
+        "pool_max_size",
+        "pool_timeout",
+        "listen",
+        "warn_durability",
+        "require_durability",
+        "statement_timeout",
+        "prepare",
+    }
+)
+_FLAGS = (("listen", True), ("warn_durability", True), ("require_durability", False), ("prepare", True))
+# PostgreSQL's own syntax for a time setting (a bare number is milliseconds): nothing else reaches SET.
+_TIMEOUT = re.compile(r"\d{1,9}(\.\d{1,6})?\s?(us|ms|s|min|h|d)?")
 # libpq defaults that suit a ledger: fail fast when the server is unreachable, and be recognisable
 # in pg_stat_activity. Both can be overridden in the URL.
 _LIBPQ_DEFAULTS = (("connect_timeout", "5"), ("application_name", "onceonly"))
@@ -261,10 +290,19 @@ def parse_postgres_url(url: str) -> PostgresOptions:
         raise ValueError(f"{redact_url(url)}: need 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1")
     if not timeout > 0:
         raise ValueError(f"{redact_url(url)}: pool_timeout={timeout} must be a positive number of seconds")
-    listen = _BOOLEANS.get(ours.get("listen", "true").lower())
-    if listen is None:
-        raise ValueError(f"listen={ours['listen']!r} in {redact_url(url)}: use true or false")
-    return PostgresOptions(conninfo, schema, min_size, max_size, timeout, listen)
+    flags: dict[str, bool] = {}
+    for name, default in _FLAGS:
+        flag = _BOOLEANS.get(ours.get(name, str(default)).lower())
+        if flag is None:
+            raise ValueError(f"{name}={ours[name]!r} in {redact_url(url)}: use true or false")
+        flags[name] = flag
+    statement_timeout = ours.get("statement_timeout")
+    if statement_timeout is not None and not _TIMEOUT.fullmatch(statement_timeout):
+        raise ValueError(
+            f"statement_timeout={statement_timeout!r} in {redact_url(url)}: use PostgreSQL's form, e.g. 5s, "
+            "500ms or 2min (a bare number is milliseconds, 0 turns it off)"
+        )
+    return PostgresOptions(conninfo, schema, min_size, max_size, timeout, statement_timeout=statement_timeout, **flags)
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -286,6 +324,10 @@ def _is_dead(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bo
     except (OSError, ValueError, psycopg.Error):
         return True
 
+
+# The pause before each rerun of a statement whose connection was lost: the first at once (another
+# pooled connection is likely fine), then short ones for a pooler or a server that is reconnecting.
+_RERUN_PAUSES = (0.0, 0.05, 0.2)
 
 # How the store's pooled and async connections are opened. prepare_threshold=None: psycopg's cursor
 # never prepares a statement by itself (by default it does after 5 runs, and then keeps using it:
@@ -682,6 +724,10 @@ class PostgresStore:
         # clock_timestamp(), not now(): now() is the start of the transaction, and a pooled connection
         # may sit in one.
         self._sql_time = "SELECT extract(epoch FROM clock_timestamp())::float8"
+        # A statement_timeout is set per statement, in the statement's own transaction (SET LOCAL), and
+        # the hot statements then go unnamed, in one pipeline with it (_pgwire.run_unnamed).
+        self._timeout = None if options.statement_timeout is None else options.statement_timeout.encode()
+        self._unnamed = not options.prepare or self._timeout is not None
         #: Statements run a second time after their connection was lost (see ``_run``).
         self.reruns = 0
         # which fields changed → the prepared UPDATE that writes them, and their encoders
@@ -734,20 +780,18 @@ class PostgresStore:
             ) from exc
         try:
             with conn:
+                self._check_server(conn)
                 version, has_records = self._inspect(conn)
                 if version != SCHEMA_VERSION or not has_records:
                     # Serialise the processes that start at once on a new schema: the first creates it,
-                    # the others find it done. A session lock taken before the transaction: a transaction
-                    # that began before the winner committed would look its tables up in a stale catalog
-                    # cache (an advisory lock does not refresh it), and fail to create them again.
-                    conn.execute("SELECT pg_advisory_lock(%s)", (self._lock_id(),))
-                    try:
-                        with conn.transaction():
-                            version, has_records = self._inspect(conn)
-                            self._migrate(conn, version, has_records)
-                    finally:
-                        with contextlib.suppress(psycopg.Error):  # a lost session drops its locks anyway
-                            conn.execute("SELECT pg_advisory_unlock(%s)", (self._lock_id(),))
+                    # the others find it done. A transaction-level lock, released by the commit or the
+                    # rollback whatever happens to this process: a session lock would stay held by a
+                    # pooled backend behind a transaction pooler (PgBouncer), and block every later
+                    # opening. _inspect reads the catalog tables with a snapshot taken after the wait.
+                    with conn.transaction():
+                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._lock_id(),))
+                        version, has_records = self._inspect(conn)
+                        self._migrate(conn, version, has_records)
                 self._check_columns(conn)
         except StoreError:
             raise
@@ -759,6 +803,51 @@ class PostgresStore:
                 ) from exc
             raise self._translate(exc) from exc
 
+    def _check_server(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a server that cannot take the ledger's writes, and warn of (or refuse) one that may lose
+        acknowledged ones. One query at open, on a connection opened as the pool's are, so the role's and
+        the database's settings and the URL's ``options`` all count; nothing per call."""
+        row = conn.execute(
+            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
+            "current_setting('synchronous_commit'), current_setting('fsync')"
+        ).fetchone()
+        assert row is not None
+        standby, read_only, synchronous_commit, fsync = bool(row[0]), row[1] == "on", row[2], row[3]
+        if standby or read_only:
+            if standby:
+                what = "is a hot standby (pg_is_in_recovery() is true): it takes no writes"
+            else:
+                what = (
+                    "accepts only read-only transactions (transaction_read_only is on: default_transaction_read_only "
+                    "is set for this role, database or server)"
+                )
+            raise StoreUnavailable(
+                f"{self._where} {what}, and every write of the ledger would fail. Give the primary's address, or "
+                "list every host with target_session_attrs=read-write in the URL "
+                "(postgresql://host1,host2/db?target_session_attrs=read-write) so that libpq picks the primary"
+            )
+        lossy = []
+        if synchronous_commit == "off":
+            lossy.append("synchronous_commit is off (a commit is acknowledged before it is flushed)")
+        if fsync == "off":
+            lossy.append("fsync is off (nothing is flushed to disk)")
+        if not lossy:
+            return
+        what = (
+            f"{self._where}: {' and '.join(lossy)}, so a crash of the server may lose writes it has already "
+            "acknowledged: a lost claim or result is a call that runs again."
+        )
+        fix = (
+            "Set synchronous_commit = on (and fsync = on) for the server, the database or the ledger's role "
+            "(ALTER ROLE … SET synchronous_commit = on)"
+        )
+        if self.options.require_durability:
+            raise StoreError(f"{what} {fix}, or open the ledger without require_durability=true")
+        if self.options.warn_durability:
+            _log.warning(
+                "onceonly: %s %s, or open the ledger with warn_durability=false if this is intended", what, fix
+            )
+
     def _lock_id(self) -> int:
         digest = hashlib.sha256(f"onceonly schema {self.schema}".encode()).digest()
         return int.from_bytes(digest[:8], "big", signed=True)
@@ -766,9 +855,13 @@ class PostgresStore:
     def _inspect(self, conn: psycopg.Connection[Any]) -> tuple[int | None, bool]:
         """The schema version (None: no version table) and whether the records table exists."""
         s = _ident(self.schema)
+        # A query on pg_class, not to_regclass(): that looks names up in this backend's catalog cache,
+        # which may still hold "no such table" from before another process committed them.
         row = conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-            (f"{s}.onceonly_schema", f"{s}.onceonly_records"),
+            "SELECT bool_or(c.relname = 'onceonly_schema'), bool_or(c.relname = 'onceonly_records') "
+            "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname IN ('onceonly_schema', 'onceonly_records')",
+            (self.schema,),
         ).fetchone()
         assert row is not None
         has_version, has_records = bool(row[0]), bool(row[1])
@@ -819,7 +912,9 @@ class PostgresStore:
             )
         if version == SCHEMA_VERSION:
             return
-        exists = conn.execute("SELECT to_regnamespace(%s) IS NOT NULL", (_ident(self.schema),)).fetchone()
+        exists = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %s)", (self.schema,)
+        ).fetchone()
         if not (exists and exists[0]):
             conn.execute(f"CREATE SCHEMA {_ident(self.schema)}")
         steps = _migrations(self.schema)
@@ -961,39 +1056,58 @@ class PostgresStore:
     ) -> tuple[T, bool]:
         """Run ``op`` on a pooled connection: (its answer, whether it ran a second time).
 
-        A statement whose connection was lost (the backend terminated, the network cut) runs once more
-        on a fresh connection when ``rerun``: reads freely, writes only where the caller can tell its
-        own earlier write from the rerun's answer (``claim``, ``insert``, ``swap``). A second failure,
-        or any other error, is translated and raised (``cursor``: ``op`` uses psycopg's cursor).
+        A statement whose connection was lost (the backend terminated, the network cut, a pooler's
+        server connection cut under it) runs again on a fresh connection when ``rerun``, up to
+        ``len(_RERUN_PAUSES)`` times: reads freely, writes only where the caller can tell its own earlier
+        write from a rerun's answer (``claim``, ``insert``, ``swap``: a run that landed but whose answer
+        was lost makes the rerun find the caller's own row). Any other error, or a loss past the bound,
+        is translated and raised (``cursor``: ``op`` uses psycopg's cursor).
         """
-        again = False
+        runs = 0
         while True:
             conn = self._getconn()
             try:
-                return op(conn), again
+                return op(conn), runs > 0
             except psycopg.Error as exc:
-                if again or not rerun or not conn.closed:  # closed: the connection was lost
+                if not rerun or not conn.closed or runs >= len(_RERUN_PAUSES):  # closed: the connection was lost
                     raise self._translate(exc, cursor) from exc
-                again = True
                 self.reruns += 1
             finally:
                 self._pool.putconn(conn)
+            if _RERUN_PAUSES[runs]:
+                time.sleep(_RERUN_PAUSES[runs])
+            runs += 1
 
     def _run(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
         """One statement through the connection's cursor: its rows or its row count."""
+
+        timeout = self.options.statement_timeout
 
         def op(conn: _Connection) -> Any:
             cur = conn.ledger_cursor
             if cur is None:
                 # Binary rows: float8 arrives as its eight bytes (exact, and cheaper to load than text).
                 cur = conn.ledger_cursor = conn.cursor(binary=True)
-            cur.execute(sql, params)
+            if timeout is None:
+                cur.execute(sql, params)
+            else:
+                with conn.pipeline():  # one Sync: the SET LOCAL and the statement share a transaction
+                    conn.execute(wire.SET_TIMEOUT, (timeout,))
+                    cur.execute(sql, params)
             return cur.fetchall() if fetch == _ALL else cur.rowcount
 
         return self._on_connection(op, rerun, cursor=True)
 
     def _exec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """One of the hot statements, prepared and binary (stores/_pgwire.py): its result."""
+
+        if self._unnamed:
+            timeout = self._timeout
+
+            def unnamed(conn: _Connection) -> pq.abc.PGresult:
+                return conn.wait(wire.run_unnamed(conn.pgconn, stmt, params, timeout))
+
+            return self._on_connection(unnamed)
 
         def op(conn: _Connection) -> pq.abc.PGresult:
             prepared = conn.ledger_prepared
@@ -1179,6 +1293,7 @@ class PostgresStore:
     ) -> list[Candidate] | None:
         self._ensure_similar()
         lock, read = self._similar_lock_sql()
+        timeout = self.options.statement_timeout
 
         # Two statements, pipelined into one round trip: the read must see every claim committed before
         # the lock was taken, and a statement's snapshot is its start (the lock may wait for the last
@@ -1186,6 +1301,8 @@ class PostgresStore:
         def op(conn: _Connection) -> tuple[int, list[Any]]:
             with conn.cursor() as taken, conn.cursor() as found:
                 with conn.pipeline():
+                    if timeout is not None:
+                        conn.execute(wire.SET_TIMEOUT, (timeout,))
                     taken.execute(lock, (group, token, until, now))
                     found.execute(read, (group, token, since, limit))
                 return taken.rowcount, found.fetchall()
@@ -1232,35 +1349,52 @@ class PostgresStore:
     async def _aon_connection(
         self, op: Callable[[_AsyncConnection], Awaitable[T]], rerun: bool = True, cursor: bool = False
     ) -> tuple[T, bool]:
-        """``_on_connection``, awaited: the same single rerun after a lost connection."""
-        again = False
+        """``_on_connection``, awaited: the same bounded reruns after a lost connection."""
+        runs = 0
         conns = await self._aconns()
         while True:
             conn = await conns.get()
             try:
-                return await op(conn), again
+                return await op(conn), runs > 0
             except psycopg.Error as exc:
-                if again or not rerun or not conn.closed:  # closed: the connection was lost
+                if not rerun or not conn.closed or runs >= len(_RERUN_PAUSES):  # closed: the connection was lost
                     raise self._translate(exc, cursor) from exc
-                again = True
                 self.reruns += 1
             finally:
                 await conns.put(conn)
+            if _RERUN_PAUSES[runs]:
+                await asyncio.sleep(_RERUN_PAUSES[runs])
+            runs += 1
 
     async def _arun(self, sql: str, params: Sequence[Any], fetch: int, rerun: bool = True) -> tuple[Any, bool]:
         """``_run``, awaited."""
+
+        timeout = self.options.statement_timeout
 
         async def op(conn: _AsyncConnection) -> Any:
             acur = conn.ledger_cursor
             if acur is None:
                 acur = conn.ledger_cursor = conn.cursor(binary=True)
-            await acur.execute(sql, params)
+            if timeout is None:
+                await acur.execute(sql, params)
+            else:
+                async with conn.pipeline():
+                    await conn.execute(wire.SET_TIMEOUT, (timeout,))
+                    await acur.execute(sql, params)
             return await acur.fetchall() if fetch == _ALL else acur.rowcount
 
         return await self._aon_connection(op, rerun, cursor=True)
 
     async def _aexec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """``_exec``, awaited: the same generator, driven by the async connection."""
+
+        if self._unnamed:
+            timeout = self._timeout
+
+            async def unnamed(conn: _AsyncConnection) -> pq.abc.PGresult:
+                return await conn.wait(wire.run_unnamed(conn.pgconn, stmt, params, timeout))
+
+            return await self._aon_connection(unnamed)
 
         async def op(conn: _AsyncConnection) -> pq.abc.PGresult:
             prepared = conn.ledger_prepared
@@ -1338,10 +1472,13 @@ class PostgresStore:
         if not self._similar_ready:
             await asyncio.to_thread(self._ensure_similar)  # once per store
         lock, read = self._similar_lock_sql()
+        timeout = self.options.statement_timeout
 
         async def op(conn: _AsyncConnection) -> tuple[int, list[Any]]:
             async with conn.cursor() as taken, conn.cursor() as found:
                 async with conn.pipeline():
+                    if timeout is not None:
+                        await conn.execute(wire.SET_TIMEOUT, (timeout,))
                     await taken.execute(lock, (group, token, until, now))
                     await found.execute(read, (group, token, since, limit))
                 return taken.rowcount, await found.fetchall()
