@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import decimal
@@ -173,18 +174,18 @@ def test_the_mcp_guard_measures_a_clients_key_against_the_encoded_key() -> None:
     """The MCP guard checks that a client's own key fits beside its scope and tool name. Counting the
     scope unencoded let a key through that the ledger then refused (a scope full of ``:`` grows three
     times once encoded): the client now gets its BadRequest up front, with the room that is left."""
-    from onceonly.mcp.core import META_KEY, BadRequest, Guard, Hints, Request
+    from onceonly.mcp.core import META_KEY, BadRequest, Guard, Hints, Request, Transport
 
     async def never() -> None:
         raise AssertionError("not called")
 
-    guard = Guard(object(), scope="s:" * 40)  # type: ignore[arg-type]  # 80 characters, 160 encoded
-    req = Request(name="t", arguments={}, meta={META_KEY: "k" * 170}, session=None, hints=Hints(),
+    guard = Guard(object(), scope="s:" * 40, single_tenant=True)  # type: ignore[arg-type]  # 80 chars, 160 encoded
+    req = Request(name="t", arguments={}, meta={META_KEY: "k" * 170}, transport=Transport(), hints=Hints(),
                   call=never, to_wire=dict)  # fmt: skip
     with pytest.raises(BadRequest, match="the limit is 92"):
-        guard.scope_and_key(req, "server")
+        asyncio.run(guard.scope_and_key(req, "server"))
     req.meta = {META_KEY: "k" * 92}
-    scope, key = guard.scope_and_key(req, "server")
+    scope, key = asyncio.run(guard.scope_and_key(req, "server"))
     assert key is not None and len(compose_key(scope, "t", key)) == 255
 
 

@@ -33,6 +33,7 @@ from onceonly.guard import (
     Policy,
     Probe,
     Probed,
+    Running,
     Sleep,
     Swap,
     WaitChange,
@@ -114,6 +115,8 @@ def _perform(world: World, actor: Actor, data: st_.DataObject) -> None:
         _advance(actor, store.insert(action.record))
     elif isinstance(action, Swap):
         _advance(actor, store.swap(action.record, action.expected))
+    elif isinstance(action, Running):
+        _advance(actor, False)  # no actor here runs inside another's call
     elif isinstance(action, Sleep | WaitChange):
         actor.wake_at = world.clock + max(action.seconds, 1e-3)
         _advance(actor)

@@ -31,6 +31,8 @@ __all__ = ["CallerHasher", "check_secret", "stored_secret"]
 MIN_SECRET = 16
 _HOST = socket.gethostname()
 _lock = threading.Lock()
+# The via of a secret record: the server middleware writes the same (its table row is in docs/reference.md).
+_MADE = "made"
 
 
 def check_secret(secret: object, what: str = "client_secret=") -> bytes:
@@ -75,7 +77,7 @@ def stored_secret(store: Store, *, key: str, scope: str, tool: str, now: float) 
         owner=owner, now=now, lease_seconds=0.0, reason="client secret",
     )  # fmt: skip
     made = st.confirm(
-        made, result_json=json.dumps({"client_secret": secrets.token_hex(32)}), now=now, ttl=None, via="made", by=owner
+        made, result_json=json.dumps({"client_secret": secrets.token_hex(32)}), now=now, ttl=None, via=_MADE, by=owner
     )
     with _lock:
         kept = store.claim(made) or made
