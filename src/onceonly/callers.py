@@ -40,11 +40,11 @@ def check_secret(secret: object, what: str = "client_secret=") -> bytes:
     if isinstance(secret, str):
         secret = secret.encode("utf-8", "surrogatepass")
     if not isinstance(secret, bytes | bytearray):
-        raise TypeError(f"{what} {type(secret).__name__}: give bytes or text, 16 bytes or more")
+        raise TypeError(f"{what}{type(secret).__name__}: give bytes or text, 16 bytes or more")
     if len(secret) < MIN_SECRET:
         raise ValueError(
             f"{what} has {len(secret)} bytes: give {MIN_SECRET} bytes or more (such as secrets.token_hex(32)), "
-            "the same in every process"
+            "the same in every server process"
         )
     return bytes(secret)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-import ipaddress
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -43,6 +42,7 @@ from onceonly.callers import CallerHasher, check_secret, stored_secret
 from onceonly.errors import InvalidKey, OnceOnlyError, OutcomeUnknown
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Outcome, Policy
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, safe_name, select, validate_name
+from onceonly.mcp.front import is_loopback
 from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import tell_model
@@ -446,15 +446,6 @@ Mode = Literal["pass", "guard"]
 SECRET_KEY = "onceonly-mcp:meta:client-secret"
 
 
-def _loopback(peer: str | None) -> bool:
-    if not peer:
-        return False
-    try:
-        return ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return peer == "localhost"
-
-
 class Guard:
     """The MCP guard of one server (or proxy): its ledger, its key sources, its tools' policies.
 
@@ -566,7 +557,7 @@ class Guard:
             return edge.caller_scope("local", base=root)
         if t.session is not None:
             return edge.caller_scope("s", t.session, base=root)
-        if _loopback(t.peer):
+        if t.peer and is_loopback(t.peer):
             return edge.caller_scope("local", base=root)
         if not self._warned_anonymous:
             self._warned_anonymous = True

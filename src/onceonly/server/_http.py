@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMa
 from dataclasses import dataclass
 from typing import Any
 
+from onceonly.callers import MIN_SECRET, check_secret
 from onceonly.keys import MAX_KEY_LENGTH, is_wire_key
 
 __all__ = [
@@ -158,21 +159,12 @@ def authorization_identity(scope: Scope) -> str:
 
 
 #: The shortest client secret: 128 bits.
-MIN_CLIENT_SECRET = 16
+MIN_CLIENT_SECRET = MIN_SECRET
 
 
 def check_client_secret(secret: object) -> bytes:
     """``secret`` as bytes if it can key the client hash (bytes or text, 16 bytes or more), else an error."""
-    if isinstance(secret, str):
-        secret = secret.encode("utf-8", "surrogatepass")
-    if not isinstance(secret, bytes | bytearray):
-        raise TypeError(f"client_secret={type(secret).__name__}: give bytes or text, 16 bytes or more")
-    if len(secret) < MIN_CLIENT_SECRET:
-        raise ValueError(
-            f"client_secret= has {len(secret)} bytes: give {MIN_CLIENT_SECRET} bytes or more (such as "
-            "secrets.token_hex(32)), the same in every server process"
-        )
-    return bytes(secret)
+    return check_secret(secret, "client_secret=")
 
 
 def client_hash(identity: str, secret: bytes) -> str:
