@@ -225,7 +225,16 @@ def _tool(ledger: Ledger, effects: str, worker: str, pause: float) -> Any:
 
 
 def ask_again(url: str, effects: str, ops: int, out: Any) -> None:
-    """A fresh process: every operation asked again, each until it answers (within 30 s)."""
+    """A fresh process: every operation asked again, each until it answers (within 30 s). Puts the
+    number that did not answer, or what stopped the process, so the test never waits in vain."""
+    try:
+        _ask_again(url, effects, ops, out)
+    except BaseException as exc:
+        out.put(f"the fresh process stopped: {exc!r}")
+        raise
+
+
+def _ask_again(url: str, effects: str, ops: int, out: Any) -> None:
     ledger = Ledger.open(url)
     op = _tool(ledger, effects, f"again{os.getpid()}", 0.0)
     failed = 0
@@ -320,7 +329,7 @@ def _failover_reruns(sentinel: PrivateSentinel, tmp_path: Path, query: str) -> t
     out = ctx.Queue()
     proc = ctx.Process(target=ask_again, args=(url, effects, ops, out))
     proc.start()
-    failed = out.get(timeout=300)
+    failed = out.get(timeout=200)
     proc.join(30)
     assert failed == 0, f"{failed} operations asked again did not answer"
     runs = count_effects(effects)

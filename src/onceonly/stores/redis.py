@@ -99,6 +99,8 @@ _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 # What a failed command raises: redis-py's cluster client raises some of its own (no node reachable,
 # a slot no node serves) outside RedisError.
 _FAILURES = (RedisError, RedisClusterException)
+#: Seconds a store opened through Sentinel waits for the sentinels to name the new master after a failover.
+_SENTINEL_SETTLE = 10.0
 
 
 class _Undurable(RedisError):
@@ -654,6 +656,13 @@ def _where(url: str) -> str:
     return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}"
 
 
+def _is_replica(answer: Any) -> bool:
+    """Whether a ``ROLE`` answer says a replica."""
+    if isinstance(answer, Exception) or not isinstance(answer, list) or not answer:
+        return False
+    return (answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])) in ("slave", "replica")
+
+
 def _sentinel_kwargs(master: dict[str, Any], target: SentinelTarget) -> tuple[dict[str, Any], dict[str, Any]]:
     """redis-py's keywords for a Sentinel: the master's connections (``master``: the master URL's
     ``parse_url``, its placeholder host dropped) and the sentinels' own (their password, TLS, and the
@@ -948,18 +957,26 @@ class RedisStore:
         if self.cluster:
             self._open_cluster(warn=warn, allow_eviction=allow_eviction)
             return
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hgetall(meta)
-            for script in scripts:
-                pipe.script_load(script.script)
-            pipe.config_get("appendonly")
-            pipe.config_get("save")
-            pipe.config_get("maxmemory-policy")
-            pipe.execute_command("ROLE")
-            answers = pipe.execute(raise_on_error=False)
-        except _FAILURES as exc:
-            raise self._unavailable(exc, "opening the ledger") from exc
+        # Through Sentinel, the server named as master can still be the old one, demoted a moment ago:
+        # the sentinels' view lags a failover by a few seconds, so it is asked again before refusing.
+        deadline = time.monotonic() + (_SENTINEL_SETTLE if self._sentinel is not None else 0.0)
+        while True:
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.hgetall(meta)
+                for script in scripts:
+                    pipe.script_load(script.script)
+                pipe.config_get("appendonly")
+                pipe.config_get("save")
+                pipe.config_get("maxmemory-policy")
+                pipe.execute_command("ROLE")
+                answers = pipe.execute(raise_on_error=False)
+            except _FAILURES as exc:
+                raise self._unavailable(exc, "opening the ledger") from exc
+            if not _is_replica(answers[9]) or time.monotonic() >= deadline:
+                break
+            self._client.connection_pool.disconnect()
+            time.sleep(0.2)
         self._check_role(answers[9])
         stored = self._meta(answers[0])
         for answer in answers[1:6]:
@@ -1007,6 +1024,13 @@ class RedisStore:
         role = answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])
         if role in ("slave", "replica"):
             host, port = (x.decode() if isinstance(x, bytes) else str(x) for x in answer[1:3])
+            if self._sentinel is not None:
+                raise StoreUnavailable(
+                    f"the sentinels at {self._where} still name a server that is now a read-only replica (of "
+                    f"{host}:{port}), {_SENTINEL_SETTLE:g} s after it was first asked: a failover is under way "
+                    "or the sentinels disagree. Try again once they agree (SENTINEL MASTERS on each shows "
+                    "their view)"
+                )
             raise StoreError(
                 f"the Redis server at {self._where} is a read-only replica (of the master at {host}:{port}): the "
                 "ledger writes every call, so it needs the master. Give the master's URL, or "
