@@ -8,6 +8,7 @@ duplicate without onceonly and its absence with it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import io
 import json
@@ -256,6 +257,46 @@ def test_replan_with_a_new_call_id_replays(asynchronous: bool, sqlite_ledger: Le
     assert REPLAYED.match(second) and second.endswith("Its result: charge #3")
 
 
+@pytest.mark.parametrize("how", ["function_tool", "guard"])
+def test_an_integer_sent_as_500_500_string_and_500_0_is_one_charge(
+    how: str, sqlite_ledger: Ledger, charges: Charges
+) -> None:
+    """The key is made from the arguments as the tool sees them (the tool's own schema, coerced as
+    pydantic does): ``500``, ``"500"`` and ``500.0`` are one operation. Without onceonly, three charges;
+    arguments the schema refuses reach neither the tool nor the ledger."""
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        return f"charge #{charges.add(customer, cents)} of {cents!r}"
+
+    def script() -> ScriptedModel:
+        return ScriptedModel(
+            [
+                [call("charge", "call_A", customer="c1", cents=500)],
+                [function_call("charge", '{"customer": "c1", "cents": "500"}', call_id="call_B")],
+                [function_call("charge", '{"customer": "c1", "cents": 500.0}', call_id="call_C")],
+                [function_call("charge", '{"customer": "c1", "cents": "lots"}', call_id="call_D")],
+                [assistant_message("done")],
+            ]
+        )
+
+    run(Agent(name="billing", model=script(), tools=[agents.function_tool(charge)]))
+    assert charges.count() == 3  # the SDK coerces each to 500 and runs each
+
+    if how == "function_tool":
+        tool = function_tool(sqlite_ledger)(charge)
+    else:
+        tool = guard(agents.function_tool(charge), sqlite_ledger)
+    model = script()
+    run(Agent(name="billing", model=model, tools=[tool]))
+    assert charges.count() == 4
+    outs = told(model)
+    assert outs[0] == "charge #4 of 500"
+    assert all(REPLAYED.match(o) and o.endswith("charge #4 of 500") for o in outs[1:3]), outs
+    assert outs[3].startswith("An error occurred")  # refused, as the SDK refuses it: nothing ran or was recorded
+    assert [r.state.value for r in sqlite_ledger.list()] == ["confirmed"]
+
+
 def test_the_same_call_twice_in_one_turn_runs_once(sqlite_ledger: Ledger, charges: Charges) -> None:
     """Two parallel calls with the same arguments in one model turn (the SDK runs them at once): the
     second waits for the first's outcome and replays it."""
@@ -300,9 +341,11 @@ def test_two_conversations_charge_twice_and_each_once(sqlite_ledger: Ledger, cha
     assert sorted(r.scope for r in sqlite_ledger.list()) == ["conv-1", "conv-2"]
 
 
-def test_scope_falls_back_to_the_ledger_task_then_the_ledger(sqlite_ledger: Ledger, charges: Charges) -> None:
+def test_scope_falls_back_to_the_ledger_task_then_the_run(
+    sqlite_ledger: Ledger, charges: Charges, caplog: pytest.LogCaptureFixture
+) -> None:
     """No ``group_id``: the ``ledger.task()`` around the run is the conversation (a session's id, say),
-    else the ledger's own scope."""
+    else the run's own scope, never the ledger's process-wide one."""
     from agents import SQLiteSession
 
     @function_tool(sqlite_ledger)
@@ -317,9 +360,42 @@ def test_scope_falls_back_to_the_ledger_task_then_the_ledger(sqlite_ledger: Ledg
             None,
             session=session,
         )
-    run(Agent(name="b", model=replan_script("charge", customer="c1", cents=5), tools=[charge]), None)
+    with caplog.at_level(logging.WARNING, logger="onceonly"):
+        run(Agent(name="b", model=replan_script("charge", customer="c1", cents=5), tools=[charge]), None)
     assert charges.count() == 2
-    assert sorted(r.scope for r in sqlite_ledger.list()) == ["default", "session-7"]
+    scopes = sorted(r.scope for r in sqlite_ledger.list())
+    assert scopes[1] == "session-7" and scopes[0].startswith("r:") and "default" not in scopes
+
+
+@pytest.mark.parametrize("tracing", [False, True], ids=["tracing-off", "tracing-on"])
+def test_two_sessions_without_group_id_charge_twice_and_each_replan_once(
+    tracing: bool, sqlite_ledger: Ledger, charges: Charges, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK's own session tutorial: ``session=`` and no ``group_id``. Two users' runs with the same
+    arguments each charge once (before, the second replayed the first's charge); a re-plan inside one
+    run replays; one warning names the setting that shares records across a conversation's runs."""
+    from agents import SQLiteSession, set_trace_processors
+
+    @function_tool(sqlite_ledger)
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        return f"charge #{charges.add(customer, cents)}"
+
+    set_trace_processors([])  # tracing on, exported nowhere
+    outputs = []
+    with caplog.at_level(logging.WARNING, logger="onceonly"):
+        for user in ("alice", "bob"):
+            model = replan_script("charge", customer="c1", cents=500)
+            config = RunConfig(tracing_disabled=not tracing)
+            agent = Agent(name="billing", model=model, tools=[charge])
+            asyncio.run(Runner.run(agent, "charge", run_config=config, session=SQLiteSession(user)))
+            outputs.append(told(model))
+    assert charges.count() == 2, "the second user's run must charge, not replay the first user's"
+    for n, out in enumerate(outputs, start=1):
+        assert out[0] == f"charge #{n}" and "not repeated" in out[1]  # the re-plan replayed, and said so
+    warnings = [r.getMessage() for r in caplog.records if "names no conversation" in r.getMessage()]
+    assert len(warnings) <= 1 and all("group_id" in w for w in warnings)
+    assert len({r.scope for r in sqlite_ledger.list()}) == 2
 
 
 def test_conversation_scope_reads_group_trace_and_hashes_long_ids() -> None:

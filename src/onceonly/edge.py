@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,6 +53,7 @@ __all__ = [
     "client_scope",
     "envelope",
     "error_result_verdict",
+    "run_identity",
     "run_scope",
     "strip_own_meta",
     "task_scope",
@@ -129,6 +132,47 @@ def run_scope(run_id: str, *, integration: str, setting: str) -> str:
             setting,
         )
     return caller_scope("r", run_id)
+
+
+class _RunIds:
+    """A random id per live object, held weakly: a framework's per-run object (a LangGraph run's stream
+    writer, an Agents SDK run's usage) names its run without onceonly keeping it alive. Objects that
+    compare by value (dataclasses) are told apart by identity."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, tuple[weakref.ref[Any], str]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, obj: object) -> str:
+        key = id(obj)
+        with self._lock:
+            hit = self._ids.get(key)
+            if hit is not None and hit[0]() is obj:
+                return hit[1]
+            made = uuid.uuid4().hex
+
+            def gone(ref: weakref.ref[Any], key: int = key) -> None:
+                with self._lock:
+                    if self._ids.get(key, (None,))[0] is ref:
+                        del self._ids[key]
+
+            self._ids[key] = (weakref.ref(obj, gone), made)
+            return made
+
+
+_run_ids = _RunIds()
+
+
+def run_identity(run: object) -> str:
+    """A random id for ``run``, an object a framework makes once per run and hands to every call in it:
+    the same object gives the same id while it lives, another object another id.
+
+    Raises:
+        TypeError: ``run`` cannot be referenced weakly (an int, a str): give the run's own object.
+
+    .. versionadded:: 0.1
+    """
+    return _run_ids(run)
 
 
 # --- what a result means ----------------------------------------------------------------------------

@@ -15,8 +15,8 @@ reads, so an error is never recorded as a result and replayed. The argument JSON
 unchanged; ``ToolContext`` is not part of it, so it is never part of a key.
 
 A call's key is the conversation (``RunConfig.group_id``, else the trace's group, else the
-``ledger.task()`` around the run, else the ledger's scope), the tool's name and its canonical
-arguments. Never the call id: the model that re-plans a call after the SDK's time limit sends it under
+``ledger.task()`` around the run, else the run itself, with one warning), the tool's name and its
+canonical arguments. Never the call id: the model that re-plans a call after the SDK's time limit sends it under
 a new id, and the call must replay.
 
 .. versionadded:: 0.1
@@ -64,11 +64,13 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.openai_agents needs the OpenAI Agents SDK: {install_hint('openai-agents')}") from exc
 
+from onceonly import edge
 from onceonly.drivers import current_call
 from onceonly.errors import OutcomeUnknown
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
+from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 from onceonly.tell import tell_model as _tell_model
 from onceonly.tools import Wrappers
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 
     from onceonly.ledger import Ledger
 
-__all__ = ["conversation_scope", "function_tool", "guard", "guard_tools", "mcp_meta_resolver"]
+__all__ = ["conversation_scope", "function_tool", "guard", "guard_tools", "mcp_meta_resolver", "run_scope"]
 
 _log = logging.getLogger("onceonly.openai_agents")
 
@@ -104,7 +106,8 @@ def conversation_scope(ctx: RunContextWrapper[Any]) -> str | None:
     runs in (``with agents.trace(name, group_id=...)``).
 
     ``None`` when the run names no conversation: the ``ledger.task(...)`` around the run applies, else
-    the ledger's scope. The SDK does not show a tool the run's ``session``: with a session and no
+    the run's own scope (``run_scope``), so that two runs — maybe two users — never share records
+    unless told to. The SDK does not show a tool the run's ``session``: with a session and no
     ``group_id``, pass ``RunConfig(group_id=session.session_id)``, or run inside
     ``ledger.task(session.session_id)``.
 
@@ -119,6 +122,22 @@ def conversation_scope(ctx: RunContextWrapper[Any]) -> str | None:
     if not isinstance(group, str) or not group.strip():
         return None
     return _scope_text(group)
+
+
+def run_scope(ctx: RunContextWrapper[Any]) -> str:
+    """The scope of a call in a run that names no conversation: the run's own — its trace's id, or, with
+    tracing off, the run's own context — so that a re-plan inside the run replays and another run
+    (another user, maybe) runs its own. Logs one warning naming ``RunConfig(group_id=...)``.
+
+    .. versionadded:: 0.1
+    """
+    trace_id = getattr(get_current_trace(), "trace_id", None)
+    if isinstance(trace_id, str) and trace_id and trace_id != "no-op":
+        run = trace_id
+    else:  # tracing off: the run's usage counter, made once per run and shared by its every tool context
+        usage = getattr(ctx, "usage", None)
+        run = edge.run_identity(usage if usage is not None else ctx)
+    return edge.run_scope(run, integration="openai-agents", setting="RunConfig(group_id=conversation_id)")
 
 
 @functools.lru_cache(maxsize=1024)  # a conversation asks again at every call
@@ -265,6 +284,7 @@ class _Guard:
         self.tell_model = tell_model
         self.scope = scope
         self.with_schema = tool.output_json_schema is not None
+        self.params_schema: dict[str, Any] | None = tool.params_json_schema or None
         invoker = tool.on_invoke_tool
         self.sdk_built = isinstance(invoker, _FailureHandlingFunctionToolInvoker)
         if isinstance(invoker, _FailureHandlingFunctionToolInvoker):
@@ -307,7 +327,11 @@ class _Guard:
 
     def scoped(self, ctx: Any) -> contextlib.AbstractContextManager[Any]:
         scope = self.scope(ctx)
-        return contextlib.nullcontext() if scope is None else self.ledger.task(scope)
+        if scope is None:
+            if edge.task_scope() is not None:  # the caller's ledger.task() around the run
+                return contextlib.nullcontext()
+            scope = run_scope(ctx)
+        return self.ledger.task(scope)
 
     async def invoke(self, ctx: ToolContext[Any], args_json: str) -> Any:
         """What the SDK calls with the model's arguments: the ledger decides whether the tool runs."""
@@ -320,6 +344,10 @@ class _Guard:
                 return await self.inner(ctx, args_json)  # it refuses them before the function runs
             # A hand-made invoker might act on them: not without the ledger.
             raise ModelBehaviorError(f"Invalid JSON input for tool {ctx.tool_name}: expected a JSON object")
+        try:  # keyed as the tool will see them: 500, "500" and 500.0 are one charge
+            parsed = coerce(self.params_schema, parsed)
+        except SchemaError as err:  # nothing recorded; the SDK's failure handler tells the model
+            raise ModelBehaviorError(f"Invalid arguments for tool {ctx.tool_name}: {err}") from None
         call = _Invocation(ctx, args_json, self.with_schema)
         try:
             with self.scoped(ctx):
@@ -646,8 +674,9 @@ def mcp_meta_resolver(
     ``_meta["dev.onceonly/idempotencyKey"]``, the scope in ``_meta["dev.onceonly/scope"]``.
 
     Args:
-        ledger: when the run names no conversation, the scope of this ledger's ``task()`` around the run
-            (or the ledger's own); without one, such a call carries no key and the server decides.
+        ledger: when the run names no conversation, the scope of the ``ledger.task()`` around the run,
+            else the run's own (``run_scope``); without a ledger, such a call carries no key and the
+            server decides (by who is calling).
         scope: ``context -> scope | None`` (default ``conversation_scope``: the run's ``group_id``).
 
     .. versionadded:: 0.1
@@ -656,7 +685,7 @@ def mcp_meta_resolver(
     def resolve(context: MCPToolMetaContext) -> dict[str, Any] | None:
         conversation = scope(context.run_context)
         if conversation is None and ledger is not None:
-            conversation = ledger._scope()
+            conversation = edge.task_scope() or run_scope(context.run_context)
         if conversation is None:
             return None
         operation = canonical_json([conversation, context.tool_name, context.arguments or {}])
