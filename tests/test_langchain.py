@@ -497,6 +497,44 @@ def test_the_same_call_runs_once_per_thread(ledger: Ledger, effects: Effects) ->
     assert is_replay(model.told(5)[0].content, "charge #1")
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_runs_without_a_thread_id_are_each_their_own_scope(
+    async_: bool, ledger: Ledger, effects: Effects, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ``thread_id`` (no checkpointer): two users' runs with the same arguments each charge once
+    (before, the second replayed the first's charge from the scope ``default``); a re-plan inside a
+    run replays; one warning names ``thread_id``; the ``ledger.task()`` around a run still wins."""
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge a card."""
+        return f"charge #{effects.add('charge', amount)}"
+
+    def script() -> Scripted:
+        return scripted(calls(("charge", {"amount": 5}, "c1")), calls(("charge", {"amount": 5}, "c2")), "done")
+
+    def invoke(agent: Any) -> None:
+        message = {"messages": [("user", "charge 5")]}
+        asyncio.run(agent.ainvoke(message)) if async_ else agent.invoke(message)
+
+    models = []
+    with caplog.at_level(logging.WARNING, logger="onceonly"):
+        for _user in ("alice", "bob"):
+            models.append(script())
+            invoke(create_agent(models[-1], [guard(charge, ledger)]))
+    assert effects.count("charge") == 2, "the second user's run must charge, not replay the first's"
+    for n, model in enumerate(models, start=1):
+        assert model.told(1)[0].content == f"charge #{n}"
+        assert is_replay(model.told(2)[0].content, f"charge #{n}")  # the re-plan, inside the run
+    warned = [r.getMessage() for r in caplog.records if "names no conversation" in r.getMessage()]
+    assert len(warned) <= 1 and all("thread_id" in w for w in warned)
+    scopes = {r.scope for r in ledger.list()}
+    assert len(scopes) == 2 and all(s.startswith("r:") for s in scopes)
+    with ledger.task("session-7"):
+        invoke(create_agent(script(), [guard(charge, ledger)]))
+    assert effects.count("charge") == 3 and "session-7" in {r.scope for r in ledger.list()}
+
+
 def test_a_subgraphs_calls_are_scoped_by_thread_and_subgraph(ledger: Ledger, effects: Effects) -> None:
     """A tool node inside a subgraph sees ``checkpoint_ns`` = ``agent:<task>|tools:<task>``; both task
     ids change (every step, every turn), the scope does not: ``<thread>|agent``. Three asks over two

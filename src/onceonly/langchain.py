@@ -11,8 +11,9 @@ tool and LangGraph injects the same arguments (``ToolRuntime``, ``InjectedState`
 ledger (a failed attempt), and only then does ``handle_tool_error`` or the ``ToolNode`` turn it into a
 ``ToolMessage(status="error")``, so an error is never recorded as a result and replayed.
 
-A call's key is the conversation (``thread_id``, and the subgraph the tool node runs in), the tool's
-name and its canonical arguments, without the injected ones. Never the tool-call id: providers reuse
+A call's key is the conversation (``thread_id``, and the subgraph the tool node runs in; without one,
+the ``ledger.task()`` around the run, else the graph run itself, with one warning), the tool's name and
+its canonical arguments, without the injected ones. Never the tool-call id: providers reuse
 ``call_0``, and a model that re-plans sends the same call under a new id, which must replay.
 
 .. versionadded:: 0.1
@@ -48,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         f"onceonly.langchain needs langchain-core, langgraph and langchain: {install_hint('langchain')}"
     ) from exc
 
+from onceonly import edge
 from onceonly.errors import KeyConflict
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, safe_name
@@ -75,7 +77,7 @@ else:
                 raise ImportError(f"OnceOnlyMiddleware needs langchain: {install_hint('langchain')}")
 
 
-__all__ = ["GuardedTool", "OnceOnlyMiddleware", "guard", "guard_tools", "thread_scope"]
+__all__ = ["GuardedTool", "OnceOnlyMiddleware", "graph_run_scope", "guard", "guard_tools", "thread_scope"]
 
 _log = logging.getLogger("onceonly.langchain")
 
@@ -98,14 +100,19 @@ _TOOL_CALL_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("once
 # --- scope: the conversation ----------------------------------------------------------------------
 
 
+#: Where LangGraph puts a run's ``Runtime`` in the config it gives a node (``langgraph.runtime.get_runtime``).
+_RUNTIME = "__pregel_runtime"
+
+
 def thread_scope(config: RunnableConfig | None) -> str | None:
     """The ledger scope of a LangGraph call: its ``thread_id``, and the subgraph its node runs in.
 
     The tool node's own segment of ``checkpoint_ns`` (``tools:<task_id>``) is left out: its task id
     changes at every step, and a re-planned call, one step later, must find the first. The segments
     above it name the subgraph (``agent:<task_id>|tools:<task_id>`` → ``agent``), without their task
-    ids, as LangGraph itself stores a subgraph's own history. ``None`` outside a graph (no thread):
-    the ledger's scope applies, or the ``ledger.task(...)`` around the call.
+    ids, as LangGraph itself stores a subgraph's own history. ``None`` without a thread: the
+    ``ledger.task(...)`` around the call applies, else, inside a graph run, the run's own scope
+    (``graph_run_scope``), else (code called the tool) the ledger's.
 
     A scope longer than 100 characters, or with whitespace in the thread id, is hashed.
 
@@ -116,6 +123,25 @@ def thread_scope(config: RunnableConfig | None) -> str | None:
     if thread is None or thread == "":
         return None
     return _scope_of(str(thread), str(configurable.get("checkpoint_ns") or ""))
+
+
+def graph_run_scope(config: RunnableConfig | None) -> str | None:
+    """The scope of a call in a LangGraph run that has no ``thread_id``: the run's own, so that a re-plan
+    inside the run replays and another run (another user, maybe) runs its own; one warning names
+    ``thread_id``. ``None`` outside a graph (code called the tool): the ledger's scope applies.
+
+    The run is told by its ``Runtime``'s stream writer, which LangGraph makes once per run.
+
+    .. versionadded:: 0.1
+    """
+    configurable = (config or {}).get("configurable") or {}
+    runtime = configurable.get(_RUNTIME)
+    writer = getattr(runtime, "stream_writer", None)
+    if writer is None:
+        return None
+    return edge.run_scope(
+        edge.run_identity(writer), integration="langchain", setting='config={"configurable": {"thread_id": ...}}'
+    )
 
 
 @functools.lru_cache(maxsize=1024)  # a conversation asks again and again, and the ns repeats within a step
@@ -515,6 +541,8 @@ class _Spec:
 
     def scoped(self, config: RunnableConfig | None) -> contextlib.AbstractContextManager[Any]:
         scope = self.scope(config)
+        if scope is None and edge.task_scope() is None:
+            scope = graph_run_scope(config)
         return contextlib.nullcontext() if scope is None else self.ledger.task(scope)
 
     # --- what the caller gets ---------------------------------------------------------------------
