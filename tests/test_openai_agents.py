@@ -8,10 +8,10 @@ duplicate without onceonly and its absence with it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
 import io
 import json
+import logging
 import re
 import sqlite3
 import subprocess
