@@ -54,8 +54,8 @@ from onceonly.errors import KeyConflict
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, safe_name
 from onceonly.policy import Verdict
-from onceonly.tell import TOLD, tell_model
-from onceonly.tools import ToolSpec, Wrappers, make_tool, same_definition
+from onceonly.tell import TOLD
+from onceonly.tools import Wrappers, make_tool, same_definition
 
 if TYPE_CHECKING:
     from langchain.agents.middleware import AgentMiddleware, ModelRequest
@@ -485,14 +485,7 @@ class _Spec:
         self.sync_fn: Any = first if self.has_sync else None
         self.async_fn: Any = None if self.has_sync else first
         if self.has_sync and self.has_async:
-            made = first.spec
-            twin = ToolSpec(
-                ledger, _body(definition, True, self), name=made.name, key=made.key_fields, ignore=ignore,
-                normalize=made.normalize, policy=made.policy, probe=made.probe, timeout=made.timeout,
-                readonly=made.readonly, decode=None, passthrough=made.passthrough, similar=made.similar,
-                on_similar=made.on_similar,
-            )  # fmt: skip
-            self.async_fn = make_tool(twin)
+            self.async_fn = make_tool(first.spec.over(_body(definition, True, self), ignore=ignore))
 
     def run_inner(self, call: _Invocation, kwargs: dict[str, Any]) -> Any:
         """Run the original tool's ``_run`` with this call's arguments (the ledger decided it runs)."""
@@ -566,7 +559,7 @@ class _Spec:
         if self.tell_model and out.replayed:
 
             def notice(result: Any) -> Any:
-                return tell_model(dataclasses.replace(out, result=result))
+                return edge.envelope(dataclasses.replace(out, result=result)).text
 
         if isinstance(content, ToolOutputMixin) or _all_outputs(content):
             old_id = stored.get("tool_call_id") if tagged else None
@@ -587,7 +580,10 @@ class _Spec:
         if call.tool_call_id is None:  # code called the tool: it handles the error itself
             raise err
         message = ToolMessage(
-            content=tell_model(_for_model(err)), tool_call_id=call.tool_call_id, name=self.inner.name, status="error"
+            content=edge.envelope(_for_model(err)).text,
+            tool_call_id=call.tool_call_id,
+            name=self.inner.name,
+            status="error",
         )
         return (message, None) if self.with_artifact else message
 

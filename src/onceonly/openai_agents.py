@@ -72,7 +72,6 @@ from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
-from onceonly.tell import tell_model as _tell_model
 from onceonly.tools import Wrappers
 
 if TYPE_CHECKING:
@@ -355,7 +354,7 @@ class _Guard:
         except TOLD as err:
             # The operator's next step (onceonly resolve ...) goes to the log, the model's to the model.
             _log.warning("onceonly %s: %s", getattr(err, "key", "?"), err)
-            return _tell_model(err)
+            return edge.envelope(err).text
         return self.respond(out, call)
 
     def respond(self, out: Outcome, call: _Invocation) -> Any:
@@ -365,7 +364,7 @@ class _Guard:
             return call.raw
         stored = out.result
         if out.replayed and self.tell_model and not self.with_schema:
-            return _tell_model(_replace_result(out, _shown(stored)))
+            return edge.envelope(_replace_result(out, _shown(stored))).text
         return stored
 
 
@@ -386,7 +385,7 @@ def _with_context(tool: FunctionTool, invoker: Callable[..., Awaitable[Any]]) ->
 def _timeout_text(ctx: RunContextWrapper[Any], error: Exception) -> str:
     """What the model reads when the SDK's time limit passes: the call runs on and its outcome is
     recorded, so the outcome is unknown, not failed ("timed out" invites the same call again)."""
-    return _tell_model(OutcomeUnknown(str(error), key=getattr(ctx, "tool_name", "")))
+    return edge.envelope(OutcomeUnknown(str(error), key=getattr(ctx, "tool_name", ""))).text
 
 
 def _marked(invoker: object) -> _Guard | None:

@@ -287,6 +287,20 @@ class ToolSpec:
         if similar is not None:
             self.exact_fields = _exact_fields(similar, key, self.binder, name)
 
+    def over(self, fn: Callable[..., Any], *, ignore: Sequence[str] = ()) -> ToolSpec:
+        """The same operation, with every setting of this spec, over another function with the same
+        parameters (an integration's async twin of a sync body): one call copies them all, so that no
+        integration keeps its own list of the fields.
+
+        .. versionadded:: 0.1
+        """
+        return ToolSpec(
+            self.ledger, fn, name=self.name, key=self.key_fields, ignore=ignore, normalize=self.normalize,
+            policy=self.policy, probe=self.probe, timeout=self.timeout, readonly=self.readonly,
+            decode=self.decode, passthrough=self.passthrough, similar=self.similar, on_similar=self.on_similar,
+            tell_model=self.tell_model,
+        )  # fmt: skip
+
     def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
         """The ledger ``Call`` of one invocation: its key, fingerprint and arguments."""
         fields = self.binder.bind(args, kwargs)

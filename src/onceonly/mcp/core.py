@@ -45,7 +45,6 @@ from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerpri
 from onceonly.mcp.front import is_loopback
 from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
 from onceonly.schema import SchemaError, coerce
-from onceonly.tell import tell_model
 from onceonly.tools import ToolSpec
 
 if TYPE_CHECKING:
@@ -699,7 +698,7 @@ class Guard:
             # A result from `onceonly resolve --confirmed`: not a stored tool result. Show it as text.
             content = [{"type": "text", "text": canonical_json(out.result, path="result")}]
         if self.tell_model:
-            text = tell_model(replace(out, result=_FOLLOWS))
+            text = edge.envelope(replace(out, result=_FOLLOWS)).text
             content = [{"type": "text", "text": text}, *content]
         wire: dict[str, Any] = {"content": content, "isError": False}
         if result.get("structuredContent") is not None:
@@ -712,7 +711,7 @@ class Guard:
         """An unknown outcome (or any refusal of the ledger) as the client reads it: an error result; after
         the text, the tool's own error content when it answered with one (it is the tool's, not an
         operator's)."""
-        content: list[Any] = [{"type": "text", "text": tell_model(exc)}]
+        content: list[Any] = [{"type": "text", "text": edge.envelope(exc).text}]
         if error is not None:
             content += [b for b in error.get("content") or [] if isinstance(b, dict)]
         wire: dict[str, Any] = {"content": content, "isError": True}
