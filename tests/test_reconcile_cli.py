@@ -25,9 +25,8 @@ import pytest
 from click.testing import CliRunner
 
 from onceonly import Ledger, State
+from onceonly._cli import load_ledger, parse_duration
 from onceonly.cli import cli
-from onceonly.ledger import load_ledger
-from onceonly.settle_cli import parse_duration
 from onceonly.states import HELD, Record
 from onceonly.stores import open_store
 from tests._settling import dead_holder

@@ -3,11 +3,14 @@ before a command opens a ledger, and how text that came from a store or a user i
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import pkgutil
 import re
 import signal
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +38,45 @@ _CONTROLS = re.compile(f"[\x00-\x1f{_BEYOND_C0}]")
 _JSON_CONTROLS = re.compile(f"[{_BEYOND_C0}]")
 
 
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "": 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``"30s"``, ``"5m"``, ``"1h"``, ``"250ms"``, ``"2d"`` or a plain number of seconds.
+
+    .. versionadded:: 0.1
+    """
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration: write 30s, 5m, 1h, 250ms or a number of seconds")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter: a duration such as ``30s``, in seconds. ``positive``: 0 is refused, with
+    ``example`` in the message (the ``--every`` of a daemon, a period)."""
+
+    name = "duration"
+
+    def __init__(self, *, positive: bool = False, example: str = "30s") -> None:
+        self.positive = positive
+        self.example = example
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            seconds = float(value)
+        else:
+            try:
+                seconds = parse_duration(str(value))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        if self.positive and not seconds > 0:
+            name = param.opts[0] if param is not None and param.opts else "this option"
+            raise click.UsageError(f"{name} needs a positive duration, e.g. {self.example}", ctx)
+        return seconds
+
+
 class Since(click.ParamType):  # type: ignore[type-arg]
     """A click parameter: a moment, as a duration back from now (``1h``, ``2d``) or an ISO 8601 time
     (``2026-01-31``, ``2026-01-31T08:00:00Z``; without a zone: UTC); in seconds since the epoch."""
@@ -44,8 +86,6 @@ class Since(click.ParamType):  # type: ignore[type-arg]
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, int | float):
             return float(value)
-        from onceonly.settle_cli import parse_duration
-
         text = str(value).strip()
         try:
             return time.time() - parse_duration(text)
@@ -228,3 +268,75 @@ def _postgres_ledger(url: str) -> None:
                 "with your app to upgrade it"
             )
         )
+
+
+def _app_failed(spec: str, exc: Exception) -> ImportError:
+    return ImportError(
+        f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
+    )
+
+
+def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
+    """Import the user's ledger from ``module:attribute``, as uvicorn imports an app.
+
+    Importing the module registers its tools on the ledger, so the reconciler knows how each tool
+    settles. The attribute may be a ``Ledger`` or a function of no arguments that returns one.
+
+    Args:
+        spec: ``package.module:attribute`` (dots in the attribute reach nested objects).
+        app_dir: a directory put first on ``sys.path`` (default: the current one), or ``None``.
+
+    Raises:
+        ValueError: the spec is malformed or names nothing.
+        TypeError: it names something that is not a ledger.
+        ImportError: the module cannot be imported, or importing it (or calling the factory) raised:
+            the message says which and why, the app's own error is its cause.
+
+    .. versionadded:: 0.1
+    """
+    module_name, sep, attr = spec.partition(":")
+    names = f"{module_name}.{attr}".split(".")
+    if not sep or not all(name.isidentifier() for name in names):
+        raise ValueError(f"--app {spec!r}: use module:attribute, e.g. myapp.tools:ledger")
+    if app_dir is not None:
+        path = os.path.abspath(app_dir)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        obj: Any = pkgutil.resolve_name(spec)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            raise ImportError(
+                f"--app {spec!r}: no module {module_name!r} on the path (run from its directory, or pass --app-dir)"
+            ) from exc
+        raise _app_failed(spec, exc) from exc  # the app itself imports something that is missing
+    except AttributeError as exc:
+        if exc.name not in attr.split("."):
+            raise _app_failed(spec, exc) from exc  # raised while importing the app, not a missing name
+        raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
+    except Exception as exc:  # importing the app runs its code: whatever that raises is the app's
+        raise _app_failed(spec, exc) from exc
+    if not isinstance(obj, Ledger) and callable(obj):
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            raise TypeError(
+                f"--app {spec!r} is a function that needs arguments: name a Ledger, or a factory that takes none"
+            ) from None
+        except ValueError:
+            pass  # no signature to check (a builtin): just call it
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise _app_failed(spec, exc) from exc
+    if not isinstance(obj, Ledger):
+        raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")
+    return obj
+
+
+def load_app(spec: str, app_dir: str) -> Ledger:
+    """``load_ledger`` for the command line: its errors say what to do, and become the message."""
+    try:
+        return load_ledger(spec, app_dir)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise click.ClickException(printable(exc)) from exc

@@ -39,8 +39,17 @@ def main() -> None:
 
 if _MISSING_CLI is None:
     from onceonly import ops
-    from onceonly._cli import COUNT, Since, cell, dumps, open_as_is, printable, refuse_missing_ledger, run_every
-    from onceonly.settle_cli import Duration
+    from onceonly._cli import (
+        COUNT,
+        Duration,
+        Since,
+        cell,
+        dumps,
+        open_as_is,
+        printable,
+        refuse_missing_ledger,
+        run_every,
+    )
 
     _url_option = click.option(
         "--url",
@@ -407,11 +416,12 @@ if _MISSING_CLI is None:
         1 on an error, 2 on bad usage. With --every it runs until SIGTERM or Ctrl-C, then exits 0;
         each disagreement is also logged as an AuditDisagreement warning.
         """
-        from onceonly.settle_cli import ATTENTION_EXIT, _load_app
+        from onceonly._cli import load_app
+        from onceonly.settle_cli import ATTENTION_EXIT
 
         if url:
             refuse_missing_ledger(url)
-        source = _load_app(app, app_dir)
+        source = load_app(app, app_dir)
         try:
             ledger = open_as_is(url) if url else source
         except (OnceOnlyError, ValueError, ImportError) as exc:

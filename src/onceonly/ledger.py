@@ -11,9 +11,7 @@ import contextlib
 import inspect
 import logging
 import os
-import pkgutil
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar, get_args, overload
@@ -37,7 +35,7 @@ from onceonly.stores import open_store, redact_url
 from onceonly.stores.base import Query, SimilarStore, Store
 from onceonly.tools import AsyncTool, Tool, ToolSpec, default_name, make_tool, refuse_framework_object, same_definition
 
-__all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "load_ledger", "mark_sent"]
+__all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "mark_sent"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -519,70 +517,6 @@ class Ledger:
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r}, scope={self.scope!r})"
-
-
-def _app_failed(spec: str, exc: Exception) -> ImportError:
-    return ImportError(
-        f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
-    )
-
-
-def load_ledger(spec: str, app_dir: str | None = ".") -> Ledger:
-    """Import the user's ledger from ``module:attribute``, as uvicorn imports an app.
-
-    Importing the module registers its tools on the ledger, so the reconciler knows how each tool
-    settles. The attribute may be a ``Ledger`` or a function of no arguments that returns one.
-
-    Args:
-        spec: ``package.module:attribute`` (dots in the attribute reach nested objects).
-        app_dir: a directory put first on ``sys.path`` (default: the current one), or ``None``.
-
-    Raises:
-        ValueError: the spec is malformed or names nothing.
-        TypeError: it names something that is not a ledger.
-        ImportError: the module cannot be imported, or importing it (or calling the factory) raised:
-            the message says which and why, the app's own error is its cause.
-
-    .. versionadded:: 0.1
-    """
-    module_name, sep, attr = spec.partition(":")
-    names = f"{module_name}.{attr}".split(".")
-    if not sep or not all(name.isidentifier() for name in names):
-        raise ValueError(f"--app {spec!r}: use module:attribute, e.g. myapp.tools:ledger")
-    if app_dir is not None:
-        path = os.path.abspath(app_dir)
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        obj: Any = pkgutil.resolve_name(spec)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            raise ImportError(
-                f"--app {spec!r}: no module {module_name!r} on the path (run from its directory, or pass --app-dir)"
-            ) from exc
-        raise _app_failed(spec, exc) from exc  # the app itself imports something that is missing
-    except AttributeError as exc:
-        if exc.name not in attr.split("."):
-            raise _app_failed(spec, exc) from exc  # raised while importing the app, not a missing name
-        raise ValueError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
-    except Exception as exc:  # importing the app runs its code: whatever that raises is the app's
-        raise _app_failed(spec, exc) from exc
-    if not isinstance(obj, Ledger) and callable(obj):
-        try:
-            inspect.signature(obj).bind()
-        except TypeError:
-            raise TypeError(
-                f"--app {spec!r} is a function that needs arguments: name a Ledger, or a factory that takes none"
-            ) from None
-        except ValueError:
-            pass  # no signature to check (a builtin): just call it
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise _app_failed(spec, exc) from exc
-    if not isinstance(obj, Ledger):
-        raise TypeError(f"--app {spec!r} is a {type(obj).__name__}, not an onceonly.Ledger")
-    return obj
 
 
 def _where_url(url: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -11,9 +10,19 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from onceonly._cli import COUNT, cell, dumps, printable, refuse_missing_ledger, until_stopped
+from onceonly._cli import (
+    COUNT,
+    Duration,
+    cell,
+    dumps,
+    load_app,
+    parse_duration,
+    printable,
+    refuse_missing_ledger,
+    until_stopped,
+)
 from onceonly.errors import OnceOnlyError
-from onceonly.ledger import Ledger, load_ledger
+from onceonly.ledger import Ledger
 from onceonly.settle import (
     DEFAULT_FULL_EVERY,
     DEFAULT_REVIEW_AFTER,
@@ -30,45 +39,6 @@ __all__ = ["ATTENTION_EXIT", "COMMANDS", "Duration", "parse_duration", "reconcil
 ATTENTION_EXIT = 3
 #: What a reconcile run reports that makes it exit with ``ATTENTION_EXIT``.
 ATTENTION = (Settlement.UNSETTLED, Settlement.NO_TOOL, Settlement.PARKED)
-
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "": 1.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``"30s"``, ``"5m"``, ``"1h"``, ``"250ms"``, ``"2d"`` or a plain number of seconds.
-
-    .. versionadded:: 0.1
-    """
-    match = _DURATION.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration: write 30s, 5m, 1h, 250ms or a number of seconds")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-class Duration(click.ParamType):  # type: ignore[type-arg]
-    """A click parameter: a duration such as ``30s``, in seconds. ``positive``: 0 is refused, with
-    ``example`` in the message (the ``--every`` of a daemon, a period)."""
-
-    name = "duration"
-
-    def __init__(self, *, positive: bool = False, example: str = "30s") -> None:
-        self.positive = positive
-        self.example = example
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        if isinstance(value, int | float):
-            seconds = float(value)
-        else:
-            try:
-                seconds = parse_duration(str(value))
-            except ValueError as exc:
-                self.fail(str(exc), param, ctx)
-        if self.positive and not seconds > 0:
-            name = param.opts[0] if param is not None and param.opts else "this option"
-            raise click.UsageError(f"{name} needs a positive duration, e.g. {self.example}", ctx)
-        return seconds
-
 
 _COLOURS = {
     Settlement.CONFIRMED: "green",
@@ -205,7 +175,7 @@ def reconcile_command(
         raise click.UsageError("give --once or --every DURATION, not both")
     if url or not app:
         refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
-    source = _load_app(app, app_dir) if app else None
+    source = load_app(app, app_dir) if app else None
     try:
         # Ledger.open() without a URL reads $ONCEONLY_URL itself.
         ledger = Ledger.open(url) if url else (source if source is not None else Ledger.open())
@@ -256,14 +226,6 @@ def reconcile_command(
         ledger.close()
         if source is not None and source is not ledger:
             source.close()
-
-
-def _load_app(spec: str, app_dir: str) -> Ledger:
-    """``load_ledger`` for the command line: its errors say what to do, and become the message."""
-    try:
-        return load_ledger(spec, app_dir)
-    except (ValueError, TypeError, ImportError) as exc:
-        raise click.ClickException(printable(exc)) from exc
 
 
 COMMANDS = [reconcile_command]
