@@ -176,8 +176,8 @@ def test_the_offset_is_measured_again_now_and_then(store_url: str) -> None:
     ledger = _skewed(store_url, lambda: time.time() + skew[0])
     try:
         assert ledger.clock_offset == pytest.approx(-120, abs=2)
-        assert ledger._store_clock is not None
-        ledger._store_clock.every = 0.05
+        assert ledger.runtime.store_clock is not None
+        ledger.runtime.store_clock.every = 0.05
         skew[0] = -30.0
 
         @ledger.tool(name="touch")
@@ -203,7 +203,7 @@ def test_an_injected_clock_is_used_as_it_is_unless_asked(store_url: str) -> None
     try:
         assert ledger.clock() == fake.now and ledger.clock_offset == 0.0
         assert real.clock() == pytest.approx(time.time(), abs=2)
-        assert (real._store_clock is not None) == _has_clock(store_url)
+        assert (real.runtime.store_clock is not None) == _has_clock(store_url)
     finally:
         ledger.close()
         real.close()

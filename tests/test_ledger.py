@@ -731,7 +731,7 @@ def test_late_failure_settles_only_the_unknown_of_its_own_attempt(ledger: Ledger
         )
     unknown = st.mark_unknown(rec, now=ledger.clock(), reason="timed out", by="h:1:1")
     assert ledger.store.insert(unknown)
-    drive(ledger, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
+    drive(ledger.runtime, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
     after = ledger.get(call.key)
     assert after is not None
     if unknown_fence == 1:

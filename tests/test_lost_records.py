@@ -201,9 +201,9 @@ def test_a_late_outcome_of_an_attempt_on_a_lost_record_never_settles_the_new_one
     )  # fmt: skip
     unknown = st.mark_unknown(rec, now=ledger.clock(), reason="timed out", by="h:2:1")
     assert ledger.store.insert(unknown)
-    drive(ledger, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
+    drive(ledger.runtime, late_outcome(call, 1, None, ValueError("refused")), t.spec, call, (), {})
     assert ledger.get(call.key) == unknown
-    drive(ledger, late_outcome(call, 1, 5), t.spec, call, (), {})
+    drive(ledger.runtime, late_outcome(call, 1, 5), t.spec, call, (), {})
     after = ledger.get(call.key)
     assert after is not None
     assert (after.state, after.result, after.via, after.conflicts) == (State.CONFIRMED, 5, "late:1", 1)

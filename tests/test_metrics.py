@@ -201,9 +201,9 @@ def test_an_uninstrumented_ledger_keeps_its_store_and_pays_nothing(sqlite_url: s
     """Without ``instrument`` the ledger's store is the store itself and no call is wrapped; with it,
     the store is wrapped and still the same store underneath (its URL, its async face)."""
     with Ledger.open(sqlite_url) as ledger:
-        assert type(ledger.store) is SQLiteStore and ledger._count_call is None
+        assert type(ledger.store) is SQLiteStore and ledger.runtime.count_call is None
         instrument(ledger, registry=CollectorRegistry())
-        assert type(ledger.store) is not SQLiteStore and ledger._count_call is not None
+        assert type(ledger.store) is not SQLiteStore and ledger.runtime.count_call is not None
         assert ledger.store.url == sqlite_url and hasattr(ledger.store, "aclaim")
         with pytest.raises(ValueError, match="another registry"):
             instrument(ledger, registry=CollectorRegistry())

@@ -19,7 +19,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
     raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
-from onceonly import drivers as _drivers
+from onceonly import runtime as _runtime
 from onceonly.http import _REPLAYED, Options, _close, _lookup_headers, _needs_mark_sent, _Rules, _run
 
 __all__ = ["RequestsAdapter"]
@@ -83,7 +83,7 @@ class RequestsAdapter(_Rules, HTTPAdapter):
         call = self._begin(request.method or "GET", url, request.headers, lambda: _bytes(body))
         call.repeatable = body is None or isinstance(body, bytes | str)
         if _needs_mark_sent(call):
-            _drivers.mark_sent()
+            _runtime.mark_sent()
         if call.key is None:
             return HTTPAdapter.send(self, request, **options)
 

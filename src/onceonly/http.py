@@ -60,7 +60,7 @@ from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 
-from onceonly import drivers as _drivers
+from onceonly import runtime as _runtime
 from onceonly.errors import InProgress, KeyConflict, NotSerializable, OutcomeUnknown
 from onceonly.events import key_conflict, short_key
 from onceonly.keys import canonical_json, is_wire_key
@@ -317,7 +317,7 @@ def _sent_identity(method: str, url: str, body: bytes | None, content_type: str 
     return _digest([method, url, hashlib.sha256(body).hexdigest()])
 
 
-def _ledger_key(lease: _drivers.Lease, identity: str) -> str:
+def _ledger_key(lease: _runtime.Lease, identity: str) -> str:
     """The key of a keyed request of the running attempt: the ledger's for the first request, then
     ``key#2``, ``key#3``… for each other one, in the order they are first sent; the same request sent
     again (the tool's own retry, an SDK's) keeps its key.
@@ -435,7 +435,7 @@ class _Rules:
         """Whether a transport sends this request with a key (and so may send it more than once)."""
         if headers.get(self.header) is not None:
             return True
-        return _drivers.CURRENT.get() is not None and method.upper() in self.key_methods
+        return _runtime.CURRENT.get() is not None and method.upper() in self.key_methods
 
     def _begin(
         self, method: str, url: str, headers: MutableMapping[str, Any], body: Callable[[], bytes | None]
@@ -445,7 +445,7 @@ class _Rules:
         method = method.upper()
         safe = method in SAFE_METHODS
         key = self._named(headers.get(self.header))
-        lease = _drivers.CURRENT.get()
+        lease = _runtime.CURRENT.get()
         if key is None or (self.replace_keys and lease is not None and method in self.key_methods):
             if lease is None or method not in self.key_methods:
                 return _Attempts(None, safe=safe, resendable=safe)
@@ -591,7 +591,7 @@ def _route(method: str, url: Any) -> str:
 def _alert_conflict(conflict: KeyConflict, route: str) -> None:
     """The KeyConflict alert of a server's 422: the request's method and path and a hash of the key;
     inside a guarded call, its tool and scope too."""
-    lease = _drivers.CURRENT.get()
+    lease = _runtime.CURRENT.get()
     rec = None if lease is None else lease.record
     key_conflict(
         conflict,
@@ -623,7 +623,7 @@ def _needs_mark_sent(call: _Attempts) -> bool:
     """
     if call.safe:
         return False
-    info = _drivers.current_call()
+    info = _runtime.current_call()
     return info is not None and info.state is State.PENDING
 
 
@@ -791,7 +791,7 @@ class _BaseClient(_Rules, Generic[_H]):
         if explicit is not None:
             wire = header_key(explicit)
         else:
-            lease = _drivers.CURRENT.get()
+            lease = _runtime.CURRENT.get()
             if lease is None:
                 wire = header_key(self.key_factory())
             else:
@@ -856,7 +856,7 @@ class Client(_BaseClient[httpx.Client]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
-            _drivers.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
+            _runtime.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
 
         def send() -> httpx.Response:
             return self.httpx.request(method, url, headers=headers, **kwargs)
@@ -914,7 +914,7 @@ class AsyncClient(_BaseClient[httpx.AsyncClient]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if _needs_mark_sent(call):
-            await _drivers.amark_sent()
+            await _runtime.amark_sent()
 
         async def send() -> httpx.Response:
             return await self.httpx.request(method, url, headers=headers, **kwargs)
@@ -1020,7 +1020,7 @@ class Transport(_BaseTransport, httpx.BaseTransport):
             request.read()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if _needs_mark_sent(call):
-            _drivers.mark_sent()
+            _runtime.mark_sent()
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = inner.handle_request(request)
@@ -1065,7 +1065,7 @@ class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
             await request.aread()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if _needs_mark_sent(call):
-            await _drivers.amark_sent()
+            await _runtime.amark_sent()
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = await inner.handle_async_request(request)

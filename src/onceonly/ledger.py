@@ -17,17 +17,15 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar, get_args, overload
 from urllib.parse import urlsplit
 
-from onceonly import drivers
 from onceonly import states as st
 from onceonly.clock import StoreClock
-from onceonly.drivers import CallInfo, amark_sent, current_call, mark_sent
 from onceonly.edge import TASK_SCOPE
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
-from onceonly.events import Listener, emit
-from onceonly.events import log as _transitions_log
+from onceonly.events import Listener
 from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
 from onceonly.keys import Normalizer, canonical_json, validate_name
 from onceonly.policy import Classifier, Retry, check_seconds
+from onceonly.runtime import CallInfo, Runtime, amark_sent, current_call, mark_sent
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import OnSimilar, Similar
 from onceonly.states import HELD, Record, State
@@ -83,7 +81,6 @@ class Ledger:
         rng: random.Random | None = None,
         store_clock: bool | None = None,
     ) -> None:
-        self.store = store
         #: The store's URL as it may be shown, password masked (``store.url`` is the one to connect with).
         self.url: str = redact_url(getattr(store, "url", repr(store)))
         self.scope = validate_name(scope, "scope")
@@ -92,19 +89,58 @@ class Ledger:
         if store_time is None and store_clock and clock is not time.time:
             # A store with no clock of its own (SQLite) is on one host: this host's clock is its clock.
             store_time = time.time
-        self._store_clock = StoreClock(store_time, clock, where=self.url) if use_store and store_time else None
-        self.clock: Callable[[], float] = clock if self._store_clock is None else self._store_clock.now
-        self.sleep = sleep
-        self.asleep = asleep
-        self.rng = rng or random.Random()
-        self._listeners: list[Listener] = []
-        #: ``onceonly.metrics.instrument``: ``tool spec -> context manager`` around each guarded call.
-        self._count_call: Callable[[ToolSpec], contextlib.AbstractContextManager[Any]] | None = None
-        on_tick = None if self._store_clock is None else self._store_clock.sync_if_due
-        self._beats = drivers.Heartbeats(store, self.clock, on_tick)
-        self._late_tasks: set[asyncio.Task[Any]] = set()
+        measured = StoreClock(store_time, clock, where=self.url) if use_store and store_time else None
+        #: What every guarded call on this ledger shares: the store, the clocks, listeners, leases.
+        self.runtime = Runtime(
+            store,
+            clock=clock if measured is None else measured.now,
+            sleep=sleep,
+            asleep=asleep,
+            rng=rng or random.Random(),
+            store_clock=measured,
+        )
         #: The guarded tools made on this ledger, by name (the reconciler finds their probes here).
         self.tools: dict[str, Any] = {}
+
+    @property
+    def store(self) -> Store:
+        """The store this ledger writes through.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.store
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock the ledger reads: the store's where it has one (``store_clock``), else ``clock``.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.clock
+
+    @property
+    def sleep(self) -> Callable[[float], None]:
+        """The blocking sleep of backoffs and waits.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.sleep
+
+    @property
+    def asleep(self) -> Callable[[float], Awaitable[None]]:
+        """The async sleep of backoffs and waits.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.asleep
+
+    @property
+    def rng(self) -> random.Random:
+        """The random source of backoff jitter.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.rng
 
     @property
     def clock_offset(self) -> float:
@@ -112,7 +148,8 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        return 0.0 if self._store_clock is None else self._store_clock.offset
+        measured = self.runtime.store_clock
+        return 0.0 if measured is None else measured.offset
 
     @classmethod
     def open(cls, url: str | None = None, **kwargs: Any) -> Ledger:
@@ -134,14 +171,11 @@ class Ledger:
         _log.info("onceonly: ledger at %s (%s)", _where_url(url), source)
         return ledger
 
-    def _observed(self) -> bool:
-        return bool(self._listeners) or _transitions_log.isEnabledFor(logging.INFO)
+    def current_scope(self) -> str:
+        """The scope of keys here: the innermost ``task()``, else the ledger's.
 
-    def _new_owner(self) -> str:
-        return drivers.new_owner()
-
-    def _scope(self) -> str:
-        """The scope of keys here: the innermost ``task()``, else the ledger's."""
+        .. versionadded:: 0.1
+        """
         return TASK_SCOPE.get() or self.scope
 
     # --- the decorator ----------------------------------------------------------------------------
@@ -356,7 +390,7 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        self._listeners.append(listener)
+        self.runtime.listeners.append(listener)
 
     def get(self, key: str) -> Record | None:
         """The record of ``key``, or ``None``.
@@ -457,7 +491,7 @@ class Ledger:
                     attempts=0 if reset else rec.attempts, expires_at=None if ttl is None else now + ttl, **released,
                 )  # fmt: skip
             if self.store.swap(new, rec):
-                emit(new, self._listeners)
+                self.runtime.announce(new)
                 return new
 
     def purge(self, *, before: float | None = None, batch: int = 500) -> int:
@@ -506,7 +540,7 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        self._beats.close()
+        self.runtime.close()
         self.store.close()
 
     def __enter__(self) -> Ledger:

@@ -228,7 +228,7 @@ class Metrics:
             self.child(self.takeovers, event.tool).inc()
 
     def count_call(self, spec: ToolSpec) -> _Call:
-        """The context manager around one guarded call of ``spec`` (``Ledger._count_call``)."""
+        """The context manager around one guarded call of ``spec`` (``Runtime.count_call``)."""
         return _Call(self, spec.name, spec.is_control_flow)
 
 
@@ -304,18 +304,20 @@ def instrument(ledger: Ledger, *, registry: CollectorRegistry | None = None) -> 
     .. versionadded:: 0.1
     """
     m = enable(registry)
-    known: Metrics | None = getattr(ledger, "_metrics", None)
+    known = _instrumented.get(ledger)
     if known is not None:
         if known is not m:
             raise ValueError(f"{ledger!r} is already counted in another registry: instrument it once")
         return m
-    ledger._metrics = m  # type: ignore[attr-defined]
+    _instrumented[ledger] = m
     ledger.subscribe(m.on_transition)
-    ledger._count_call = m.count_call
-    timed = cast(Store, _TimedStore(ledger.store, m))
-    ledger.store = timed
-    ledger._beats._store = timed  # heartbeats write through it too
+    ledger.runtime.count_calls(m.count_call)
+    ledger.runtime.write_through(cast(Store, _TimedStore(ledger.store, m)))  # calls and heartbeats alike
     return m
+
+
+# The ledgers instrumented, each with its metrics (held weakly: a dropped ledger goes).
+_instrumented: weakref.WeakKeyDictionary[Ledger, Metrics] = weakref.WeakKeyDictionary()
 
 
 # --- the store's latency ---------------------------------------------------------------------------------

@@ -65,11 +65,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.openai_agents needs the OpenAI Agents SDK: {install_hint('openai-agents')}") from exc
 
 from onceonly import edge
-from onceonly.drivers import current_call
 from onceonly.errors import OutcomeUnknown
 from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
+from onceonly.runtime import current_call
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 from onceonly.tools import Wrappers

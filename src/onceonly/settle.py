@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
-from onceonly.drivers import adrive, aprobe, drive, probe, swap_now
+from onceonly.drivers import adrive, aprobe, drive, probe
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
-from onceonly.events import emit
 from onceonly.guard import (
     DEFAULT_TTL,
     NOT_FOUND,
@@ -62,6 +61,7 @@ from onceonly.guard import (
     encode_result,
     plan,
 )
+from onceonly.runtime import swap_now
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
 from onceonly.tools import ToolSpec
@@ -412,7 +412,7 @@ class _Reconciler:
         too, the run ends and a later run reads the record."""
         ok, cur = swap_now(self.store, new, old)
         if ok:
-            emit(new, self.ledger._listeners)  # also when the answer was lost but the write landed
+            self.ledger.runtime.announce(new)  # also when the answer was lost but the write landed
         return ok, cur
 
     def settle(self, rec: Record) -> ReconcileLine:
@@ -471,7 +471,7 @@ class _Reconciler:
         policy = dataclasses.replace(tool.policy, wait=math.inf)
         call = Call(
             key=rec.key, scope=rec.scope, tool=rec.tool, fingerprint=rec.fingerprint, args_json=rec.args_json,
-            owner=f"reconcile@{ledger._new_owner()}", policy=policy, clock=ledger.clock, rng=ledger.rng,
+            owner=f"reconcile@{ledger.runtime.new_owner()}", policy=policy, clock=ledger.clock, rng=ledger.rng,
         )  # fmt: skip
         gen = _as_reconciler(plan(call), rec.version, self.sleep_budget, ledger.clock)
         kwargs = rec.args
@@ -482,9 +482,9 @@ class _Reconciler:
 
         try:
             if tool.is_async:
-                out = asyncio.run(adrive(ledger, gen, tool, call, (), kwargs))
+                out = asyncio.run(adrive(ledger.runtime, gen, tool, call, (), kwargs))
             else:
-                out = drive(ledger, gen, tool, call, (), kwargs)
+                out = drive(ledger.runtime, gen, tool, call, (), kwargs)
         except _Stop as stop:
             if stop.settlement is not Settlement.WAITING:
                 return line(stop.settlement, stop.detail, stop.due_at)
@@ -611,8 +611,7 @@ def reconcile(
         raise ValueError(f"batch={batch}: read at least one record per page")
     if full_every is not None and not full_every > 0:
         raise ValueError(f"full_every={full_every}: give a positive number of seconds, or None")
-    if ledger._store_clock is not None:
-        ledger._store_clock.sync_if_due()  # a reconciler that runs no tool has no heartbeat to do it
+    ledger.runtime.sync_clock()  # a reconciler that runs no tool has no heartbeat to do it
     clock = ledger.clock
     do_sleep = sleep or ledger.sleep
     who = by or default_owner()

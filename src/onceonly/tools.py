@@ -21,11 +21,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 from onceonly import drivers
-from onceonly.edge import envelope
+from onceonly.edge import TASK_SCOPE, envelope
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.guard import Call, Outcome, Policy, plan
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.policy import Verdict, classify
+from onceonly.runtime import new_owner
 from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
 from onceonly.states import State
 from onceonly.tell import TOLD
@@ -252,6 +253,7 @@ class ToolSpec:
         tell_model: bool = False,
     ) -> None:
         self.ledger = ledger
+        self.runtime = ledger.runtime
         self.fn = fn
         self.name = validate_name(name, "tool name")
         self.is_async = inspect.iscoroutinefunction(fn)
@@ -323,11 +325,11 @@ class ToolSpec:
             digest = fingerprint(canonical_json(select(hashed, self.key_fields), path="key"))[:32]
         if occurrence != 1:  # an int from 1: using() checked it
             digest = f"{digest}#{occurrence}"
-        ledger = self.ledger
-        scope = ledger._scope()
+        scope = TASK_SCOPE.get() or self.ledger.scope  # Ledger.current_scope(), inlined: every call
         full = compose_key(scope, self.name, digest)
+        rt = self.runtime
         # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
-        made = Call(full, scope, self.name, fp, args_json, drivers.new_owner(), self.policy, ledger.clock, ledger.rng)
+        made = Call(full, scope, self.name, fp, args_json, new_owner(), self.policy, rt.clock, rt.rng)
         if self.similar is not None and key is None and occurrence == 1:
             # An explicit key or a later occurrence names its operation: only derived keys look for near-duplicates.
             sim = self.similar
@@ -367,11 +369,11 @@ class ToolSpec:
         if self.readonly:
             return _readonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
-        counted = self.ledger._count_call
+        counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
-            return self.finish(drivers.drive(self.ledger, plan(call), self, call, args, kwargs), call)
+            return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
         with counted(self) as seen:
-            seen.outcome = drivers.drive(self.ledger, plan(call), self, call, args, kwargs)
+            seen.outcome = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
         return self.finish(seen.outcome, call)
 
     async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
@@ -379,11 +381,11 @@ class ToolSpec:
         if self.readonly:
             return await _areadonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
-        counted = self.ledger._count_call
+        counted = self.runtime.count_call
         if counted is None:
-            return self.finish(await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs), call)
+            return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
         with counted(self) as seen:
-            seen.outcome = await drivers.adrive(self.ledger, plan(call), self, call, args, kwargs)
+            seen.outcome = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
         return self.finish(seen.outcome, call)
 
     def __repr__(self) -> str:
@@ -622,11 +624,11 @@ def _readonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             return _readonly_outcome(spec.fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
-            pause = retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after)
+            pause = retry.backoff(attempt, spec.runtime.rng, floor=verdict.retry_after)
             # A wait longer than wait= is not waited for (a Retry-After of an hour): the read fails now.
             if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts or pause > spec.policy.wait:
                 raise
-            spec.ledger.sleep(pause)
+            spec.runtime.sleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -638,8 +640,8 @@ async def _areadonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, An
             return _readonly_outcome(await fn(*args, **kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
-            pause = retry.backoff(attempt, spec.ledger.rng, floor=verdict.retry_after)
+            pause = retry.backoff(attempt, spec.runtime.rng, floor=verdict.retry_after)
             if verdict.verdict is Verdict.FAILED or attempt >= retry.attempts or pause > spec.policy.wait:
                 raise
-            await spec.ledger.asleep(pause)
+            await spec.runtime.asleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover
