@@ -30,7 +30,7 @@ from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import OnSimilar, Similar
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store, redact_url
-from onceonly.stores.base import Query, SimilarStore, Store
+from onceonly.stores.base import ClockedStore, Query, SimilarStore, Store
 from onceonly.tools import AsyncTool, Tool, ToolSpec, default_name, make_tool, refuse_framework_object, same_definition
 
 __all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "mark_sent"]
@@ -84,7 +84,7 @@ class Ledger:
         #: The store's URL as it may be shown, password masked (``store.url`` is the one to connect with).
         self.url: str = redact_url(getattr(store, "url", repr(store)))
         self.scope = validate_name(scope, "scope")
-        store_time = getattr(store, "time", None)
+        store_time = store.time if isinstance(store, ClockedStore) else None
         use_store = (clock is time.time) if store_clock is None else store_clock
         if store_time is None and store_clock and clock is not time.time:
             # A store with no clock of its own (SQLite) is on one host: this host's clock is its clock.

@@ -63,7 +63,7 @@ from onceonly.guard import (
 )
 from onceonly.runtime import swap_now
 from onceonly.states import HELD, Record, State
-from onceonly.stores.base import Query
+from onceonly.stores.base import Query, SurveyingStore
 from onceonly.tools import ToolSpec
 
 if TYPE_CHECKING:
@@ -630,8 +630,8 @@ def reconcile(
     # A store that knows who holds its leases says whether any can have run out; if none can, the
     # pass reads only the unknown records (an index) instead of every record (SQLite has no index of
     # held ones: each claim would pay for it).
-    survey_of = getattr(ledger.store, "lease_survey", None)
-    looked = survey_of(clock(), full_every) if survey_of is not None else None
+    store = ledger.store
+    looked = store.lease_survey(clock(), full_every) if isinstance(store, SurveyingStore) else None
     states = _SCANNED if looked is None or looked.needed else (State.UNKNOWN,)
     if looked is not None:
         report.read_held, report.read_held_why = looked.needed, looked.why

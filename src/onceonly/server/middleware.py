@@ -29,11 +29,9 @@ import math
 import os
 import secrets
 import socket
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
-from urllib.parse import quote, urlencode
 
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError, StoreUnavailable
@@ -42,8 +40,7 @@ from onceonly.guard import landed
 from onceonly.keys import canonical_json
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
-from onceonly.stores.base import AsyncStore, Store
-from onceonly.stores.sqlite import SQLiteStore
+from onceonly.stores.base import AsyncStore, InlineStore, Store
 
 from ._http import (
     CONTEXT_KEY,
@@ -210,14 +207,14 @@ class IdempotencyMiddleware:
         self.store: Store | None = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
         if store_calls == "auto":
-            if isinstance(self.store, SQLiteStore) and self.store.synchronous in ("NORMAL", "OFF"):
+            if isinstance(self.store, InlineStore) and self.store.writes_inline():
                 store_calls = "inline"  # without an fsync per commit, a write takes microseconds
             else:
                 store_calls = "async" if isinstance(self.store, AsyncStore) else "thread"
         if store_calls not in ("async", "thread", "inline"):
             raise ValueError(f"store_calls={store_calls!r}: use 'auto', 'async', 'thread' or 'inline'")
         self.store_calls = store_calls
-        self._nowait: SQLiteStore | None = None  # see _nowait_store
+        self._nowait: Store | None = None  # see _nowait_store
         self.transactional = transactional
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
@@ -696,31 +693,29 @@ class IdempotencyMiddleware:
         store = self.store
         assert store is not None
         if self.store_calls == "inline":
-            if not isinstance(store, SQLiteStore):
+            if not isinstance(store, InlineStore):
                 return getattr(store, op)(*args)
             try:
                 return getattr(self._nowait_store(store), op)(*args)
             except StoreUnavailable as exc:
-                if not _is_locked(exc):
+                if not store.is_busy(exc):
                     raise
-            # Another connection holds the file's write lock: wait for it in a worker thread (up to the
-            # store's busy timeout), never on the loop. A refused statement wrote nothing: safe to redo.
+            # Another connection holds the write lock: wait for it in a worker thread (up to the store's
+            # busy timeout), never on the loop. A refused statement wrote nothing: safe to redo.
             return await asyncio.to_thread(getattr(store, op), *args)
         if self.store_calls == "async":
             return await getattr(store, "a" + op)(*args)
         return await asyncio.to_thread(getattr(store, op), *args)
 
-    def _nowait_store(self, store: SQLiteStore) -> SQLiteStore:
-        """The same SQLite file through connections whose busy timeout is 0, for calls on the loop: a
-        lock held elsewhere fails such a call at once instead of stopping the loop. A store that was
-        closed is returned as it is, so that its calls say so."""
-        if getattr(store, "_closed", False):
+    def _nowait_store(self, store: InlineStore) -> Any:
+        """The same store through connections that never wait on a lock, for calls on the loop: a lock
+        held elsewhere fails such a call at once instead of stopping the loop. A store that was closed
+        is returned as it is, so that its calls say so."""
+        if store.closed:
             return store
-        nowait = self._nowait
-        if nowait is None:
-            query = urlencode({"timeout": "0", "synchronous": store.synchronous.lower()})
-            nowait = self._nowait = SQLiteStore(f"sqlite:///{quote(str(store.path.resolve()))}?{query}")
-        return nowait
+        if self._nowait is None:
+            self._nowait = store.nowait()
+        return self._nowait
 
     async def _swap_now(self, new: Record, old: Record) -> tuple[bool, Record | None]:
         """``onceonly.ledger.swap_now`` through ``_call``: on a failed write, re-read; it landed exactly
@@ -800,15 +795,6 @@ class IdempotencyMiddleware:
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
         )
-
-
-def _is_locked(exc: StoreUnavailable) -> bool:
-    """Whether a SQLite call failed only because another connection held the lock (it wrote nothing)."""
-    cause = exc.__cause__
-    if not isinstance(cause, sqlite3.OperationalError):
-        return False
-    message = str(cause).lower()
-    return "locked" in message or "busy" in message
 
 
 def _is_status(value: object) -> bool:

@@ -56,13 +56,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from onceonly.errors import InvalidKey
 from onceonly.similar import Candidate
 from onceonly.states import Record, State
 
-__all__ = ["AsyncSimilarStore", "AsyncStore", "Candidate", "Query", "SimilarStore", "Store"]
+if TYPE_CHECKING:
+    from onceonly.stores._holders import Survey
+
+__all__ = [
+    "AsyncSimilarStore",
+    "AsyncStore",
+    "Candidate",
+    "ClockedStore",
+    "InlineStore",
+    "Query",
+    "SimilarStore",
+    "Store",
+    "SurveyingStore",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,3 +213,52 @@ class AsyncSimilarStore(Protocol):
     async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None: ...
 
     async def asimilar_unlock(self, group: str, token: str) -> None: ...
+
+
+@runtime_checkable
+class ClockedStore(Protocol):
+    """A store with a clock of its own (Redis, PostgreSQL): the ledger reads leases, due times and settle
+    times on it, so that hosts whose clocks differ agree (``onceonly.clock``). Optional: a store without
+    one (SQLite, on one host) is read on this host's clock.
+
+    .. versionadded:: 0.1
+    """
+
+    def time(self) -> float: ...
+
+
+@runtime_checkable
+class SurveyingStore(Protocol):
+    """A store that knows who holds its leases (SQLite, through its holders' files): a reconcile pass
+    asks it whether any lease can have run out, and reads only the unknown records when none can.
+    Optional: without it, every pass reads the held records too.
+
+    .. versionadded:: 0.1
+    """
+
+    def lease_survey(self, now: float, full_every: float | None) -> Survey: ...
+
+
+@runtime_checkable
+class InlineStore(Protocol):
+    """A store that may be called on an event loop itself (SQLite without an fsync per commit: a write
+    takes microseconds), as long as no call waits there on a lock held elsewhere. The HTTP middleware's
+    ``store_calls="inline"`` uses it. Optional.
+
+    .. versionadded:: 0.1
+    """
+
+    closed: bool
+
+    def writes_inline(self) -> bool:
+        """Whether a write is fast enough to make on the loop (no fsync per commit)."""
+        ...
+
+    def nowait(self) -> Store:
+        """A new store over the same data whose calls never wait on a lock: one that would fails at once,
+        and ``is_busy`` says so (it wrote nothing). The caller closes it."""
+        ...
+
+    def is_busy(self, exc: BaseException) -> bool:
+        """Whether ``exc`` failed a call only because another connection held the lock."""
+        ...

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from itertools import compress
 from pathlib import Path
 from typing import Literal, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
@@ -611,6 +611,32 @@ class SQLiteStore:
     def similar_unlock(self, group: str, token: str) -> None:
         with self._errors():
             self._conn().execute(_SIMILAR_UNLOCK, (group, token))
+
+    # --- on an event loop (stores.base.InlineStore) -----------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def writes_inline(self) -> bool:
+        """Whether a write takes microseconds (``synchronous`` NORMAL or OFF: no fsync per commit), so
+        that it may be made on an event loop."""
+        return self.synchronous in ("NORMAL", "OFF")
+
+    def nowait(self) -> SQLiteStore:
+        """The same file through connections whose busy timeout is 0: a lock held elsewhere fails a call
+        at once (``is_busy``) instead of stopping the thread. A new store: the caller closes it."""
+        query = urlencode({"timeout": "0", "synchronous": self.synchronous.lower()})
+        return SQLiteStore(f"sqlite:///{quote(str(self.path.resolve()))}?{query}")
+
+    def is_busy(self, exc: BaseException) -> bool:
+        """Whether a call failed only because another connection held the lock (it wrote nothing)."""
+        cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
+        if not isinstance(cause, sqlite3.OperationalError):
+            return False
+        message = str(cause).lower()
+        return "locked" in message or "busy" in message
 
     def close(self) -> None:
         with self._lock:
