@@ -292,50 +292,17 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
-        if on_unknown not in get_args(OnUnknown):
-            raise ValueError(f"on_unknown={on_unknown!r}: use one of {', '.join(map(repr, get_args(OnUnknown)))}")
-        if on_conflict not in get_args(OnConflict):
-            raise ValueError(f"on_conflict={on_conflict!r}: use one of {', '.join(map(repr, get_args(OnConflict)))}")
-        if on_similar not in get_args(OnSimilar):
-            raise ValueError(f"on_similar={on_similar!r}: use one of {', '.join(map(repr, get_args(OnSimilar)))}")
-        if similar is not None and not isinstance(similar, Similar):
-            raise TypeError(f"similar={similar!r}: give an onceonly.Similar, such as Similar(fields=('title',))")
-        if similar is not None and not isinstance(self.store, SimilarStore):
-            raise TypeError(
-                f"similar= needs a store with the near-duplicate primitives (onceonly.stores.base.SimilarStore), "
-                f"and {type(self.store).__name__} has none: use a SQLite, Redis or PostgreSQL ledger"
-            )
-        if similar is not None and readonly:
-            raise ValueError("similar= guards calls with side effects, and readonly=True skips the ledger: drop one")
-        if on_unknown == "probe" and probe is None:
-            raise ValueError("on_unknown='probe' needs probe=(args, key) -> result | onceonly.NOT_FOUND")
-        if retry is not None and not isinstance(retry, Retry):
-            raise TypeError(f"retry={retry!r}: give an onceonly.Retry, such as Retry(attempts=3)")
-        check_seconds(lease, f"lease={lease!r}", above_zero=True)
-        check_seconds(wait, f"wait={wait!r}")
-        check_seconds(settle, f"settle={settle!r}")
-        if timeout is not None:
-            check_seconds(timeout, f"timeout={timeout!r}", above_zero=True, none="no time limit")
-        if ttl is not None:
-            # ttl=0 would forget each result as it is recorded: every call would run again.
-            check_seconds(ttl, f"ttl={ttl!r}", above_zero=True, none="keep settled records forever")
-        passing = tuple(passthrough)
-        if not all(isinstance(t, type) and issubclass(t, BaseException) for t in passing):
-            raise TypeError(f"passthrough={passthrough!r}: give a tuple of exception types, such as (MyInterrupt,)")
+        _check_settings(
+            self.store, on_unknown=on_unknown, on_conflict=on_conflict, on_similar=on_similar, similar=similar,
+            readonly=readonly, probe=probe, retry=retry, lease=lease, wait=wait, settle=settle, timeout=timeout,
+            ttl=ttl, passthrough=passthrough,
+        )  # fmt: skip
+        policy = Policy(
+            retry=retry or Retry(), on_unknown=on_unknown, on_conflict=on_conflict, has_probe=probe is not None,
+            settle=settle, ttl=ttl, lease=lease, wait=wait, reports_dispatch=reports_dispatch, classify=classify,
+        )  # fmt: skip
 
         def wrap(f: Callable[..., Any]) -> Any:
-            policy = Policy(
-                retry=retry or Retry(),
-                on_unknown=on_unknown,
-                on_conflict=on_conflict,
-                has_probe=probe is not None,
-                settle=settle,
-                ttl=ttl,
-                lease=lease,
-                wait=wait,
-                reports_dispatch=reports_dispatch,
-                classify=classify,
-            )
             refuse_framework_object(f)
             if not callable(f):
                 raise TypeError(f"@ledger.tool decorates a function, and got {type(f).__name__}: {f!r}")
@@ -345,7 +312,7 @@ class Ledger:
             named = default_name(f) if name is None else name
             spec = ToolSpec(
                 self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
-                probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=passing,
+                probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=tuple(passthrough),
                 similar=similar, on_similar=on_similar, tell_model=tell_model,
             )  # fmt: skip
             self._register(spec)
@@ -551,6 +518,56 @@ class Ledger:
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r}, scope={self.scope!r})"
+
+
+def _check_settings(
+    store: Store,
+    *,
+    on_unknown: str,
+    on_conflict: str,
+    on_similar: str,
+    similar: Similar | None,
+    readonly: bool,
+    probe: Callable[..., Any] | None,
+    retry: Retry | None,
+    lease: float,
+    wait: float,
+    settle: float,
+    timeout: float | None,
+    ttl: float | None,
+    passthrough: Sequence[type[BaseException]],
+) -> None:
+    """``@ledger.tool``'s settings, refused with what to give instead before any tool is made."""
+    if on_unknown not in get_args(OnUnknown):
+        raise ValueError(f"on_unknown={on_unknown!r}: use one of {', '.join(map(repr, get_args(OnUnknown)))}")
+    if on_conflict not in get_args(OnConflict):
+        raise ValueError(f"on_conflict={on_conflict!r}: use one of {', '.join(map(repr, get_args(OnConflict)))}")
+    if on_similar not in get_args(OnSimilar):
+        raise ValueError(f"on_similar={on_similar!r}: use one of {', '.join(map(repr, get_args(OnSimilar)))}")
+    if similar is not None and not isinstance(similar, Similar):
+        raise TypeError(f"similar={similar!r}: give an onceonly.Similar, such as Similar(fields=('title',))")
+    if similar is not None and not isinstance(store, SimilarStore):
+        raise TypeError(
+            f"similar= needs a store with the near-duplicate primitives (onceonly.stores.base.SimilarStore), "
+            f"and {type(store).__name__} has none: use a SQLite, Redis or PostgreSQL ledger"
+        )
+    if similar is not None and readonly:
+        raise ValueError("similar= guards calls with side effects, and readonly=True skips the ledger: drop one")
+    if on_unknown == "probe" and probe is None:
+        raise ValueError("on_unknown='probe' needs probe=(args, key) -> result | onceonly.NOT_FOUND")
+    if retry is not None and not isinstance(retry, Retry):
+        raise TypeError(f"retry={retry!r}: give an onceonly.Retry, such as Retry(attempts=3)")
+    check_seconds(lease, f"lease={lease!r}", above_zero=True)
+    check_seconds(wait, f"wait={wait!r}")
+    check_seconds(settle, f"settle={settle!r}")
+    if timeout is not None:
+        check_seconds(timeout, f"timeout={timeout!r}", above_zero=True, none="no time limit")
+    if ttl is not None:
+        # ttl=0 would forget each result as it is recorded: every call would run again.
+        check_seconds(ttl, f"ttl={ttl!r}", above_zero=True, none="keep settled records forever")
+    passing = tuple(passthrough)
+    if not all(isinstance(t, type) and issubclass(t, BaseException) for t in passing):
+        raise TypeError(f"passthrough={passthrough!r}: give a tuple of exception types, such as (MyInterrupt,)")
 
 
 def _where_url(url: str) -> str:
