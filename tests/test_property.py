@@ -30,7 +30,6 @@ from onceonly.guard import (
     Get,
     Insert,
     Outcome,
-    Policy,
     Probe,
     Probed,
     Running,
@@ -40,6 +39,7 @@ from onceonly.guard import (
     late_outcome,
     plan,
 )
+from onceonly.policy import Policy
 from onceonly.stores.sqlite import SQLiteStore
 
 LEASE = 10.0

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import onceonly
-from onceonly.guard import DEFAULT_TTL
+from onceonly.policy import DEFAULT_TTL
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")

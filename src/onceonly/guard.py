@@ -22,7 +22,7 @@ import datetime
 import logging
 import random
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from onceonly import states as st
@@ -40,12 +40,11 @@ from onceonly.errors import (
     StoreError,
 )
 from onceonly.keys import canonical_json
-from onceonly.policy import Classification, Classifier, Retry, Verdict, classify
+from onceonly.policy import Classification, Policy, Verdict, classify
 from onceonly.similar import Candidate, Lookup, best_match
 from onceonly.states import HELD, Record, State
 
 __all__ = [
-    "DEFAULT_TTL",
     "NOT_FOUND",
     "Call",
     "Execute",
@@ -53,7 +52,6 @@ __all__ = [
     "Get",
     "Insert",
     "Outcome",
-    "Policy",
     "Probe",
     "Probed",
     "Running",
@@ -69,12 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("onceonly")
-
-#: How long a settled record is kept (and replayed) by default: a day.
-DEFAULT_TTL = 86400.0
-
-OnUnknown = Literal["resend", "probe", "review", "retry"]
-OnConflict = Literal["raise", "replay"]
 
 
 class _NotFound:
@@ -252,22 +244,6 @@ class Outcome:
     settled_at: float | None = None
     similar_to: str | None = None
     similar_args: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """A tool's settings that shape its decisions (the decorator's keyword arguments)."""
-
-    retry: Retry = field(default_factory=Retry)
-    on_unknown: OnUnknown = "review"
-    on_conflict: OnConflict = "raise"
-    has_probe: bool = False
-    settle: float = 0.0
-    ttl: float | None = DEFAULT_TTL
-    lease: float = 30.0
-    wait: float = 10.0
-    reports_dispatch: bool = False
-    classify: Classifier | None = None
 
 
 @dataclass(slots=True)  # not frozen: built on every call, and frozen init is slow

@@ -27,9 +27,9 @@ from onceonly.edge import TASK_SCOPE
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
-from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
+from onceonly.guard import NOT_FOUND
 from onceonly.keys import Normalizer, canonical_json, validate_name
-from onceonly.policy import Classifier, Retry, check_seconds
+from onceonly.policy import DEFAULT_TTL, Classifier, OnConflict, OnUnknown, Policy, Retry, check_seconds
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import OnSimilar, Similar
 from onceonly.states import HELD, Record, State

@@ -47,7 +47,6 @@ from onceonly.drivers import adrive, aprobe, drive, probe, swap_now
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
 from onceonly.events import emit
 from onceonly.guard import (
-    DEFAULT_TTL,
     NOT_FOUND,
     Action,
     Call,
@@ -55,13 +54,13 @@ from onceonly.guard import (
     Execute,
     Get,
     Plan,
-    Policy,
     Probed,
     Sleep,
     WaitChange,
     encode_result,
     plan,
 )
+from onceonly.policy import DEFAULT_TTL, Policy
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query
 from onceonly.tools import ToolSpec
