@@ -22,7 +22,7 @@ from hypothesis import strategies as st_
 
 from onceonly import NOT_FOUND, OnceOnlyError, Retry, State
 from onceonly import states as st
-from onceonly.guard import (
+from onceonly.plan import (
     Call,
     Claim,
     Execute,

@@ -1,6 +1,6 @@
 """Running guarded calls: leases and heartbeats, the current call, and the two driver loops.
 
-The decisions are in ``guard.py``; this module does their I/O. ``drive`` (sync) and ``adrive``
+The decisions are in ``onceonly.plan``; this module does their I/O. ``drive`` (sync) and ``adrive``
 (async) are the only two loops, and they differ only in what they await. ``ledger.py`` (the facade)
 and ``settle.py`` (the reconciler) both drive plans through them.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, OnceOnlyError, StoreError, StoreUnavailable
 from onceonly.events import alerting, emit, key_conflict
-from onceonly.guard import (
+from onceonly.plan import (
     Action,
     Call,
     Claim,
@@ -76,7 +76,7 @@ _HOST = socket.gethostname()[:40]
 _owner_prefix = f"{_HOST}:{os.getpid()}"
 # One counter for the process, not one per Ledger: two ledgers in one process (two stores, or one
 # re-opened) must never hand out the same owner, since an owner with the same clock reading makes a
-# byte-identical record, and "did my write land?" (guard.landed) would then take another's for ours.
+# byte-identical record, and "did my write land?" (plan.landed) would then take another's for ours.
 _owners = itertools.count(1)
 
 
@@ -131,7 +131,7 @@ class Lease:
 def swap_now(store: Store, new: Record, old: Record) -> tuple[bool, Record | None]:
     """One compare-and-set outside a guarded call (a heartbeat, ``mark_sent``, the reconciler), with the
     plan's rule for a write whose answer was lost: re-read, and it landed exactly when the stored record
-    is the one written (``guard.landed``). Returns (written, the record as it now is); a re-read that
+    is the one written (``plan.landed``). Returns (written, the record as it now is); a re-read that
     fails too raises its ``StoreError``.
     """
     try:
@@ -314,7 +314,7 @@ def drive(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> T:
-    """Run a plan (``guard.plan``, ``guard.late_outcome``…) to its end, doing each action it yields."""
+    """Run a plan (``plan.plan``, ``plan.late_outcome``…) to its end, doing each action it yields."""
     send: Any = None
     error: BaseException | None = None
     lost: Record | None = None  # a write whose answer the store lost
@@ -438,7 +438,7 @@ _REVIEW = State.NEEDS_REVIEW
 
 
 def _running(owner: str | None) -> bool:
-    """Whether the call holding ``owner``'s lease is one this code runs inside (``guard.Running``)."""
+    """Whether the call holding ``owner``'s lease is one this code runs inside (``plan.Running``)."""
     lease = CURRENT.get()
     while lease is not None:
         if lease.record.lease_owner == owner:

@@ -1,6 +1,6 @@
 """The ledger: ``Ledger.open``, the ``@ledger.tool`` decorator, tasks, and the operations API.
 
-The decisions are in ``guard.py``; ``drivers.py`` does their I/O; ``tools.py`` makes the guarded
+The decisions are in ``plan/`` (``onceonly.plan``); ``drivers.py`` does their I/O; ``tools.py`` makes the guarded
 functions. This module is the facade over them.
 """
 
@@ -27,8 +27,8 @@ from onceonly.edge import TASK_SCOPE
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
-from onceonly.guard import NOT_FOUND
 from onceonly.keys import Normalizer, canonical_json, validate_name
+from onceonly.plan import NOT_FOUND
 from onceonly.policy import DEFAULT_TTL, Classifier, OnConflict, OnUnknown, Policy, Retry, check_seconds
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import OnSimilar, Similar

@@ -1,6 +1,6 @@
 """Settling unknowns after the fact: the reconciler. Decisions are pure; ``reconcile`` does their I/O.
 
-A guarded call settles its own unknown in-call (``guard.py``: probe, resend, retry or review). What
+A guarded call settles its own unknown in-call (``onceonly.plan``: probe, resend, retry or review). What
 remains unsettled is left for the reconciler: records that are ``unknown`` (a probe failed, the caller
 gave up or died) and records whose holder died (``pending`` / ``in_flight`` with an expired lease).
 
@@ -46,7 +46,7 @@ from onceonly import states as st
 from onceonly.drivers import adrive, aprobe, drive, probe, swap_now
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
 from onceonly.events import emit
-from onceonly.guard import (
+from onceonly.plan import (
     NOT_FOUND,
     Action,
     Call,

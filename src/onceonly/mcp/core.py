@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from onceonly import edge
 from onceonly.callers import CallerHasher, check_secret, stored_secret
 from onceonly.errors import InvalidKey, OnceOnlyError, OutcomeUnknown
-from onceonly.guard import NOT_FOUND, Outcome
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, safe_name, select, validate_name
 from onceonly.mcp.front import is_loopback
+from onceonly.plan import NOT_FOUND, Outcome
 from onceonly.policy import (
     DEFAULT_TTL,
     Classification,
