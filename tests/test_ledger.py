@@ -27,7 +27,7 @@ from onceonly import (
 from onceonly import states as st
 from onceonly.drivers import drive
 from onceonly.errors import StoreUnavailable
-from onceonly.guard import late_outcome
+from onceonly.plan import late_outcome
 from onceonly.stores import open_store
 from tests._clock import FakeClock
 from tests._settling import Fault, FlakyStore

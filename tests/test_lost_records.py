@@ -14,7 +14,7 @@ import pytest
 from onceonly import Ledger, Outcome, State
 from onceonly import states as st
 from onceonly.drivers import drive
-from onceonly.guard import late_outcome
+from onceonly.plan import late_outcome
 from onceonly.states import Record
 from onceonly.stores import open_store
 from tests._redis_server import PrivateRedis

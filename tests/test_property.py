@@ -22,7 +22,7 @@ from hypothesis import strategies as st_
 
 from onceonly import NOT_FOUND, OnceOnlyError, Retry, State
 from onceonly import states as st
-from onceonly.guard import (
+from onceonly.plan import (
     Call,
     Claim,
     Execute,
@@ -30,7 +30,6 @@ from onceonly.guard import (
     Get,
     Insert,
     Outcome,
-    Policy,
     Probe,
     Probed,
     Running,
@@ -40,6 +39,7 @@ from onceonly.guard import (
     late_outcome,
     plan,
 )
+from onceonly.policy import Policy
 from onceonly.stores.sqlite import SQLiteStore
 
 LEASE = 10.0

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import onceonly
-from onceonly.guard import DEFAULT_TTL
+from onceonly.policy import DEFAULT_TTL
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
@@ -45,7 +45,8 @@ def test_retry_defaults_are_the_documented_ones() -> None:
 
 def test_every_via_the_code_writes_is_explained() -> None:
     """The ``via`` values written in the source each have a row of the via table."""
-    source = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "src" / "onceonly").glob("*.py"))
+    package = ROOT / "src" / "onceonly"
+    source = "".join(p.read_text(encoding="utf-8") for p in [*package.glob("*.py"), *package.glob("plan/*.py")])
     written = set(re.findall(r'via="([a-z-]+)"', source)) | {"late:N"}
     assert "late" in source and written >= {"run", "probe", "reconcile-probe", "resolve", "readonly"}
     for via in written:

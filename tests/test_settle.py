@@ -15,7 +15,7 @@ import pytest
 from onceonly import NOT_FOUND, AttemptsExhausted, Ledger, OutcomeUnknown, Retry, State
 from onceonly import states as st
 from onceonly.errors import OnceOnlyError, StoreUnavailable
-from onceonly.guard import Policy
+from onceonly.policy import Policy
 from onceonly.settle import (
     Leave,
     ReconcileReport,

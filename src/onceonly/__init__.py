@@ -29,9 +29,9 @@ from onceonly.errors import (
     StoreUnavailable,
 )
 from onceonly.events import TransitionEvent
-from onceonly.guard import NOT_FOUND, Outcome
 from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
 from onceonly.ledger import CallInfo, Ledger, amark_sent, current_call, mark_sent
+from onceonly.plan import NOT_FOUND, Outcome
 from onceonly.policy import Classification, Retry, Verdict, classify, conflict_classifier
 from onceonly.similar import Similar
 from onceonly.states import Record, State

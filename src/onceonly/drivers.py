@@ -1,6 +1,6 @@
 """Running guarded calls: the two driver loops, running a tool, and asking its probe.
 
-The decisions are in ``guard.py``; this module does their I/O, over one ledger's ``Runtime``
+The decisions are in ``onceonly.plan``; this module does their I/O, over one ledger's ``Runtime``
 (``runtime.py``: the store, clocks, listeners, leases). ``drive`` (sync) and ``adrive`` (async) are the
 only two loops, and they differ only in what they await. The guarded functions (``tools.py``) and the
 reconciler (``settle.py``) both drive plans through them.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from onceonly.errors import KeyConflict, StoreError
 from onceonly.events import alerting, key_conflict
-from onceonly.guard import (
+from onceonly.plan import (
     Action,
     Call,
     Claim,
@@ -61,7 +61,7 @@ def drive(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> T:
-    """Run a plan (``guard.plan``, ``guard.late_outcome``…) to its end, doing each action it yields."""
+    """Run a plan (``plan.plan``, ``plan.late_outcome``…) to its end, doing each action it yields."""
     send: Any = None
     error: BaseException | None = None
     lost: Record | None = None  # a write whose answer the store lost
@@ -185,7 +185,7 @@ _REVIEW = State.NEEDS_REVIEW
 
 
 def _running(owner: str | None) -> bool:
-    """Whether the call holding ``owner``'s lease is one this code runs inside (``guard.Running``)."""
+    """Whether the call holding ``owner``'s lease is one this code runs inside (``plan.Running``)."""
     lease = CURRENT.get()
     while lease is not None:
         if lease.record.lease_owner == owner:

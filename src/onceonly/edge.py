@@ -39,8 +39,8 @@ from onceonly.errors import (
     RetryScheduled,
     SimilarCall,
 )
-from onceonly.guard import Outcome
 from onceonly.keys import safe_name
+from onceonly.plan import Outcome
 from onceonly.policy import Verdict
 from onceonly.tell import TOLD, tell_model
 

@@ -51,8 +51,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from onceonly import edge
 from onceonly.errors import KeyConflict
-from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, safe_name
+from onceonly.plan import Outcome
 from onceonly.policy import Verdict
 from onceonly.tell import TOLD
 from onceonly.tools import Wrappers, make_tool, same_definition

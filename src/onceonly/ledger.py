@@ -1,6 +1,6 @@
 """The ledger: ``Ledger.open``, the ``@ledger.tool`` decorator, tasks, and the operations API.
 
-The decisions are in ``guard.py``; ``drivers.py`` does their I/O; ``tools.py`` makes the guarded
+The decisions are in ``onceonly.plan``; ``drivers.py`` does their I/O; ``tools.py`` makes the guarded
 functions. This module is the facade over them.
 """
 
@@ -22,9 +22,9 @@ from onceonly.clock import StoreClock
 from onceonly.edge import TASK_SCOPE
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener
-from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Policy
 from onceonly.keys import Normalizer, canonical_json, validate_name
-from onceonly.policy import Classifier, Retry, check_seconds
+from onceonly.plan import NOT_FOUND
+from onceonly.policy import DEFAULT_TTL, Classifier, OnConflict, OnUnknown, Policy, Retry, check_seconds
 from onceonly.runtime import CallInfo, Runtime, amark_sent, current_call, mark_sent
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import OnSimilar, Similar

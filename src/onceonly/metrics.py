@@ -49,8 +49,8 @@ from onceonly.states import UNSETTLED, State
 from onceonly.stores.base import Query, Store
 
 if TYPE_CHECKING:
-    from onceonly.guard import Outcome
     from onceonly.ledger import Ledger
+    from onceonly.plan import Outcome
     from onceonly.tools import ToolSpec
 
 __all__ = [
@@ -131,7 +131,7 @@ def settle_path(event: TransitionEvent) -> str | None:
 
 
 def _is_takeover(event: TransitionEvent) -> bool:
-    """A caller or the reconciler took a record from a holder whose lease ran out (guard.py, settle.py:
+    """A caller or the reconciler took a record from a holder whose lease ran out (onceonly.plan, settle.py:
     "lease of OWNER expired", "the lease of OWNER expired before dispatch")."""
     return event.from_state in ("pending", "in_flight") and "lease of " in event.reason and " expired" in event.reason
 

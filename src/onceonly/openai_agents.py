@@ -66,9 +66,9 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from onceonly import edge
 from onceonly.errors import OutcomeUnknown
-from onceonly.guard import Outcome
 from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
+from onceonly.plan import Outcome
 from onceonly.runtime import current_call
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD

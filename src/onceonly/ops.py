@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from onceonly import states as st
 from onceonly.drivers import aprobe, probe
 from onceonly.events import alert
-from onceonly.guard import NOT_FOUND
+from onceonly.plan import NOT_FOUND
 from onceonly.settle import _spec_of
 from onceonly.states import Record, State
 from onceonly.stores.base import Query

@@ -1,4 +1,4 @@
-"""Retry policy and exception classification. Pure, no I/O.
+"""A tool's policy: its settings (``Policy``), retries and exception classification. Pure, no I/O.
 
 Classification answers one question about a failed attempt: could the side effect have happened?
 Connect errors → not sent (safe to retry); read/write timeouts, resets, 500/502/504 → unknown (must
@@ -16,14 +16,18 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 __all__ = [
+    "DEFAULT_TTL",
     "MAX_RETRY_AFTER",
     "Classification",
     "ConflictMeaning",
+    "OnConflict",
+    "OnUnknown",
+    "Policy",
     "Retry",
     "Verdict",
     "check_conflict_means",
@@ -388,3 +392,26 @@ def conflict_classifier(conflict_means: ConflictMeaning) -> Classifier:
         return Classification(Verdict.NOT_EXECUTED, retry_after_seconds(got[1]), "HTTP 409: in progress")
 
     return classify_409
+
+
+#: How long a settled record is kept (and replayed) by default: a day.
+DEFAULT_TTL = 86400.0
+
+OnUnknown = Literal["resend", "probe", "review", "retry"]
+OnConflict = Literal["raise", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A tool's settings that shape its decisions (the decorator's keyword arguments)."""
+
+    retry: Retry = field(default_factory=Retry)
+    on_unknown: OnUnknown = "review"
+    on_conflict: OnConflict = "raise"
+    has_probe: bool = False
+    settle: float = 0.0
+    ttl: float | None = DEFAULT_TTL
+    lease: float = 30.0
+    wait: float = 10.0
+    reports_dispatch: bool = False
+    classify: Classifier | None = None

@@ -29,7 +29,7 @@ from onceonly.clock import StoreClock
 from onceonly.errors import InProgress, OnceOnlyError, StoreError, StoreUnavailable
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
-from onceonly.guard import landed
+from onceonly.plan import landed
 from onceonly.policy import Verdict
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Store
@@ -126,7 +126,7 @@ _HOST = socket.gethostname()[:40]
 _owner_prefix = f"{_HOST}:{os.getpid()}"
 # One counter for the process, not one per Ledger: two ledgers in one process (two stores, or one
 # re-opened) must never hand out the same owner, since an owner with the same clock reading makes a
-# byte-identical record, and "did my write land?" (guard.landed) would then take another's for ours.
+# byte-identical record, and "did my write land?" (plan.landed) would then take another's for ours.
 _owners = itertools.count(1)
 
 
@@ -181,7 +181,7 @@ class Lease:
 def swap_now(store: Store, new: Record, old: Record) -> tuple[bool, Record | None]:
     """One compare-and-set outside a guarded call (a heartbeat, ``mark_sent``, the reconciler), with the
     plan's rule for a write whose answer was lost: re-read, and it landed exactly when the stored record
-    is the one written (``guard.landed``). Returns (written, the record as it now is); a re-read that
+    is the one written (``plan.landed``). Returns (written, the record as it now is); a re-read that
     fails too raises its ``StoreError``.
     """
     try:

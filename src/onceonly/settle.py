@@ -1,6 +1,6 @@
 """Settling unknowns after the fact: the reconciler. Decisions are pure; ``reconcile`` does their I/O.
 
-A guarded call settles its own unknown in-call (``guard.py``: probe, resend, retry or review). What
+A guarded call settles its own unknown in-call (``onceonly.plan``: probe, resend, retry or review). What
 remains unsettled is left for the reconciler: records that are ``unknown`` (a probe failed, the caller
 gave up or died) and records whose holder died (``pending`` / ``in_flight`` with an expired lease).
 
@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING, Any
 from onceonly import states as st
 from onceonly.drivers import adrive, aprobe, drive, probe
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
-from onceonly.guard import (
-    DEFAULT_TTL,
+from onceonly.plan import (
     NOT_FOUND,
     Action,
     Call,
@@ -54,13 +53,13 @@ from onceonly.guard import (
     Execute,
     Get,
     Plan,
-    Policy,
     Probed,
     Sleep,
     WaitChange,
     encode_result,
     plan,
 )
+from onceonly.policy import DEFAULT_TTL, Policy
 from onceonly.runtime import swap_now
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Query, SurveyingStore

@@ -6,7 +6,7 @@ key fields still compare exactly and form the call's *group* (same tool, same sc
 fields). A new key is looked up among the group's recent calls, and one whose fields score at least
 ``threshold`` is taken for the same operation. docs/similar.md says what that costs and risks.
 
-Pure: scoring and choosing, no I/O. The guard (``guard.py``) asks the store for the group's
+Pure: scoring and choosing, no I/O. The plan (``onceonly.plan.similar``) asks the store for the group's
 candidates under a short group lock and calls ``best_match`` on them. A group's candidates come back
 call after call, so their prepared texts are kept in a bounded in-process cache, and the default score
 runs only on the candidates that rapidfuzz's batch functions (in C) leave able to reach the threshold.
@@ -445,7 +445,7 @@ def group_of(scope: str, tool: str, exact: Mapping[str, Any]) -> str:
 
 @dataclass(slots=True)
 class Lookup:
-    """One call's similarity question, carried on its ``guard.Call``; ``joined`` and ``score`` are set
+    """One call's similarity question, carried on its ``plan.Call``; ``joined`` and ``score`` are set
     when the guard takes it for an earlier call."""
 
     similar: Similar

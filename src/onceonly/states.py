@@ -529,7 +529,7 @@ def may_have_happened(rec: Record) -> bool:
     return False
 
 
-#: How the reason of a claim given back as control flow begins (``guard._release``): that attempt is
+#: How the reason of a claim given back as control flow begins (``onceonly.plan.attempt``): that attempt is
 #: not counted and is not an outcome.
 RELEASED = "released:"
 

@@ -21,8 +21,8 @@ from onceonly.errors import (
     RetryScheduled,
     SimilarCall,
 )
-from onceonly.guard import Outcome
 from onceonly.keys import canonical_json
+from onceonly.plan import Outcome
 from onceonly.states import Record, State
 
 __all__ = ["TOLD", "result_text", "tell_model"]

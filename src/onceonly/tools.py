@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, ca
 from onceonly import drivers
 from onceonly.edge import TASK_SCOPE, envelope
 from onceonly.errors import InvalidKey, OnceOnlyError
-from onceonly.guard import Call, Outcome, Policy, plan
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
-from onceonly.policy import Verdict, classify
+from onceonly.plan import Call, Outcome, plan
+from onceonly.policy import Policy, Verdict, classify
 from onceonly.runtime import new_owner
 from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
 from onceonly.states import State

@@ -39,9 +39,9 @@ import httpx
 from onceonly._install import install_hint
 from onceonly.demo.workload import Ask, Workload
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
-from onceonly.guard import NOT_FOUND
 from onceonly.http import Client as KeyClient
 from onceonly.ledger import Ledger, Tool
+from onceonly.plan import NOT_FOUND
 from onceonly.policy import Retry
 from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import Similar

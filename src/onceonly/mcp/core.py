@@ -40,10 +40,20 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from onceonly import edge
 from onceonly.callers import CallerHasher, check_secret, stored_secret
 from onceonly.errors import InvalidKey, OnceOnlyError, OutcomeUnknown
-from onceonly.guard import DEFAULT_TTL, NOT_FOUND, OnConflict, OnUnknown, Outcome, Policy
 from onceonly.keys import MAX_KEY_LENGTH, canonical_json, compose_key, fingerprint, safe_name, select, validate_name
 from onceonly.mcp.front import is_loopback
-from onceonly.policy import Classification, Retry, Verdict, check_seconds, classify
+from onceonly.plan import NOT_FOUND, Outcome
+from onceonly.policy import (
+    DEFAULT_TTL,
+    Classification,
+    OnConflict,
+    OnUnknown,
+    Policy,
+    Retry,
+    Verdict,
+    check_seconds,
+    classify,
+)
 from onceonly.schema import SchemaError, coerce
 from onceonly.tools import ToolSpec
 

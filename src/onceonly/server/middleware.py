@@ -36,8 +36,8 @@ from typing import Any, Literal
 from onceonly import states as st
 from onceonly.errors import InProgress, KeyConflict, StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.events import key_conflict, short_key
-from onceonly.guard import landed
 from onceonly.keys import canonical_json
+from onceonly.plan import landed
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store
 from onceonly.stores.base import AsyncStore, InlineStore, Store

@@ -321,7 +321,7 @@ _FILED_MS = 86_400_000
 
 def _lost(filed: Any, got: Record | None, key: str) -> None:
     """Say so when a claim was filed after its group's lock ran out: a similar call that looked at the
-    group meanwhile did not see it (the claim took longer than the lock, guard.SIMILAR_LOCK_SECONDS)."""
+    group meanwhile did not see it (the claim took longer than the lock, onceonly.plan.similar.SIMILAR_LOCK_SECONDS)."""
     if got is None and filed != 1:
         log.warning(
             "onceonly %s: claimed after its similar-calls lock ran out; a similar call made meanwhile may have "
