@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
 from onceonly import drivers as _drivers
-from onceonly.http import _REPLAYED, Options, _close, _lookup_headers, _needs_mark_sent, _Rules, _run
+from onceonly.http._httpx import _REPLAYED, Options, _close, _lookup_headers, _needs_mark_sent, _Rules, _run
 
 __all__ = ["RequestsAdapter"]
 
