@@ -45,17 +45,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from onceonly.http._httpx import (
+from onceonly.http._httpx import AsyncClient, AsyncTransport, Client, Transport
+from onceonly.http._rules import (
     DEFAULT_RETRY,
     HASH_SECRET_ENV,
     SAFE_METHODS,
-    AsyncClient,
-    AsyncTransport,
-    Client,
     KeyAlreadyUsed,
     Lookup,
     Options,
-    Transport,
     hash_key,
     header_key,
     is_replayed,
@@ -81,11 +78,28 @@ __all__ = [
     "is_replayed",
 ]
 
+# Public classes and functions name the module users import them from (in reprs, tracebacks and
+# pickles), not the private one that defines them.
+for _public in (
+    AsyncClient,
+    AsyncTransport,
+    Client,
+    KeyAlreadyUsed,
+    Options,
+    Transport,
+    hash_key,
+    header_key,
+    is_replayed,
+):
+    _public.__module__ = __name__
+del _public
+
 
 def __getattr__(name: str) -> Any:
     # RequestsAdapter subclasses requests' HTTPAdapter: requests is imported when it is first asked for.
     if name == "RequestsAdapter":
         from onceonly.http._requests import RequestsAdapter
 
+        RequestsAdapter.__module__ = __name__
         return RequestsAdapter
     raise AttributeError(f"module 'onceonly.http' has no attribute {name!r}")
