@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -26,3 +27,21 @@ def test_core_import_is_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_http_exports_its_all_under_its_own_name() -> None:
+    """``onceonly.http`` has every name of its sorted ``__all__`` (``RequestsAdapter`` on first use),
+    and its classes and functions say ``onceonly.http``, the module users import them from."""
+    import onceonly.http
+
+    isort_style = sorted(onceonly.http.__all__, key=lambda n: (0 if n.isupper() else 1 if n[0].isupper() else 2, n))
+    assert onceonly.http.__all__ == isort_style
+    public = {
+        n for n in dir(onceonly.http) if not n.startswith("_") and not isinstance(getattr(onceonly.http, n), type(sys))
+    }
+    typing_helpers = {"annotations", "TYPE_CHECKING", "Any"}  # the package's own imports for its hints
+    assert public <= set(onceonly.http.__all__) | typing_helpers
+    for name in onceonly.http.__all__:
+        value = getattr(onceonly.http, name)
+        if isinstance(value, type) or inspect.isfunction(value):
+            assert value.__module__ == "onceonly.http", name

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-HEAVY = ("starlette", "fastapi", "uvicorn", "httpx", "sqlalchemy", "pydantic")
+HEAVY = ("starlette", "fastapi", "uvicorn", "httpx", "requests", "sqlalchemy", "pydantic")
 
 
 @pytest.mark.parametrize(

@@ -777,3 +777,17 @@ def test_client_hash_is_hmac_sha256(size: int) -> None:
     for identity in ("", "Bearer abc", "caf\u00e9 \udc80"):
         expected = hmac.new(secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
         assert client_hash(identity, secret) == expected
+
+
+def test_one_client_hasher_gives_hmac_new_for_every_identity() -> None:
+    """The middleware keys one ``ClientHasher`` and reuses it for every request: each digest, in any
+    order and repeated, is ``hmac.new``'s for that identity, so no request's state leaks into the next."""
+    import hmac
+
+    from onceonly.server._http import ClientHasher
+
+    for secret in (b"k" * 16, b"k" * 64, bytes(range(200))):
+        hasher = ClientHasher(secret)
+        for identity in ("Bearer a", "", "Bearer a", "caf\u00e9 \udc80", "Basic " + "x" * 500):
+            expected = hmac.new(secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+            assert hasher(identity) == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -178,29 +179,19 @@ def client_hash(identity: str, secret: bytes) -> str:
     return ClientHasher(check_client_secret(secret))(identity)
 
 
-# HMAC's key pads (RFC 2104) as translation tables, as the hmac module builds them.
-_IPAD = bytes(x ^ 0x36 for x in range(256))
-_OPAD = bytes(x ^ 0x5C for x in range(256))
-
-
 class ClientHasher:
-    """``client_hash`` with one secret, for every request: HMAC-SHA256 from the two SHA-256 states the
-    key sets up, copied per call. The same digest as ``hmac.new``, in about half its time, since
-    the key's work is done once rather than per request."""
+    """``client_hash`` with one secret, for every request: an HMAC-SHA256 keyed once, copied per call
+    (``hmac``'s copy skips the key's setup; the digest is ``hmac.new``'s)."""
 
-    __slots__ = ("_inner", "_outer")
+    __slots__ = ("_keyed",)
 
     def __init__(self, secret: bytes) -> None:
-        key = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\0")
-        self._inner = hashlib.sha256(key.translate(_IPAD))
-        self._outer = hashlib.sha256(key.translate(_OPAD))
+        self._keyed = hmac.new(secret, digestmod=hashlib.sha256)
 
     def __call__(self, identity: str) -> str:
-        inner = self._inner.copy()
-        inner.update(identity.encode("utf-8", "surrogatepass"))
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.hexdigest()[:32]
+        mac = self._keyed.copy()
+        mac.update(identity.encode("utf-8", "surrogatepass"))
+        return mac.hexdigest()[:32]
 
 
 def store_key(prefix: str, client: str, key: str) -> str:

@@ -20,12 +20,12 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
 from onceonly import runtime as _runtime
-from onceonly.http import _REPLAYED, Options, _close, _lookup_headers, _needs_mark_sent, _Rules, _run
+from onceonly.http._rules import REPLAYED, Options, Rules, close_response, lookup_headers, needs_mark_sent, run
 
 __all__ = ["RequestsAdapter"]
 
 
-class RequestsAdapter(_Rules, HTTPAdapter):
+class RequestsAdapter(Rules, HTTPAdapter):
     """A requests transport adapter that carries the guarded call's key:
     ``session.mount("https://", RequestsAdapter())``.
 
@@ -57,7 +57,7 @@ class RequestsAdapter(_Rules, HTTPAdapter):
         pool_block: bool = False,
         **options: Unpack[Options],
     ) -> None:
-        _Rules.__init__(self, **options)
+        Rules.__init__(self, **options)
         HTTPAdapter.__init__(
             self,
             pool_connections=pool_connections,
@@ -82,7 +82,7 @@ class RequestsAdapter(_Rules, HTTPAdapter):
         url = request.url or ""
         call = self._begin(request.method or "GET", url, request.headers, lambda: _bytes(body))
         call.repeatable = body is None or isinstance(body, bytes | str)
-        if _needs_mark_sent(call):
+        if needs_mark_sent(call):
             _runtime.mark_sent()
         if call.key is None:
             return HTTPAdapter.send(self, request, **options)
@@ -93,14 +93,14 @@ class RequestsAdapter(_Rules, HTTPAdapter):
         def lookup(_conflict: requests.Response) -> requests.Response:
             if callable(self.lookup):
                 return _json_response(self._given(call, self.lookup(call.key or "")), request)
-            headers = _lookup_headers(request.headers, self.header)
+            headers = lookup_headers(request.headers, self.header)
             answer = HTTPAdapter.send(self, requests.Request("GET", self._lookup_url(call, url), headers).prepare())
             if self._found(call, answer):
                 return answer
             answer.close()
             raise self._not_found(call, answer)
 
-        return _run(self, call, send, _close, lookup, (Exception,))
+        return run(self, call, send, close_response, lookup, (Exception,))
 
 
 def _bytes(body: object) -> bytes | None:
@@ -115,7 +115,7 @@ def _json_response(found: Any, request: requests.PreparedRequest) -> requests.Re
     response.status_code = 200
     response.reason = "OK"
     response._content = json.dumps(found).encode("utf-8")
-    response.headers = CaseInsensitiveDict({"Content-Type": "application/json", _REPLAYED: "true"})
+    response.headers = CaseInsensitiveDict({"Content-Type": "application/json", REPLAYED: "true"})
     response.encoding = "utf-8"
     response.url = request.url or ""
     response.request = request

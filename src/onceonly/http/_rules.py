@@ -1,64 +1,25 @@
-"""HTTP that carries one idempotency key per operation: clients, transports, a requests adapter.
+"""The rules every face of ``onceonly.http`` shares, with no transport of its own: the options, the
+key of a request (the ledger's, numbered, or hashed), what each answer means (409, 422, Retry-After,
+unknown outcomes), the lookup of a used key's result, and the two loops that send (``run``, ``arun``).
 
-Three faces over one set of rules:
-
-- ``Client`` / ``AsyncClient``: a client of their own (around an httpx client). One logical call
-  (``client.post(...)``) gets one key: ``idempotency_key=`` or the key header if the caller names one,
-  else the guarded call's, else a new one.
-- ``Transport`` / ``AsyncTransport``: an httpx transport (httpx2 too: duck-typed) wrapping another,
-  so that any client built on it carries the keys, SDK clients included
-  (``httpx.Client(transport=Transport())``, ``openai.OpenAI(http_client=httpx2.Client(transport=...))``).
-- ``RequestsAdapter``: the same for ``requests.Session.mount(...)`` (the ``requests`` extra).
-
-Inside a guarded tool the key is the ledger's (``onceonly.current_call().key``; the n-th different
-keyed request of one attempt, n >= 2, gets ``key#n``), so a retry by the ledger, after a crash or by
-another process, sends the same keys. A transport outside a guarded call hands a request on untouched
-and once, unless it already carries a key (the caller's, or the SDK's). A keyed request is sent, and
-sent again, under its one key:
-
-    attempt ──2xx/3xx──────────────▶ the response
-       │  ├─409, conflict_means=────▶ "in_progress" (default, the IETF draft): wait Retry-After (at least
-       │  │                           a growing floor), same key, again, for up to ``wait`` seconds;
-       │  │                           "exists": the key was used already: ``lookup=`` fetches the result
-       │  │                           (answered as a replay), else ``KeyAlreadyUsed`` (unknown)
-       │  ├─422 problem on the key─▶ KeyConflict (the key was used with another request)
-       │  ├─408/429/503────────────▶ not executed: backoff (at least Retry-After), same key, again
-       │  ├─500/502/504, other 5xx─▶ unknown: re-send with the same key (the server replays or runs once)
-       │  └─other 4xx──────────────▶ a definite failure (the client raises httpx.HTTPStatusError)
-       ├─connect error / timeout───▶ not sent: backoff, same key, again
-       └─read timeout, reset───────▶ unknown: re-send with the same key
-
-``Client`` sends requests without a key by the same rules, except on an unknown outcome: only the
-safe methods (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) are sent again then.
-
-Errors are classified by ``onceonly.classify`` (docs/design.md#classifying-a-failed-attempt).
-Backoff is exponential with full jitter (``onceonly.Retry``); ``sleep`` is injectable. A tool
-declared ``reports_dispatch=True`` is marked sent (``pending`` → ``in_flight``) just before a request
-that may change something (any method but ``SAFE_METHODS``, keyed or not) is handed on (so before its
-DNS lookup and connect: a crash there is treated as possibly sent, the safe side). ``hash_keys=True``
-sends a keyed hash of the ledger's keys, so that the other side never sees scopes or tool names.
-
-Needs the ``http`` extra (httpx); ``RequestsAdapter`` the ``requests`` extra. See docs/http.md.
+The faces (``_httpx``: ``Client``, ``Transport`` and their async twins; ``_requests``:
+``RequestsAdapter``) import what they need from here and nothing from each other. The names without
+an underscore that are not in ``onceonly.http.__all__`` are for those faces only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import hashlib
 import hmac
-import importlib
 import inspect
 import os
 import random
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
+from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 from urllib.parse import quote, urljoin, urlsplit
-
-import httpx
 
 from onceonly import runtime as _runtime
 from onceonly.errors import InProgress, KeyConflict, NotSerializable, OutcomeUnknown
@@ -76,24 +37,30 @@ from onceonly.policy import (
 )
 from onceonly.states import State
 
-if TYPE_CHECKING:
-    from onceonly._http_requests import RequestsAdapter
-
 __all__ = [
     "DEFAULT_RETRY",
     "HASH_SECRET_ENV",
+    "REPLAYED",
     "SAFE_METHODS",
-    "AsyncClient",
-    "AsyncTransport",
-    "Client",
+    "Attempts",
     "KeyAlreadyUsed",
     "Lookup",
     "Options",
-    "RequestsAdapter",
-    "Transport",
+    "Rules",
+    "aclose_response",
+    "arun",
+    "close_response",
     "hash_key",
     "header_key",
     "is_replayed",
+    "ledger_key",
+    "lookup_headers",
+    "maybe_await",
+    "needs_mark_sent",
+    "new_key",
+    "request_identity",
+    "route_of",
+    "run",
 ]
 
 #: Four attempts, backoff ceilings 0.5, 1, 2 s (full jitter).
@@ -109,7 +76,7 @@ _BUSY_FLOOR_CAP = 1.0
 HASH_SECRET_ENV = "ONCEONLY_HASH_SECRET"
 # Without a secret the hash still hides scopes and tool names from reading, not from guessing.
 _PUBLIC_SECRET = b"onceonly.http.hash_keys"
-_REPLAYED = "Idempotent-Replayed"
+REPLAYED = "Idempotent-Replayed"
 # Headers of the keyed request that a lookup of its result must not copy: they describe its body or
 # its key (the lookup is a GET with no body), or its host (a lookup URL may name another).
 _NOT_FOR_LOOKUP = frozenset({"content-length", "content-type", "transfer-encoding", "host"})
@@ -154,7 +121,7 @@ def _secret(given: str | bytes | None) -> bytes:
     return given.encode("utf-8") if isinstance(given, str) else given
 
 
-def _new_key() -> str:
+def new_key() -> str:
     return uuid.uuid4().hex
 
 
@@ -252,7 +219,7 @@ class _Answer(Protocol):
 _A = TypeVar("_A", bound=_Answer)
 
 
-class _Attempts:
+class Attempts:
     """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
     __slots__ = ("attempt", "busy", "busy_since", "key", "repeatable", "resendable", "route", "safe", "waited")
@@ -284,7 +251,7 @@ def _digest(parts: list[str]) -> str:
     return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _request_identity(method: str, url: Any, kwargs: dict[str, Any]) -> str:
+def request_identity(method: str, url: Any, kwargs: dict[str, Any]) -> str:
     """What a request is, for telling a repeat of it from another operation in one attempt: the method,
     the URL, the query and the body as given (``content``, ``json``, ``data``, the files' names)."""
     parts = [method, str(url)]
@@ -304,7 +271,7 @@ def _request_identity(method: str, url: Any, kwargs: dict[str, Any]) -> str:
 
 
 def _sent_identity(method: str, url: str, body: bytes | None, content_type: str | None) -> str:
-    """``_request_identity`` of a request as it goes out (a transport's view): method, URL and body.
+    """``request_identity`` of a request as it goes out (a transport's view): method, URL and body.
 
     A multipart body's boundary is random on every build (an SDK's retry builds the request again), so
     it is left out: the same upload is the same operation.
@@ -317,7 +284,7 @@ def _sent_identity(method: str, url: str, body: bytes | None, content_type: str 
     return _digest([method, url, hashlib.sha256(body).hexdigest()])
 
 
-def _ledger_key(lease: _runtime.Lease, identity: str) -> str:
+def ledger_key(lease: _runtime.Lease, identity: str) -> str:
     """The key of a keyed request of the running attempt: the ledger's for the first request, then
     ``key#2``, ``key#3``… for each other one, in the order they are first sent; the same request sent
     again (the tool's own retry, an SDK's) keeps its key.
@@ -338,17 +305,17 @@ def _ledger_key(lease: _runtime.Lease, identity: str) -> str:
     return key
 
 
-def _lookup_headers(headers: Mapping[str, Any], key_header: str) -> dict[str, Any]:
+def lookup_headers(headers: Mapping[str, Any], key_header: str) -> dict[str, Any]:
     """The headers of a lookup: the keyed request's (its credentials), but for its key and its body's."""
     drop = _NOT_FOR_LOOKUP | {key_header.lower()}
     return {name: value for name, value in headers.items() if name.lower() not in drop}
 
 
-class _Rules:
+class Rules:
     """The options and every decision the faces share: which key, and what to do with each answer.
 
     The faces (``Client``, ``Transport``, ``RequestsAdapter``, their async twins) only send, and run
-    one of the two loops below (``_run``, ``_arun``).
+    one of the two loops below (``run``, ``arun``).
     """
 
     _default_sleep: Callable[[float], Any]
@@ -439,7 +406,7 @@ class _Rules:
 
     def _begin(
         self, method: str, url: str, headers: MutableMapping[str, Any], body: Callable[[], bytes | None]
-    ) -> _Attempts:
+    ) -> Attempts:
         """A transport's call for one request: the key it already carries (the caller's or an SDK's),
         else, in a guarded call, the ledger's (numbered, put in ``headers``); else none."""
         method = method.upper()
@@ -448,16 +415,16 @@ class _Rules:
         lease = _runtime.CURRENT.get()
         if key is None or (self.replace_keys and lease is not None and method in self.key_methods):
             if lease is None or method not in self.key_methods:
-                return _Attempts(None, safe=safe, resendable=safe)
+                return Attempts(None, safe=safe, resendable=safe)
             content_type = headers.get("content-type")
             identity = _sent_identity(method, url, body(), content_type if isinstance(content_type, str) else None)
-            key = self._wire(_ledger_key(lease, identity))
+            key = self._wire(ledger_key(lease, identity))
             self._put(headers, key)
-        return _Attempts(key, safe=safe, resendable=self.resend_unknown or safe, route=_route(method, url))
+        return Attempts(key, safe=safe, resendable=self.resend_unknown or safe, route=route_of(method, url))
 
     # --- each answer --------------------------------------------------------------------------
 
-    def _on_response(self, call: _Attempts, response: _Answer) -> float | _Next | None:
+    def _on_response(self, call: Attempts, response: _Answer) -> float | _Next | None:
         """``None``: return ``response``. Seconds: try again after them. ``LOOKUP``: fetch the result of
         the used key. Raises for the rest."""
         status = response.status_code
@@ -487,7 +454,7 @@ class _Rules:
             response.raise_for_status()
         return None
 
-    def _busy(self, call: _Attempts, retry_after: float | None) -> float:
+    def _busy(self, call: Attempts, retry_after: float | None) -> float:
         """The pause after a 409 meaning "in progress": another request with this key is running.
 
         Waiting costs no attempt, only time. Time on the clock since the first 409 (the answers take
@@ -513,14 +480,14 @@ class _Rules:
         call.attempt -= 1  # nothing ran: a 409 is a wait, not a spent attempt
         return seconds
 
-    def _on_error(self, call: _Attempts, exc: Exception) -> float:
+    def _on_error(self, call: Attempts, exc: Exception) -> float:
         """Seconds to wait before trying again, or raises ``exc`` when it is final."""
         got = classify(exc)
         if self._again(call, got.verdict, got.retry_after):
             return self.retry.backoff(call.attempt, self.rng, floor=got.retry_after)
         raise exc
 
-    def _again(self, call: _Attempts, verdict: Verdict, retry_after: float | None) -> bool:
+    def _again(self, call: Attempts, verdict: Verdict, retry_after: float | None) -> bool:
         if call.attempt >= self.retry.attempts or not call.repeatable:
             return False
         if retry_after is not None and retry_after > self.max_retry_after:
@@ -532,7 +499,7 @@ class _Rules:
 
     # --- the result of a used key -------------------------------------------------------------
 
-    def _used(self, call: _Attempts, why: str) -> KeyAlreadyUsed:
+    def _used(self, call: Attempts, why: str) -> KeyAlreadyUsed:
         return KeyAlreadyUsed(
             f"the server answered 409 to key {call.key!r}: the key was used already, so the operation "
             f"happened, and {why}. Inside a guarded tool the ledger settles it (on_unknown: a probe that "
@@ -540,23 +507,23 @@ class _Rules:
             key=call.key or "",
         )
 
-    def _lookup_url(self, call: _Attempts, request_url: str) -> str:
+    def _lookup_url(self, call: Attempts, request_url: str) -> str:
         assert isinstance(self.lookup, str) and call.key is not None
         return urljoin(request_url, self.lookup.format(key=quote(call.key, safe="")))
 
-    def _found(self, call: _Attempts, answer: _Answer) -> bool:
+    def _found(self, call: Attempts, answer: _Answer) -> bool:
         """Whether a lookup's answer is the result (marked a replay); else the caller closes it and
         raises ``_not_found``."""
         if 200 <= answer.status_code < 300:
-            answer.headers[_REPLAYED] = "true"
+            answer.headers[REPLAYED] = "true"
             return True
         return False
 
-    def _not_found(self, call: _Attempts, answer: _Answer) -> KeyAlreadyUsed:
+    def _not_found(self, call: Attempts, answer: _Answer) -> KeyAlreadyUsed:
         status = answer.status_code
         return self._used(call, "the lookup found nothing" if status == 404 else f"the lookup answered HTTP {status}")
 
-    def _given(self, call: _Attempts, found: Any) -> Any:
+    def _given(self, call: Attempts, found: Any) -> Any:
         """The result a ``lookup=`` function returned; ``None`` raises ``KeyAlreadyUsed``."""
         if found is None:
             raise self._used(call, "the lookup returned None")
@@ -584,7 +551,7 @@ def _is_key_problem(response: _Answer) -> bool:
     return "idempot" in named or "key-reused" in named
 
 
-def _route(method: str, url: Any) -> str:
+def route_of(method: str, url: Any) -> str:
     return f"{method} {urlsplit(str(url)).path or '/'}"
 
 
@@ -612,7 +579,7 @@ def _detail(response: _Answer) -> str:
     return str(doc.get("detail") or doc.get("title") or f"HTTP {response.status_code}")
 
 
-def _needs_mark_sent(call: _Attempts) -> bool:
+def needs_mark_sent(call: Attempts) -> bool:
     """Whether a request that may change something runs in a guarded call still ``pending`` (a
     ``reports_dispatch`` tool).
 
@@ -630,9 +597,9 @@ def _needs_mark_sent(call: _Attempts) -> bool:
 # --- the two loops: every face sends through one of them -------------------------------------------
 
 
-def _run(
-    rules: _Rules,
-    call: _Attempts,
+def run(
+    rules: Rules,
+    call: Attempts,
     send: Callable[[], _A],
     close: Callable[[_A], object],
     lookup: Callable[[_A], _A],
@@ -661,15 +628,15 @@ def _run(
         rules.sleep(seconds)
 
 
-async def _arun(
-    rules: _Rules,
-    call: _Attempts,
+async def arun(
+    rules: Rules,
+    call: Attempts,
     send: Callable[[], Awaitable[_A]],
     close: Callable[[_A], Awaitable[object]],
     lookup: Callable[[_A], Awaitable[_A]],
     errors: tuple[type[Exception], ...],
 ) -> _A:
-    """``_run``, awaited."""
+    """``run``, awaited."""
     while True:
         call.attempt += 1
         try:
@@ -691,413 +658,13 @@ async def _arun(
         await rules.sleep(seconds)
 
 
-def _close(response: Any) -> None:
+def close_response(response: Any) -> None:
     response.close()
 
 
-async def _aclose(response: Any) -> None:
+async def aclose_response(response: Any) -> None:
     await response.aclose()
 
 
-async def _maybe_await(value: Any) -> Any:
+async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
-
-
-def _library(request: httpx.Request) -> Any:
-    """The module of the request's classes: ``httpx``, or ``httpx2`` (the same names, its own classes)."""
-    return importlib.import_module(type(request).__module__.partition(".")[0])
-
-
-def _json_response(found: Any, request: httpx.Request) -> httpx.Response:
-    """The answer made of a result a ``lookup=`` function found: 200, JSON, marked a replay."""
-    response: httpx.Response = _library(request).Response(200, json=found, headers={_REPLAYED: "true"}, request=request)
-    return response
-
-
-# --- the clients -------------------------------------------------------------------------------------
-
-_H = TypeVar("_H", httpx.Client, httpx.AsyncClient)
-
-
-class _BaseClient(_Rules, Generic[_H]):
-    """What ``Client`` and ``AsyncClient`` share: the arguments and the key of a logical call.
-
-    The two subclasses only name their httpx client class and default sleep, and drive the requests.
-    """
-
-    _httpx_class: type[_H]
-
-    def __init__(
-        self,
-        base_url: str = "",
-        *,
-        client: _H | None = None,
-        retry: Retry = DEFAULT_RETRY,
-        wait: float = 30.0,
-        max_retry_after: float = 60.0,
-        header: str = "Idempotency-Key",
-        quoted: bool = False,
-        resend_unknown: bool = True,
-        raise_for_status: bool = True,
-        key_methods: Iterable[str] = ("POST", "PUT", "PATCH", "DELETE"),
-        hash_keys: bool = False,
-        hash_secret: str | bytes | None = None,
-        conflict_means: ConflictMeaning = "in_progress",
-        lookup: Lookup | None = None,
-        sleep: Callable[[float], Any] | None = None,
-        rng: random.Random | None = None,
-        key_factory: Callable[[], str] = _new_key,
-        **httpx_kwargs: Any,
-    ) -> None:
-        """A client; every argument but ``base_url`` is keyword-only.
-
-        Args:
-            base_url: prefix of relative URLs.
-            client: an httpx client to use (then ``base_url`` and ``httpx_kwargs`` are ignored);
-                default: one made here and closed by ``close()`` / ``aclose()``.
-            raise_for_status: raise ``httpx.HTTPStatusError`` for a final 4xx/5xx (so a guarded tool's
-                ledger classifies it); ``False`` returns the response.
-            key_factory: makes the key of a call outside a guarded tool (default: a UUID4 hex).
-            **httpx_kwargs: passed to the httpx client (``timeout``, ``auth``, ``headers``, ``transport``…).
-
-        The others are ``Options``: ``retry``, ``wait``, ``max_retry_after``, ``header``, ``quoted``,
-        ``resend_unknown`` (safe methods without a key are re-sent either way), ``key_methods`` (others
-        are sent without a key: retried when not sent or not executed, and re-sent on an unknown
-        outcome only if they are safe methods), ``hash_keys``, ``hash_secret``, ``conflict_means``,
-        ``lookup`` (a function must be async for ``AsyncClient``, or return the result), ``sleep``, ``rng``.
-        """
-        super().__init__(
-            raise_for_status=raise_for_status, retry=retry, wait=wait, max_retry_after=max_retry_after,
-            header=header, quoted=quoted, resend_unknown=resend_unknown, key_methods=key_methods,
-            hash_keys=hash_keys, hash_secret=hash_secret, conflict_means=conflict_means, lookup=lookup,
-            sleep=sleep, rng=rng,
-        )  # fmt: skip
-        self.key_factory = key_factory
-        self._owns = client is None
-        self.httpx: _H = client if client is not None else self._httpx_class(base_url=base_url, **httpx_kwargs)
-
-    def _start(
-        self, method: str, url: Any, explicit: str | None, headers: httpx.Headers, kwargs: dict[str, Any]
-    ) -> _Attempts:
-        """The key of a new logical call: explicit (the argument or the caller's header), else the
-        guarded call's (``_ledger_key``), else a fresh one. Puts it in ``headers``."""
-        method = method.upper()
-        safe = method in SAFE_METHODS
-        if method not in self.key_methods and explicit is None:
-            # A header the caller gave goes as it is; a key given as idempotency_key= is sent (and
-            # makes the request keyed) whatever the method: dropping it silently would surprise.
-            return _Attempts(None, safe=safe, resendable=safe)
-        explicit = self._explicit(explicit, headers)
-        if explicit is not None:
-            wire = header_key(explicit)
-        else:
-            lease = _runtime.CURRENT.get()
-            if lease is None:
-                wire = header_key(self.key_factory())
-            else:
-                wire = self._wire(_ledger_key(lease, _request_identity(method, url, kwargs)))
-        self._put(headers, wire)
-        return _Attempts(wire, safe=safe, resendable=self.resend_unknown or safe, route=_route(method, url))
-
-    def _explicit(self, argument: str | None, headers: httpx.Headers) -> str | None:
-        """The key the caller named: ``idempotency_key=``, else the key header of this request, else
-        the one among the client's default headers (Stripe's habit). Replacing it with a key of our
-        own would make the caller's retry of the same operation a second one."""
-        given = headers.get(self.header)
-        if given is None and argument is None:
-            given = self.httpx.headers.get(self.header)
-        given = self._named(given)
-        if argument is None:
-            argument = given
-        elif given is not None and given != argument:
-            raise TypeError(
-                f"two idempotency keys for one request: idempotency_key={argument!r} and the {self.header} "
-                f"header {given!r}; give one of them"
-            )
-        if argument is not None and (not isinstance(argument, str) or not argument):
-            raise TypeError(f"idempotency key {argument!r}: a key is a non-empty string, e.g. 'order-42'")
-        return argument
-
-    def _lookup_request(self, call: _Attempts, request: httpx.Request) -> httpx.Request:
-        """The GET of a ``lookup=`` template, built by this client (its base URL, auth, cookies)."""
-        url = self._lookup_url(call, str(request.url))
-        return self.httpx.build_request("GET", url, headers=_lookup_headers(request.headers, self.header))
-
-
-class Client(_BaseClient[httpx.Client]):
-    """A sync httpx client that sends one idempotency key per logical call and retries with it.
-
-    Its arguments are documented on ``__init__``; ``sleep`` blocks (default ``time.sleep``).
-
-    .. versionadded:: 0.1
-    """
-
-    _httpx_class = httpx.Client
-    _default_sleep = staticmethod(time.sleep)
-
-    def request(
-        self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
-    ) -> httpx.Response:
-        """Send one logical call, with retries; ``kwargs`` as for ``httpx.Client.request``.
-
-        The body must be re-sendable (``json=``, ``content=`` bytes, ``data=``, ``files=``), since a
-        retry sends it again. ``response.request.headers["Idempotency-Key"]`` is the key used: the one
-        named by ``idempotency_key=`` or by that header in ``headers=`` (or the client's), else the
-        guarded call's, else a new one.
-
-        Raises:
-            TypeError: ``idempotency_key=`` and the key header name two different keys, or an empty one.
-            KeyConflict: the server saw this key with another request (422 problem).
-            InProgress: the server still ran a request with this key after ``wait`` seconds (409).
-            KeyAlreadyUsed: ``conflict_means="exists"``, and the result of the used key was not found.
-            httpx.HTTPStatusError: a final 4xx/5xx (with ``raise_for_status=True``).
-            httpx.HTTPError: the last transport error, once no retry is left or it is definite.
-        """
-        headers = httpx.Headers(kwargs.pop("headers", None))
-        call = self._start(method, url, idempotency_key, headers, kwargs)
-        if _needs_mark_sent(call):
-            _runtime.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
-
-        def send() -> httpx.Response:
-            return self.httpx.request(method, url, headers=headers, **kwargs)
-
-        def lookup(conflict: httpx.Response) -> httpx.Response:
-            if callable(self.lookup):
-                return _json_response(self._given(call, self.lookup(call.key or "")), conflict.request)
-            answer = self.httpx.send(self._lookup_request(call, conflict.request))
-            if self._found(call, answer):
-                return answer
-            raise self._not_found(call, answer)
-
-        return _run(self, call, send, _close, lookup, (httpx.HTTPError,))
-
-    def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return self.request("GET", url, **kwargs)
-
-    def post(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return self.request("POST", url, **kwargs)
-
-    def put(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return self.request("PUT", url, **kwargs)
-
-    def patch(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return self.request("PATCH", url, **kwargs)
-
-    def delete(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return self.request("DELETE", url, **kwargs)
-
-    def close(self) -> None:
-        """Close the httpx client if this object made it."""
-        if self._owns:
-            self.httpx.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncClient(_BaseClient[httpx.AsyncClient]):
-    """``Client`` for asyncio: the same arguments (``sleep`` is an async function), awaited methods.
-
-    .. versionadded:: 0.1
-    """
-
-    _httpx_class = httpx.AsyncClient
-    _default_sleep = staticmethod(asyncio.sleep)
-
-    async def request(
-        self, method: str, url: str | httpx.URL, *, idempotency_key: str | None = None, **kwargs: Any
-    ) -> httpx.Response:
-        """See ``Client.request``."""
-        headers = httpx.Headers(kwargs.pop("headers", None))
-        call = self._start(method, url, idempotency_key, headers, kwargs)
-        if _needs_mark_sent(call):
-            await _runtime.amark_sent()
-
-        async def send() -> httpx.Response:
-            return await self.httpx.request(method, url, headers=headers, **kwargs)
-
-        async def lookup(conflict: httpx.Response) -> httpx.Response:
-            if callable(self.lookup):
-                found = await _maybe_await(self.lookup(call.key or ""))
-                return _json_response(self._given(call, found), conflict.request)
-            answer = await self.httpx.send(self._lookup_request(call, conflict.request))
-            if self._found(call, answer):
-                return answer
-            raise self._not_found(call, answer)
-
-        return await _arun(self, call, send, _aclose, lookup, (httpx.HTTPError,))
-
-    async def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return await self.request("GET", url, **kwargs)
-
-    async def post(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return await self.request("POST", url, **kwargs)
-
-    async def put(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return await self.request("PUT", url, **kwargs)
-
-    async def patch(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return await self.request("PATCH", url, **kwargs)
-
-    async def delete(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
-        return await self.request("DELETE", url, **kwargs)
-
-    async def aclose(self) -> None:
-        """Close the httpx client if this object made it."""
-        if self._owns:
-            await self.httpx.aclose()
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-# --- the transports ----------------------------------------------------------------------------------
-
-
-class _BaseTransport(_Rules):
-    """What ``Transport`` and ``AsyncTransport`` share: the inner transport, and the lookup's GET.
-
-    The inner transport is the one given, else the default transport of the library of the first
-    request (``httpx`` or ``httpx2``: a transport must answer with its client's own classes).
-    """
-
-    _inner_class: str
-
-    def __init__(self, inner: Any = None, **options: Unpack[Options]) -> None:
-        super().__init__(**options)
-        self.inner = inner
-        self._inner_lock = threading.Lock()
-
-    def _inner_for(self, request: httpx.Request) -> Any:
-        inner = self.inner
-        if inner is None:
-            with self._inner_lock:
-                if self.inner is None:
-                    self.inner = getattr(_library(request), self._inner_class)()
-                inner = self.inner
-        return inner
-
-    def _begin_request(self, request: httpx.Request) -> _Attempts:
-        return self._begin(request.method, str(request.url), request.headers, lambda: request.content)
-
-    def _lookup_request(self, call: _Attempts, request: httpx.Request) -> httpx.Request:
-        """The GET of a ``lookup=`` template: the request's library, headers and timeouts."""
-        url = self._lookup_url(call, str(request.url))
-        headers = _lookup_headers(request.headers, self.header)
-        return type(request)("GET", url, headers=headers, extensions=request.extensions)
-
-
-class Transport(_BaseTransport, httpx.BaseTransport):
-    """An httpx transport that carries the guarded call's key: ``httpx.Client(transport=Transport())``.
-
-    It wraps ``inner`` (default: ``httpx.HTTPTransport()``, or ``httpx2.HTTPTransport()`` under an
-    httpx2 client), so it composes with the transports you have, and SDK clients built on it carry keys.
-    Inside a guarded tool each request of ``key_methods`` gets the ledger's key (``key#2``… for the
-    tool's other requests, ``hash_keys`` to send a hash), and a ``reports_dispatch`` tool is marked sent
-    just before a request that may change something goes. A request that already carries a key (the
-    caller's, or the SDK's) keeps it. A keyed request is sent, and sent again, by the rules in the
-    module's docstring; its final answer is returned as it is (the client or SDK raises for its
-    status). A request without a key is handed on untouched, once.
-
-    Args:
-        inner: the transport that sends (default: the client library's ``HTTPTransport()``).
-        **options: ``Options`` (``retry``, ``hash_keys``, ``conflict_means``, ``lookup``…).
-
-    .. versionadded:: 0.1
-    """
-
-    _default_sleep = staticmethod(time.sleep)
-    _inner_class = "HTTPTransport"
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if self._is_keyed(request.method, request.headers):
-            request.read()  # a streamed body becomes bytes: it is sent again, and its hash names it
-        call = self._begin_request(request)
-        if _needs_mark_sent(call):
-            _runtime.mark_sent()
-        inner = self._inner_for(request)
-        if call.key is None:
-            response: httpx.Response = inner.handle_request(request)
-            return response
-
-        def send() -> httpx.Response:
-            response: httpx.Response = inner.handle_request(request)
-            if response.status_code == 422:
-                response.read()  # the problem document tells a key conflict from a validation error
-            return response
-
-        def lookup(_conflict: httpx.Response) -> httpx.Response:
-            if callable(self.lookup):
-                return _json_response(self._given(call, self.lookup(call.key or "")), request)
-            answer: httpx.Response = inner.handle_request(self._lookup_request(call, request))
-            if self._found(call, answer):
-                return answer
-            answer.close()
-            raise self._not_found(call, answer)
-
-        return _run(self, call, send, _close, lookup, (Exception,))
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
-
-
-class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
-    """``Transport`` for async clients: ``httpx.AsyncClient(transport=AsyncTransport())``.
-
-    The same arguments (``sleep`` and a ``lookup=`` function may be async); the default inner
-    transport is the client library's ``AsyncHTTPTransport()``.
-
-    .. versionadded:: 0.1
-    """
-
-    _default_sleep = staticmethod(asyncio.sleep)
-    _inner_class = "AsyncHTTPTransport"
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._is_keyed(request.method, request.headers):
-            await request.aread()  # a streamed body becomes bytes: it is sent again, and its hash names it
-        call = self._begin_request(request)
-        if _needs_mark_sent(call):
-            await _runtime.amark_sent()
-        inner = self._inner_for(request)
-        if call.key is None:
-            response: httpx.Response = await inner.handle_async_request(request)
-            return response
-
-        async def send() -> httpx.Response:
-            response: httpx.Response = await inner.handle_async_request(request)
-            if response.status_code == 422:
-                await response.aread()  # the problem document tells a key conflict from a validation error
-            return response
-
-        async def lookup(_conflict: httpx.Response) -> httpx.Response:
-            if callable(self.lookup):
-                found = await _maybe_await(self.lookup(call.key or ""))
-                return _json_response(self._given(call, found), request)
-            answer: httpx.Response = await inner.handle_async_request(self._lookup_request(call, request))
-            if self._found(call, answer):
-                return answer
-            await answer.aclose()
-            raise self._not_found(call, answer)
-
-        return await _arun(self, call, send, _aclose, lookup, (Exception,))
-
-    async def aclose(self) -> None:
-        if self.inner is not None:
-            await self.inner.aclose()
-
-
-def __getattr__(name: str) -> Any:
-    # RequestsAdapter subclasses requests' HTTPAdapter: requests is imported when it is first asked for.
-    if name == "RequestsAdapter":
-        from onceonly._http_requests import RequestsAdapter
-
-        return RequestsAdapter
-    raise AttributeError(f"module 'onceonly.http' has no attribute {name!r}")
