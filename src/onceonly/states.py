@@ -29,6 +29,7 @@ __all__ = [
     "misplaced",
     "new_record",
     "not_finite_time",
+    "out_of_range",
     "restart",
     "transition",
 ]
@@ -268,11 +269,28 @@ def misplaced(rec: Record) -> tuple[str, Any] | None:
         and type(rec.error) in _OPTIONAL_TEXT
         and type(rec.via) in _OPTIONAL_TEXT
     ):
-        return not_finite_time(rec)
+        return out_of_range(rec)
     for name, kinds in _KINDS:
         value = getattr(rec, name)
         if type(value) not in kinds:
             return name, value
+    return out_of_range(rec)
+
+
+def out_of_range(rec: Record) -> tuple[str, Any] | None:
+    """The first field of ``rec`` that holds a value onceonly never writes, as (name, value); else None:
+    a time that is not finite (``not_finite_time``), or a counter below where it starts (attempts,
+    fence and conflicts count up from 0, the version from 1).
+
+    A negative fence would pass every fence comparison a later claim makes, and negative attempts
+    would grant a retry that the limit forbids: a record holding one is reported, never acted on.
+
+    .. versionadded:: 0.1
+    """
+    if rec.attempts < 0 or rec.fence < 0 or rec.conflicts < 0 or rec.version < 1:
+        for name, low in (("attempts", 0), ("fence", 0), ("version", 1), ("conflicts", 0)):
+            if getattr(rec, name) < low:
+                return name, getattr(rec, name)
     return not_finite_time(rec)
 
 
