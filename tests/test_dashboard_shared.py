@@ -12,23 +12,25 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from onceonly import Ledger
+from onceonly import Ledger, State
+from onceonly import states as st
 from onceonly.dashboard.app import create_app
-from onceonly.stores.base import Query
+from onceonly.tickets import serve_in_thread
 
 PAGES = 4
 CHANGES = 5
 
 
-class CountedScans:
-    """The store's own ``scan``, counted: how many readings ran, and how many at once at most. ``hold``
-    makes the first reading wait, once it has read, until ``release`` is set."""
+class Counted:
+    """One of the store's own methods (``scan``, ``count_by_state``), counted: how many calls ran, and how
+    many at once at most. ``hold`` makes the first call wait, once it has read, until ``release`` is set."""
 
-    def __init__(self, scan: Callable[[Query], Any], *, hold: bool = False) -> None:
-        self.scan = scan
+    def __init__(self, method: Callable[..., Any], *, hold: bool = False) -> None:
+        self.method = method
         self.calls = 0
         self.running = self.most = 0
         self.hold = hold
@@ -36,14 +38,14 @@ class CountedScans:
         self.release = threading.Event()
         self._lock = threading.Lock()
 
-    def __call__(self, query: Query) -> Any:
+    def __call__(self, *args: Any) -> Any:
         with self._lock:
             self.calls += 1
             first = self.calls == 1
             self.running += 1
             self.most = max(self.most, self.running)
         try:
-            found = self.scan(query)
+            found = self.method(*args)
             if self.hold and first:
                 self.read.set()
                 assert self.release.wait(60), "the test never released the first reading"
@@ -76,7 +78,7 @@ def test_four_pages_share_one_reading_per_change(ledger: Ledger) -> None:
     read once per change (not four times), each page shown that change."""
     charge = ledger.tool(name="charge")(lambda order: {"order": order})
     charge(0)
-    scans = CountedScans(ledger.store.scan)
+    scans = Counted(ledger.store.scan)
     ledger.store.scan = scans  # type: ignore[method-assign]
     shown: list[list[int]] = [[] for _ in range(PAGES)]
     change = threading.Barrier(PAGES + 1)
@@ -117,7 +119,7 @@ def test_pages_that_ask_during_a_reading_share_the_next_one(ledger: Ledger) -> N
     answers all three pages with the latest counts, however many changes it covers."""
     charge = ledger.tool(name="charge")(lambda order: {"order": order})
     charge(0)
-    scans = CountedScans(ledger.store.scan, hold=True)
+    scans = Counted(ledger.store.scan, hold=True)
     ledger.store.scan = scans  # type: ignore[method-assign]
     before = ledger.stats()
     with ExitStack() as stack:
@@ -139,3 +141,65 @@ def test_pages_that_ask_during_a_reading_share_the_next_one(ledger: Ledger) -> N
     assert [got[i]["total"] for i in (1, 2, 3)] == [4, 4, 4], "a page was not shown the latest counts"
     assert scans.most == 1, "two readings of the ledger ran at once"
     assert scans.calls == 2, f"{scans.calls} readings for one page and three that asked together"
+
+
+def _one_write(ledger: Ledger, n: int) -> None:
+    """A confirmed record made in one write (a claim of it as confirmed): its counts change once, so every
+    page's event stream shows exactly one change for it."""
+    now = ledger.clock()
+    rec = st.new_record(
+        key=f"made:{n}", scope="s", tool="made", fingerprint="f" * 64, args_json="{}", state=State.IN_FLIGHT,
+        owner="test", now=now, lease_seconds=30,
+    )  # fmt: skip
+    assert ledger.store.claim(st.confirm(rec, result_json=str(n), now=now, ttl=None, via="run", by="test")) is None
+
+
+def test_four_pages_on_their_event_streams_share_one_reading_per_change(ledger: Ledger) -> None:
+    """The dashboard served, four pages each on their own event stream, as the page does: at each change
+    of the counts a page asks for the figures with the counts it saw. Five changes read the ledger five
+    times, and the counts behind the four streams are never read twice at once."""
+    _one_write(ledger, 0)
+    scans = Counted(ledger.store.scan)
+    counts = Counted(ledger.store.count_by_state)
+    ledger.store.scan = scans  # type: ignore[method-assign]
+    ledger.store.count_by_state = counts  # type: ignore[method-assign]
+    step = threading.Barrier(PAGES + 1)
+    shown: list[list[int]] = [[] for _ in range(PAGES)]
+    errors: list[BaseException] = []
+    with serve_in_thread(create_app(ledger, poll_seconds=0.01)) as server:
+
+        def page(i: int) -> None:
+            try:
+                with (
+                    httpx.Client(base_url=server.url, timeout=60) as client,
+                    client.stream("GET", "/api/events") as stream,
+                ):
+                    last = None
+                    for line in stream.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        states = json.loads(line[6:])["states"]
+                        if last is not None and states != last:
+                            stats = client.get("/api/stats", params={"seen": json.dumps(states)})
+                            shown[i].append(stats.json()["total"])
+                        last = states
+                        step.wait(60)  # the first counts, or one change: shown
+                        if len(shown[i]) == CHANGES:
+                            return
+            except BaseException as exc:
+                errors.append(exc)
+                step.abort()
+
+        threads = [threading.Thread(target=page, args=(i,)) for i in range(PAGES)]
+        for t in threads:
+            t.start()
+        step.wait(60)  # every page has its first counts
+        for n in range(1, CHANGES + 1):
+            _one_write(ledger, n)
+            step.wait(60)
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert shown == [list(range(2, CHANGES + 2))] * PAGES, "a page was not shown the change it saw"
+    assert scans.calls == CHANGES, f"{scans.calls} readings of the ledger for {CHANGES} changes on {PAGES} pages"
+    assert scans.most == 1 and counts.most == 1
