@@ -203,3 +203,51 @@ def test_four_pages_on_their_event_streams_share_one_reading_per_change(ledger: 
     assert shown == [list(range(2, CHANGES + 2))] * PAGES, "a page was not shown the change it saw"
     assert scans.calls == CHANGES, f"{scans.calls} readings of the ledger for {CHANGES} changes on {PAGES} pages"
     assert scans.most == 1 and counts.most == 1
+
+
+def test_pages_share_a_reading_newer_than_the_counts_they_saw(ledger: Ledger) -> None:
+    """The counts change again between the event the pages saw and their asking: the first page's
+    reading (which started after the count behind that event) is newer than what every page saw, so it
+    answers all four, although its counts are not the ones they saw."""
+    _one_write(ledger, 0)
+    scans = Counted(ledger.store.scan, hold=True)
+    ledger.store.scan = scans  # type: ignore[method-assign]
+    saw = threading.Barrier(PAGES + 1)
+    go = threading.Event()
+    got: dict[int, int] = {}
+    errors: list[BaseException] = []
+    with serve_in_thread(create_app(ledger, poll_seconds=0.01)) as server:
+
+        def page(i: int) -> None:
+            try:
+                with (
+                    httpx.Client(base_url=server.url, timeout=60) as client,
+                    client.stream("GET", "/api/events") as stream,
+                ):
+                    events = (json.loads(ln[6:])["states"] for ln in stream.iter_lines() if ln.startswith("data: "))
+                    first = next(events)
+                    saw.wait(60)  # listening
+                    seen = next(s for s in events if s != first)  # the change: one more record
+                    saw.wait(60)
+                    assert (go if i == 0 else scans.read).wait(60)
+                    got[i] = _stats(client, seen)["total"]  # type: ignore[arg-type]
+            except BaseException as exc:
+                errors.append(exc)
+                saw.abort()
+
+        threads = [threading.Thread(target=page, args=(i,)) for i in range(PAGES)]
+        for t in threads:
+            t.start()
+        saw.wait(60)  # every page listens
+        _one_write(ledger, 1)
+        saw.wait(60)  # every page saw the counts of two records
+        _one_write(ledger, 2)  # and the ledger moves on before they ask
+        go.set()
+        assert scans.read.wait(60)
+        scans.release.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert got == dict.fromkeys(range(PAGES), 3)
+    assert scans.calls == 1, f"{scans.calls} readings for four pages that saw the same counts"
+    assert scans.most == 1
