@@ -73,7 +73,7 @@ def stored_secret(store: Store, *, key: str, scope: str, tool: str, now: float) 
     """
     owner = f"{_HOST}:{os.getpid()}:secret"
     made = st.new_record(
-        key=key, scope=scope, tool=tool, fingerprint="client-secret", args_json="{}", state=State.IN_FLIGHT,
+        key=key, scope=scope, tool=tool, fingerprint=st.SECRET_FINGERPRINT, args_json="{}", state=State.IN_FLIGHT,
         owner=owner, now=now, lease_seconds=0.0, reason="client secret",
     )  # fmt: skip
     made = st.confirm(

@@ -25,7 +25,7 @@ else:
 from onceonly._install import install_hint
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import DEFAULT_URL, Ledger
-from onceonly.states import UNSETTLED, Record, State
+from onceonly.states import UNSETTLED, Record, State, shown_result
 from onceonly.stores import redact_url
 
 
@@ -250,7 +250,7 @@ if _MISSING_CLI is None:
             lines.append(("similar to", f"{similar_to[-1]} (onceonly show '{similar_to[-1]}')"))
         lines.append(("args", dumps(rec.args)))
         if rec.result_json is not None:
-            lines.append(("result", dumps(rec.result)))
+            lines.append(("result", dumps(shown_result(rec))))
         if rec.error:
             lines.append(("error", rec.error))
         for name, value in lines:

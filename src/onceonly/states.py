@@ -20,16 +20,21 @@ from onceonly.errors import StoreCorrupt
 __all__ = [
     "ALLOWED",
     "HISTORY_LIMIT",
+    "REDACTED_SECRET",
+    "SECRET_FINGERPRINT",
     "SETTLED",
     "UNSETTLED",
     "IllegalTransition",
     "Record",
     "State",
+    "holds_secret",
     "may_have_happened",
     "misplaced",
     "new_record",
     "not_finite_time",
+    "out_of_range",
     "restart",
+    "shown_result",
     "transition",
 ]
 
@@ -101,7 +106,33 @@ def _not_finite(key: str, **times: float | None) -> IllegalTransition:
     )
 
 
-@dataclass(slots=True)
+#: The fingerprint of a record that keeps a secret (the key of the hash that scopes network callers,
+#: ``onceonly.callers``): no call's fingerprint (a SHA-256 hex digest) can be this.
+SECRET_FINGERPRINT = "client-secret"
+#: What every output shows for the result of a record that keeps a secret.
+REDACTED_SECRET = "<secret: redacted>"
+
+
+def holds_secret(rec: Record) -> bool:
+    """Whether ``rec`` keeps a secret as its result, which no output may show.
+
+    .. versionadded:: 0.1
+    """
+    return rec.fingerprint == SECRET_FINGERPRINT
+
+
+def shown_result(rec: Record) -> Any:
+    """The result of ``rec`` as an output shows it (the CLI, the dashboard, logs): decoded, or
+    ``REDACTED_SECRET`` when the record keeps a secret. The stored result is unchanged.
+
+    .. versionadded:: 0.1
+    """
+    if holds_secret(rec):
+        return None if rec.result_json is None else REDACTED_SECRET
+    return rec.result
+
+
+@dataclass(slots=True, repr=False)
 class Record:
     """One ledger record: one logical operation.
 
@@ -160,8 +191,16 @@ class Record:
     def lease_expired(self, now: float) -> bool:
         return self.state in HELD and (self.lease_until is None or self.lease_until <= now)
 
+    def __repr__(self) -> str:
+        # A repr reaches logs and error messages: a kept secret is never in it (``shown_result``).
+        shown = {f: getattr(self, f) for f in _FIELDS}
+        if holds_secret(self) and self.result_json is not None:
+            shown["result_json"] = REDACTED_SECRET
+        return f"Record({', '.join(f'{f}={v!r}' for f, v in shown.items())})"
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready view, for the CLI, the dashboard and logs."""
+        """A JSON-ready view, for the CLI, the dashboard and logs; a kept secret shows as
+        ``REDACTED_SECRET`` (``shown_result``)."""
         return {
             "key": self.key,
             "scope": self.scope,
@@ -177,7 +216,7 @@ class Record:
             "expires_at": self.expires_at,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
-            "result": self.result,
+            "result": shown_result(self),
             "error": self.error,
             "args": self.args,
             "history": self.history,
@@ -268,11 +307,28 @@ def misplaced(rec: Record) -> tuple[str, Any] | None:
         and type(rec.error) in _OPTIONAL_TEXT
         and type(rec.via) in _OPTIONAL_TEXT
     ):
-        return not_finite_time(rec)
+        return out_of_range(rec)
     for name, kinds in _KINDS:
         value = getattr(rec, name)
         if type(value) not in kinds:
             return name, value
+    return out_of_range(rec)
+
+
+def out_of_range(rec: Record) -> tuple[str, Any] | None:
+    """The first field of ``rec`` that holds a value onceonly never writes, as (name, value); else None:
+    a time that is not finite (``not_finite_time``), or a counter below where it starts (attempts,
+    fence and conflicts count up from 0, the version from 1).
+
+    A negative fence would pass every fence comparison a later claim makes, and negative attempts
+    would grant a retry that the limit forbids: a record holding one is reported, never acted on.
+
+    .. versionadded:: 0.1
+    """
+    if rec.attempts < 0 or rec.fence < 0 or rec.conflicts < 0 or rec.version < 1:
+        for name, low in (("attempts", 0), ("fence", 0), ("version", 1), ("conflicts", 0)):
+            if getattr(rec, name) < low:
+                return name, getattr(rec, name)
     return not_finite_time(rec)
 
 

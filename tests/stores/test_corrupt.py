@@ -120,3 +120,36 @@ def test_a_field_of_the_wrong_type_is_store_corrupt(loose_store_url: str, column
             send(3)
     finally:
         ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("fence", -1), ("attempts", -1), ("conflicts", -2), ("version", 0), ("version", -5)],
+    ids=["negative-fence", "negative-attempts", "negative-conflicts", "version-0", "negative-version"],
+)
+def test_a_counter_below_its_start_is_store_corrupt(store_url: str, column: str, value: int) -> None:
+    """A counter no record ever holds (a negative fence or attempt count, a version below 1), planted in a
+    failed record that may be retried: the retry raises StoreCorrupt naming the key and the field, and
+    the tool does not run again. A negative fence would pass every fence comparison, and negative
+    attempts would grant more retries than the limit."""
+    ledger = Ledger.open(store_url)
+    runs: list[int] = []
+    try:
+
+        @ledger.tool(name="send", retry=Retry(attempts=3))
+        def send(n: int) -> int:
+            runs.append(n)
+            raise ValueError("refused")  # a definite failure: the record is failed, attempt 1 of 3
+
+        with pytest.raises(ValueError, match="refused"):
+            send(4)
+        key = send.key_for(4)
+        RawRecords(store_url).write(key, column, value)
+        with pytest.raises(StoreCorrupt, match=f"{key!r}.*{column}") as corrupt:
+            ledger.get(key)
+        assert str(value) in str(corrupt.value)
+        with pytest.raises(StoreCorrupt, match=repr(key)):
+            send(4)
+        assert runs == [4], "the tool ran again over a corrupt record"
+    finally:
+        ledger.close()

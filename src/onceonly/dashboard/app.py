@@ -242,9 +242,18 @@ def _records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
     return out
 
 
-def _stats_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
-    """``GET /api/stats``: ``onceonly stats --json``, and each tool's latency by time (``ops.latency``)."""
-    figures = ops.stats(ledger, tool=_text(params, "tool"), scope=_text(params, "scope"))
+def _stats_json(shared: _SharedStats, counts: _SharedCounts, params: QueryParams) -> dict[str, Any]:
+    """``GET /api/stats``: ``onceonly stats --json``, and each tool's latency by time (``ops.latency``).
+
+    ``?seen=`` (the records per state of the page's last ``counts`` event, as JSON) lets every page that
+    saw the same counts share one reading of the ledger (``_SharedStats``)."""
+    seen = _text(params, "seen")
+    try:
+        wanted = None if seen is None else json.loads(seen)
+    except (ValueError, RecursionError):
+        raise ValueError("seen: give the records per state of the last counts event, as JSON") from None
+    counted = None if wanted is None else counts.found_at(wanted)
+    figures = shared.read((_text(params, "tool"), _text(params, "scope")), wanted, counted)
     out = figures.to_dict()
     bucket = _number(params, "bucket", None, 1, 366 * 86400)
     out["latency"] = ops.latency({t.tool: t.spans for t in figures.tools.values()}, bucket_seconds=bucket)
@@ -359,6 +368,9 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
     async def index(request: Request) -> Response:
         return HTMLResponse(page)
 
+    shared = _SharedCounts(ledger, poll_seconds)
+    shared_stats = _SharedStats(ledger, poll_seconds)
+
     async def counts(request: Request) -> Response:
         return await _answer(lambda: _counts_json(ledger))
 
@@ -375,7 +387,7 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         return await _answer(read)
 
     async def stats(request: Request) -> Response:
-        return await _answer(lambda: _stats_json(ledger, request.query_params))
+        return await _answer(lambda: _stats_json(shared_stats, shared, request.query_params))
 
     async def resolve(request: Request) -> Response:
         try:
@@ -383,8 +395,6 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         except ValueError as exc:
             return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
         return await _answer(lambda: _resolve_json(ledger, body))
-
-    shared = _SharedCounts(ledger, poll_seconds)
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
@@ -421,19 +431,105 @@ class _SharedCounts:
         self._lock = threading.Lock()
         self._next_at = -math.inf
         self._value: dict[str, Any] = {}
+        # The counts per state lately sent (as JSON) → when the count that first found them started.
+        self._found_at: dict[str, float] = {}
 
     def read(self) -> dict[str, Any]:
         with self._lock:
             started = time.monotonic()
             if started >= self._next_at:
                 try:
-                    self._value = _counts_json(self.ledger)
+                    value = _counts_json(self.ledger)
                 except StoreError as exc:
-                    self._value = {"error": str(exc)}
+                    value = {"error": str(exc)}
+                if "states" in value and value != self._value:
+                    self._found_at[json.dumps(value["states"], sort_keys=True)] = started
+                    while len(self._found_at) > _SharedStats.KEPT:
+                        del self._found_at[next(iter(self._found_at))]
+                self._value = value
                 took = time.monotonic() - started
                 # 0.9: a stream that polls every `every` seconds still gets a fresh read each time.
                 self._next_at = started + max(0.9 * self.every, COUNT_SPACING * took)
             return self._value
+
+    def found_at(self, states: Any) -> float | None:
+        """When the count that found ``states`` (counts per state an event sent) started, if it was lately."""
+        with self._lock:
+            return self._found_at.get(json.dumps(states, sort_keys=True))
+
+
+class _SharedStats:
+    """The ledger's figures (``ops.stats``, which reads every record), computed once for all the pages
+    that ask together: one reading at a time in the whole app, each started no sooner than
+    ``COUNT_SPACING`` times as long as the last one took (nor within 0.9 ``every`` of it), and shared by
+    every request it answers.
+
+    A request is answered by a reading that started after it asked, or after the count that found the
+    records per state the page last saw (``counted``: the page asks because its event stream showed those
+    counts), or that found those same counts (``wanted``), or, without ``wanted``, one that started less
+    than ``every`` before it asked. Pages that react to the
+    same change thus share one reading, and each still gets one at least as new as the change it saw."""
+
+    #: Readings kept, by (tool, scope): the page asks for one; a script may ask for others.
+    KEPT = 16
+
+    def __init__(self, ledger: Ledger, every: float) -> None:
+        self.ledger = ledger
+        self.every = every
+        self._cond = threading.Condition()
+        self._running = False
+        self._next_at = -math.inf
+        # (tool, scope) → (when the reading started, its figures or the error it raised)
+        self._done: dict[tuple[str | None, str | None], tuple[float, ops.LedgerStats | Exception]] = {}
+
+    def _answers(
+        self, done: tuple[float, ops.LedgerStats | Exception], asked: float, wanted: Any, counted: float | None
+    ) -> bool:
+        started, value = done
+        if started >= asked or (counted is not None and started >= counted):
+            return True
+        if isinstance(value, Exception):
+            return False
+        return value.states == wanted if wanted is not None else started >= asked - self.every
+
+    def read(
+        self, which: tuple[str | None, str | None], wanted: Any = None, counted: float | None = None
+    ) -> ops.LedgerStats:
+        """The figures of ``which`` (tool, scope); ``wanted``: the counts per state the page saw, and
+        ``counted``: when the count that found them started (a reading started since is as new)."""
+        asked = time.monotonic()
+        with self._cond:
+            while True:
+                done = self._done.get(which)
+                if done is not None and self._answers(done, asked, wanted, counted):
+                    return _figures(done[1])
+                wait = None if self._running else self._next_at - time.monotonic()
+                if wait is not None and wait <= 0:
+                    break
+                self._cond.wait(wait)  # a reading running ends with notify_all; else the spacing ends
+            self._running = True
+        started = time.monotonic()
+        value: ops.LedgerStats | Exception
+        try:
+            value = ops.stats(self.ledger, tool=which[0], scope=which[1])
+        except Exception as exc:  # handed to every request it answers; raised by each
+            value = exc
+        took = time.monotonic() - started
+        with self._cond:
+            self._running = False
+            self._done.pop(which, None)
+            self._done[which] = (started, value)
+            while len(self._done) > self.KEPT:
+                del self._done[next(iter(self._done))]
+            self._next_at = started + max(0.9 * self.every, COUNT_SPACING * took)
+            self._cond.notify_all()
+        return _figures(value)
+
+
+def _figures(value: ops.LedgerStats | Exception) -> ops.LedgerStats:
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 async def _changes(counts: _SharedCounts) -> AsyncIterator[str]:

@@ -527,7 +527,7 @@ class IdempotencyMiddleware:
         now = self.clock()
         owner = f"{_HOST}:{os.getpid()}:{next(_owner_counter)}"
         made = st.new_record(
-            key=key, scope=f"{self.key_prefix}:meta", tool=_TOOL, fingerprint="client-secret", args_json="{}",
+            key=key, scope=f"{self.key_prefix}:meta", tool=_TOOL, fingerprint=st.SECRET_FINGERPRINT, args_json="{}",
             state=State.IN_FLIGHT, owner=owner, now=now, lease_seconds=0.0, reason="client secret",
         )  # fmt: skip
         made = st.confirm(

@@ -26,7 +26,7 @@ from psycopg import errors as e
 from psycopg import pq
 from psycopg.generators import execute, fetch_many, send
 
-from onceonly.states import Record, State, not_finite_time
+from onceonly.states import Record, State, out_of_range
 from onceonly.stores._sql import bad_state, bad_value
 
 TEXT, INT4, INT8, FLOAT8 = 25, 23, 20, 701  # PostgreSQL type oids
@@ -102,7 +102,7 @@ def decode_record(res: pq.abc.PGresult) -> Record | None:
         f8(v[12])[0], f8(v[13])[0], _str(v[14]), _str(v[15]), v[16].decode(), v[17].decode(),  # type: ignore[arg-type,union-attr]
         _str(v[18]), u4(v[19])[0],  # type: ignore[arg-type]
     )  # fmt: skip
-    wrong = not_finite_time(rec)  # double precision holds NaN and Infinity, which no record has
+    wrong = out_of_range(rec)  # double precision holds NaN and Infinity, integers hold negatives
     if wrong is not None:
         raise bad_value(rec.key, *wrong)
     return rec
