@@ -1,0 +1,331 @@
+"""Moving a ledger to another store (`onceonly copy`, `export`, `import`): from SQLite into PostgreSQL
+and Redis on their real servers, with a second copy racing the first, and then every operation asked
+again in the target through a guarded tool that counts its side effects: nothing runs twice, a
+conflict is refused and nothing is lost, a held record is reported (or copied as unknown, never run
+blindly), a second run picks up what settled, and an export imports back equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from onceonly import Ledger, OutcomeUnknown, State
+from onceonly.cli import cli
+from onceonly.states import Record
+from onceonly.stores import open_store
+from onceonly.transfer import Action, plan, store_records
+from tests.conftest import empty_store_url
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDERS = 40
+
+
+def _run(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "onceonly", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+class Shop:
+    """A ledger with two guarded tools whose bodies count the side effects they make."""
+
+    def __init__(self, url: str, *, gate: threading.Event | None = None) -> None:
+        self.ledger = Ledger.open(url)
+        self.effects: list[str] = []
+        self.gate = gate
+
+        @self.ledger.tool(name="charge")
+        def charge(order: str, amount: int) -> dict[str, Any]:
+            if self.gate is not None and order == "slow":
+                self.gate.wait(30)
+            self.effects.append(order)
+            return {"charged": order, "amount": amount}
+
+        @self.ledger.tool(name="refund", on_unknown="review")
+        def refund(order: str) -> None:
+            self.effects.append(f"refund {order}")
+            raise TimeoutError("read timed out")
+
+        self.charge = charge
+        self.refund = refund
+
+    def records(self) -> dict[str, Record]:
+        return {r.key: r for r in store_records(self.ledger.store)}
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+@pytest.fixture(name="source")
+def fixture_source(tmp_path: Path) -> Iterator[Shop]:
+    """A SQLite ledger with ORDERS confirmed charges and one refund parked for review (its answer lost)."""
+    shop = Shop(f"sqlite:///{tmp_path / 'source.db'}")
+    for n in range(ORDERS):
+        shop.charge(f"o{n}", n)
+    with pytest.raises(OutcomeUnknown):
+        shop.refund("o1")
+    yield shop
+    shop.close()
+
+
+@pytest.fixture(name="target_url", params=["postgres", "redis"])
+def fixture_target_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return empty_store_url(request.param, request, tmp_path)
+
+
+def _summary(output: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
+    return loaded
+
+
+def test_two_copies_at_once_leave_one_copy_of_each_record_and_nothing_runs_again(source: Shop, target_url: str) -> None:
+    """Two copies race into an empty target; one record is held in the source while they run. Each
+    settled record lands once, byte for byte; the held one is reported by both and not copied; then
+    every call asked again in the target is a replay or an unknown, and no side effect happens."""
+    gate = threading.Event()
+    source.gate = gate
+    holder = threading.Thread(target=source.charge, args=("slow", 99))
+    holder.start()
+    try:
+        while not any(r.state is State.IN_FLIGHT for r in source.records().values()):
+            threading.Event().wait(0.01)
+        url = source.ledger.store.url
+        rival = _spawn("copy", "--from", url, "--to", target_url, "--json")
+        mine = _run("copy", "--from", url, "--to", target_url, "--json")
+        out, err = rival.communicate(timeout=120)
+    finally:
+        gate.set()
+        holder.join()
+    assert mine.exit_code == 3, mine.output
+    assert rival.returncode == 3, (out, err)
+    reports = [_summary(mine.output), _summary(out)]
+    settled = ORDERS + 1
+    for report in reports:
+        assert report["read"] == settled + 1
+        assert report["in_flight"] == 1 and report["conflict"] == 0
+        assert [r["action"] for r in report["records"]] == ["in_flight"]
+    # Each record was written by exactly one of the two; the other found it identical.
+    assert sum(r["copied"] for r in reports) == settled
+    assert sum(r["identical"] for r in reports) == settled
+
+    before = source.records()
+    target = Shop(target_url)
+    try:
+        copied = target.records()
+        slow_key = source.charge.key_for("slow", 99)
+        assert slow_key not in copied
+        assert {k: v for k, v in before.items() if k != slow_key} == copied
+        source_effects = len(source.effects)
+        for n in range(ORDERS):
+            assert target.charge(f"o{n}", n) == {"charged": f"o{n}", "amount": n}
+        with pytest.raises(OutcomeUnknown):
+            target.refund("o1")
+        assert target.effects == []
+        assert len(source.effects) == source_effects
+
+        # The held record settled in the source: a run again copies it, and it replays in the target.
+        again = _run("copy", "--from", url, "--to", target_url, "--json")
+        assert again.exit_code == 0, again.output
+        report = _summary(again.output)
+        assert (report["copied"], report["identical"], report["in_flight"]) == (1, settled, 0)
+        assert target.charge("slow", 99) == {"charged": "slow", "amount": 99}
+        assert target.effects == []
+    finally:
+        target.close()
+
+
+def test_a_different_record_in_the_target_is_a_conflict_and_kept(source: Shop, target_url: str) -> None:
+    """The target already ran one of the operations itself (another record of that key): the copy
+    refuses to write over it, copies everything else, says which key and exits 4."""
+    target = Shop(target_url)
+    try:
+        target.charge("o3", 3)
+        theirs = target.ledger.get(target.charge.key_for("o3", 3))
+        result = _run("copy", "--from", source.ledger.store.url, "--to", target_url)
+        assert result.exit_code == 4, result.output
+        assert "CONFLICT" in result.output and target.charge.key_for("o3", 3) in result.output
+        assert "1 conflicts" in result.output
+        assert target.ledger.get(target.charge.key_for("o3", 3)) == theirs
+        assert len(target.records()) == ORDERS + 1
+        for n in range(ORDERS):
+            target.charge(f"o{n}", n)
+        assert target.effects == ["o3"]  # its own first run, and nothing since
+        # A second run says the same and still writes nothing over it.
+        assert _run("copy", "--from", source.ledger.store.url, "--to", target_url).exit_code == 4
+        assert target.ledger.get(target.charge.key_for("o3", 3)) == theirs
+    finally:
+        target.close()
+
+
+def test_held_records_copied_as_unknown_are_never_run_and_update_once_settled(source: Shop, target_url: str) -> None:
+    """--in-flight=unknown: the held record lands as unknown, so a call in the target settles it (here:
+    parks it for review) instead of running it; once it confirmed in the source, a run again updates
+    the target's copy, which was still the older version, and the call replays."""
+    gate = threading.Event()
+    source.gate = gate
+    holder = threading.Thread(target=source.charge, args=("slow", 99))
+    holder.start()
+    target: Shop | None = None
+    try:
+        while not any(r.state is State.IN_FLIGHT for r in source.records().values()):
+            threading.Event().wait(0.01)
+        url = source.ledger.store.url
+        result = _run("copy", "--from", url, "--to", target_url, "--in-flight=unknown", "--json")
+        assert result.exit_code == 0, result.output
+        report = _summary(result.output)
+        assert (report["copied"], report["copied_as_unknown"], report["in_flight"]) == (ORDERS + 2, 1, 0)
+        target = Shop(target_url)
+        key = source.charge.key_for("slow", 99)
+        assert target.records()[key].state is State.UNKNOWN
+        again = _summary(_run("copy", "--from", url, "--to", target_url, "--in-flight=unknown", "--json").output)
+        assert again["identical"] == ORDERS + 2  # the same attempt, copied as unknown already
+    finally:
+        gate.set()
+        holder.join()
+    assert target is not None
+    try:
+        assert source.ledger.get(key).state is State.CONFIRMED
+        settled = _summary(_run("copy", "--from", url, "--to", target_url, "--json").output)
+        assert settled["updated"] == 1 and settled["conflict"] == 0
+        stored = target.records()[key]
+        assert (stored.state, stored.result) == (State.CONFIRMED, {"charged": "slow", "amount": 99})
+        assert stored.version > source.ledger.get(key).version - 1
+        assert target.charge("slow", 99) == {"charged": "slow", "amount": 99}
+        assert target.effects == []
+    finally:
+        target.close()
+
+
+def test_the_target_moved_on_is_kept_and_a_lost_race_plans_again(source: Shop, tmp_path: Path) -> None:
+    """Pure plans: a target whose record moved on after the copy is newer and kept; an update carries
+    a version above the target's, so that a caller holding the target's copy cannot write over it."""
+    key = source.charge.key_for("o2", 2)
+    rec = source.ledger.get(key)
+    assert rec is not None
+    assert plan(rec, None, now=0.0).action is Action.INSERT
+    assert plan(rec, rec, now=0.0).action is Action.SKIP
+    refund = source.ledger.get(source.refund.key_for("o1"))
+    assert refund is not None and refund.state is State.NEEDS_REVIEW
+    settled = source.ledger.resolve(refund.key, confirmed={"refunded": True}, by="ops")
+    step = plan(settled, refund, now=0.0)
+    assert step.action is Action.UPDATE and step.write is not None and step.write.version > refund.version
+    assert plan(refund, settled, now=0.0).action is Action.NEWER
+    other = source.ledger.get(source.charge.key_for("o3", 3))
+    assert other is not None
+    from onceonly.states import replace
+
+    assert plan(rec, replace(other, key=rec.key), now=0.0).action is Action.CONFLICT
+
+
+def _lines(text: str) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in text.splitlines()]
+    return rows[1:]  # the header names the store and the time
+
+
+def test_export_then_import_into_another_store_is_equal(source: Shop, target_url: str, tmp_path: Path) -> None:
+    """export → import → export gives the same records; the imported ledger replays every call."""
+    exported = _run("export", "--url", source.ledger.store.url)
+    assert exported.exit_code == 0, exported.output
+    dump = tmp_path / "ledger.jsonl"
+    dump.write_text(exported.stdout, encoding="utf-8")
+    first = json.loads(exported.stdout.splitlines()[0])
+    assert (first["format"], first["version"]) == ("onceonly-ledger", 1)
+    imported = _run("import", "--url", target_url, str(dump), "--json")
+    assert imported.exit_code == 0, imported.output
+    assert _summary(imported.stdout)["copied"] == ORDERS + 1
+    again = _run("export", "--url", target_url)
+    assert _lines(again.stdout) == _lines(exported.stdout)
+    # Imported twice: everything identical, nothing written.
+    assert _summary(_run("import", "--url", target_url, str(dump), "--json").stdout)["identical"] == ORDERS + 1
+    target = Shop(target_url)
+    try:
+        for n in range(ORDERS):
+            target.charge(f"o{n}", n)
+        assert target.effects == []
+    finally:
+        target.close()
+
+
+def _good_file(source: Shop) -> list[str]:
+    return _run("export", "--url", source.ledger.store.url).stdout.splitlines()
+
+
+def _edit(lines: list[str], n: int, **changes: Any) -> list[str]:
+    row = json.loads(lines[n - 1])
+    row.update(changes)
+    for name, value in changes.items():
+        if value is ...:
+            del row[name]
+    return [*lines[: n - 1], json.dumps(row), *lines[n:]]
+
+
+BAD: dict[str, tuple[Any, str]] = {
+    "not JSON": (lambda ls: [*ls[:2], '{"key": "x",', *ls[3:]], "line 3: not JSON"),
+    "a field missing": (lambda ls: _edit(ls, 4, fence=...), "line 4: not a record of format 1 (missing fence)"),
+    "an unknown field": (lambda ls: _edit(ls, 5, colour="red"), "line 5: not a record of format 1 (unknown colour)"),
+    "a bad state": (lambda ls: _edit(ls, 2, state="done"), "state 'done' is not one of"),
+    "text for a number": (lambda ls: _edit(ls, 6, attempts="2"), "line 6 ("),
+    "a history that is not one": (lambda ls: _edit(ls, 7, history_json='{"a": 1}'), "line 7:"),
+    "a key onceonly refuses": (lambda ls: _edit(ls, 8, key="has space"), "line 8:"),
+    "a second record of a key": (lambda ls: [*ls[:3], ls[2], *ls[3:]], "line 4: a second record of key"),
+    "no header": (lambda ls: ls[1:], "line 1: not an onceonly export"),
+    "another format version": (lambda ls: _edit(ls, 1, version=2), "format version 2"),
+    "cut short": (lambda ls: ls[:-5], "without its end line: it was cut short"),
+    "cut after a whole record": (lambda ls: ls[:-1], "without its end line"),
+    "records added after the export": (lambda ls: [*ls[:-1], ls[-3], ls[-1]], "a second record of key"),
+    "an empty file": (lambda ls: [], "the file is empty"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_file_names_the_line_and_imports_nothing(source: Shop, tmp_path: Path, case: str) -> None:
+    """Each kind of damage is refused with the line and what is wrong, before anything is written:
+    the target is not even made."""
+    edit, message = BAD[case]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(line + "\n" for line in edit(_good_file(source))), encoding="utf-8")
+    target = tmp_path / "target.db"
+    result = _run("import", "--url", f"sqlite:///{target}", str(bad))
+    assert result.exit_code == 1, result.output
+    assert message in result.output, result.output
+    assert "nothing was imported" in result.output
+    assert not target.exists()
+
+
+def test_a_file_that_is_not_text_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    result = _run("import", "--url", f"sqlite:///{tmp_path / 't.db'}", str(bad))
+    assert result.exit_code == 1 and "not UTF-8" in result.output
+
+
+def test_copy_refuses_a_missing_source_and_the_same_store(tmp_path: Path) -> None:
+    missing = f"sqlite:///{tmp_path / 'nope.db'}"
+    result = _run("copy", "--from", missing, "--to", f"sqlite:///{tmp_path / 't.db'}")
+    assert result.exit_code == 1 and "no ledger at" in result.output
+    assert not (tmp_path / "nope.db").exists()
+    assert _run("copy", "--from", missing, "--to", missing).exit_code == 2
+
+
+def test_the_target_store_is_opened_with_its_own_codecs(source: Shop, target_url: str) -> None:
+    """What a copy wrote is read back by the store's own decoder as the source's record, field for field."""
+    assert _run("copy", "--from", source.ledger.store.url, "--to", target_url).exit_code == 0
+    store = open_store(target_url)
+    try:
+        assert {r.key: r for r in store_records(store, batch=7)} == source.records()
+    finally:
+        store.close()
