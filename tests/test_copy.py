@@ -22,8 +22,9 @@ from onceonly import Ledger, OutcomeUnknown, State
 from onceonly.cli import cli
 from onceonly.states import Record
 from onceonly.stores import open_store
-from onceonly.transfer import Action, plan, store_records
+from onceonly.transfer import Action, Report, copy_records, plan, store_records
 from tests.conftest import empty_store_url
+from tests.stores.conftest import fixture_redis_cluster_url  # noqa: F401 - the private Redis Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDERS = 40
@@ -82,7 +83,7 @@ def fixture_source(tmp_path: Path) -> Iterator[Shop]:
     shop.close()
 
 
-@pytest.fixture(name="target_url", params=["postgres", "redis"])
+@pytest.fixture(name="target_url", params=["postgres", "redis", "redis-cluster"])
 def fixture_target_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_store_url(request.param, request, tmp_path)
 
@@ -329,3 +330,59 @@ def test_the_target_store_is_opened_with_its_own_codecs(source: Shop, target_url
         assert {r.key: r for r in store_records(store, batch=7)} == source.records()
     finally:
         store.close()
+
+
+def test_copies_racing_in_threads_write_each_record_once_and_update_it_once(source: Shop, target_url: str) -> None:
+    """Four copies start together on one target, each with its own connection: every record is
+    inserted by exactly one of them, and, once the source moved on, updated by exactly one; the others
+    lose the compare-and-set, read what won and find it identical."""
+    for n in range(ORDERS, 300):
+        source.charge(f"o{n}", n)
+    records = list(store_records(source.ledger.store))
+
+    def race(batch: list[Record]) -> list[Report]:
+        start = threading.Barrier(4)
+        reports: list[Report] = []
+
+        def one() -> None:
+            store = open_store(target_url)
+            try:
+                start.wait()
+                reports.append(copy_records(batch, store))
+            finally:
+                store.close()
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(reports) == 4
+        return reports
+
+    first = race(records)
+    assert sum(r.counts[Action.INSERT] for r in first) == len(records)
+    assert all(r.counts[Action.INSERT] + r.counts[Action.SKIP] == len(records) for r in first)
+    writers = sum(1 for r in first if r.counts[Action.INSERT])
+    # The source moves on: every record gets a later version (a conflict noted, as a late duplicate is).
+    from onceonly.states import note_conflict, replace
+
+    for rec in records:
+        if rec.state is State.CONFIRMED:
+            assert source.ledger.store.swap(note_conflict(rec, now=rec.updated_at + 1, reason="later", by="t"), rec)
+        else:
+            source.ledger.resolve(rec.key, confirmed={"refunded": True}, by="ops")
+    later = list(store_records(source.ledger.store))
+    second = race(later)
+    assert sum(r.counts[Action.UPDATE] for r in second) == len(later)
+    assert all(r.counts[Action.UPDATE] + r.counts[Action.SKIP] == len(later) for r in second)
+    store = open_store(target_url)
+    try:
+        stored = {r.key: r for r in store_records(store)}
+    finally:
+        store.close()
+    for rec in later:
+        got = stored.pop(rec.key)
+        assert replace(got, version=rec.version) == rec
+    assert stored == {}
+    assert writers >= 2, "the copies did not overlap: the race was not run"
