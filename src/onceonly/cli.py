@@ -114,7 +114,8 @@ if _MISSING_CLI is None:
 
         \b
         Exit status: 0 done; 1 an error (the message says what); 2 bad usage;
-        3 done, and something needs a person (reconcile, audit). See docs/operations.md.
+        3 done, and something needs a person (reconcile, audit; copy, import: held
+        records left out); 4 copy, import: conflicts kept. See docs/operations.md.
         """
 
     @cli.command("ls")
