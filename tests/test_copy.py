@@ -386,3 +386,41 @@ def test_copies_racing_in_threads_write_each_record_once_and_update_it_once(sour
         assert replace(got, version=rec.version) == rec
     assert stored == {}
     assert writers >= 2, "the copies did not overlap: the race was not run"
+
+
+def test_a_record_settled_in_both_stores_is_a_conflict_and_one_settled_in_the_target_is_kept(
+    source: Shop, target_url: str
+) -> None:
+    """After a copy, a person settles the parked refund in the target (it never happened): a copy
+    again keeps it as newer there (exit 0). Someone then settles it otherwise in the source: the
+    copy refuses to write over the target's outcome (exit 4) and the target's record is unchanged."""
+    url = source.ledger.store.url
+    assert _run("copy", "--from", url, "--to", target_url).exit_code == 0
+    target = Shop(target_url)
+    try:
+        key = source.refund.key_for("o1")
+        mine = target.ledger.resolve(key, failed="never reached the bank", by="alice")
+        kept = _run("copy", "--from", url, "--to", target_url, "--json")
+        assert kept.exit_code == 0, kept.output
+        assert _summary(kept.output)["newer_in_target"] == 1
+        source.ledger.resolve(key, confirmed={"refunded": True}, by="bob")
+        refused = _run("copy", "--from", url, "--to", target_url, "--json")
+        assert refused.exit_code == 4, refused.output
+        listed = _summary(refused.output)["records"]
+        assert [(r["key"], r["action"]) for r in listed] == [(key, "conflict")]
+        assert "moved on in both stores" in listed[0]["why"]
+        assert target.ledger.get(key) == mine
+        assert target.effects == []
+    finally:
+        target.close()
+
+
+def test_no_password_reaches_the_output(source: Shop, target_url: str) -> None:
+    """A store URL with a password: copy, export and import print it masked, and the file holds none."""
+    from tests._urls import SECRET, with_password
+
+    secret_url = with_password(target_url)
+    copied = _run("copy", "--from", source.ledger.store.url, "--to", secret_url)
+    assert copied.exit_code == 0 and SECRET not in copied.output
+    exported = _run("export", "--url", secret_url)
+    assert exported.exit_code == 0 and SECRET not in exported.output
