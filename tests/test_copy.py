@@ -271,7 +271,7 @@ def _edit(lines: list[str], n: int, **changes: Any) -> list[str]:
     for name, value in changes.items():
         if value is ...:
             del row[name]
-    return [*lines[: n - 1], json.dumps(row), *lines[n:]]
+    return [*lines[: n - 1], json.dumps(row).replace('"NUMBER"', "1e999"), *lines[n:]]
 
 
 BAD: dict[str, tuple[Any, str]] = {
@@ -289,6 +289,12 @@ BAD: dict[str, tuple[Any, str]] = {
     "cut after a whole record": (lambda ls: ls[:-1], "without its end line"),
     "records added after the export": (lambda ls: [*ls[:-1], ls[-3], ls[-1]], "a second record of key"),
     "an empty file": (lambda ls: [], "the file is empty"),
+    "a count too large for a store": (
+        lambda ls: _edit(ls, 3, attempts=2**40),
+        "attempts=1099511627776 is out of range",
+    ),
+    "a time that is not finite": (lambda ls: _edit(ls, 3, created_at="NUMBER"), "created_at holds inf"),
+    "NaN": (lambda ls: [*ls[:3], ls[3].replace('"conflicts": 0', '"conflicts": NaN'), *ls[4:]], "line 4: not JSON"),
 }
 
 

@@ -332,6 +332,8 @@ def read_export(lines: Iterable[str]) -> list[Record]:
     number = 0
     for number, text in enumerate(lines, 1):
         if end:
+            if not text.strip():
+                continue  # a blank line an editor left at the end
             raise BadFile(f"line {number}: text after the end line; the file was put together wrongly")
         if not text.strip():
             raise BadFile(f"line {number}: an empty line; each line is one JSON object")
@@ -416,8 +418,9 @@ def _record(obj: dict[str, Any], number: int) -> Record:
         name, value = wrong
         raise BadFile(f"line {number} ({key!r}): {name} holds {value!r:.80} ({type(value).__name__})")
     for name in ("attempts", "fence", "version", "conflicts"):
-        if getattr(rec, name) < 0 or (name == "version" and rec.version < 1):
-            raise BadFile(f"line {number} ({key!r}): {name}={getattr(rec, name)} is out of range")
+        value = getattr(rec, name)
+        if not 0 <= value < 2**63 or (name == "version" and value < 1) or (name != "version" and value >= 2**31):
+            raise BadFile(f"line {number} ({key!r}): {name}={value} is out of range")
     try:
         rec.result, rec.args, rec.history  # noqa: B018 - decoding is the check
     except StoreCorrupt as exc:
