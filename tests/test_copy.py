@@ -451,3 +451,52 @@ def test_back_again_into_sqlite_is_the_same_ledger(source: Shop, target_url: str
         assert shop.effects == []
     finally:
         shop.close()
+
+
+def test_trimmed_histories_are_still_told_apart(source: Shop) -> None:
+    """Past HISTORY_LIMIT transitions a store keeps only the last ones: an older copy is still told
+    from a later one by the stretch both hold, and two records that went separate ways are a conflict."""
+    from onceonly.states import HISTORY_LIMIT, note_conflict
+
+    rec = source.ledger.get(source.charge.key_for("o5", 5))
+    assert rec is not None
+    versions = [rec]
+    for n in range(HISTORY_LIMIT + 20):
+        versions.append(note_conflict(versions[-1], now=rec.updated_at + n + 1, reason=f"n{n}", by="t"))
+    old, new = versions[HISTORY_LIMIT + 5], versions[-1]
+    assert len(old.history) == len(new.history) == HISTORY_LIMIT
+    assert plan(new, old, now=0.0).action is Action.UPDATE
+    assert plan(old, new, now=0.0).action is Action.NEWER
+    elsewhere = note_conflict(old, now=rec.updated_at + 999, reason="elsewhere", by="t")
+    assert plan(new, elsewhere, now=0.0).action is Action.CONFLICT
+    too_far = versions[2]  # the source no longer holds any of its entries: it cannot be told
+    assert plan(new, too_far, now=0.0).action is Action.CONFLICT
+
+
+def test_progress_is_drawn_on_a_terminal_only(source: Shop, tmp_path: Path) -> None:
+    """On a terminal, stderr shows a running count; piped, only the summary is printed."""
+    import pty
+
+    args = ("copy", "--from", source.ledger.store.url, "--to", f"sqlite:///{tmp_path / 'a.db'}")
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", *args], env=env, stdout=subprocess.PIPE, stderr=slave, text=True
+    )
+    os.close(slave)
+    out, _ = proc.communicate(timeout=60)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert proc.returncode == 0, out
+    assert b"\rcopy: " in drawn and b"copied" in drawn
+    piped = _spawn(*args[:-1], f"sqlite:///{tmp_path / 'b.db'}")
+    out, err = piped.communicate(timeout=60)
+    assert piped.returncode == 0 and "\r" not in err and f"{ORDERS + 1} copied" in out
