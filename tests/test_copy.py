@@ -500,3 +500,17 @@ def test_progress_is_drawn_on_a_terminal_only(source: Shop, tmp_path: Path) -> N
     piped = _spawn(*args[:-1], f"sqlite:///{tmp_path / 'b.db'}")
     out, err = piped.communicate(timeout=60)
     assert piped.returncode == 0 and "\r" not in err and f"{ORDERS + 1} copied" in out
+
+
+def test_a_record_held_in_the_target_is_never_written_over(source: Shop) -> None:
+    """A caller of the target holds the record: a later version of the source's is kept (newer), and
+    one that is not is a conflict; neither is written."""
+    from onceonly.states import claim_again, confirm, replace
+
+    rec = source.ledger.get(source.charge.key_for("o4", 4))
+    assert rec is not None
+    expired = replace(rec, expires_at=rec.updated_at)
+    held = claim_again(expired, state=State.IN_FLIGHT, owner="w", now=rec.updated_at + 5, lease_seconds=30, reason="r")
+    assert plan(rec, held, now=0.0).action is Action.NEWER
+    moved = confirm(rec, result_json="{}", now=rec.updated_at + 1, ttl=None, via="resolve", by="p")
+    assert plan(moved, held, now=0.0).action is Action.CONFLICT

@@ -148,15 +148,15 @@ def plan(source: Record, target: Record | None, *, in_flight: InFlight = "report
         return Step(Action.SKIP)
     if (target.created_at, target.scope, target.tool) != (source.created_at, source.scope, source.tool):
         return Step(Action.CONFLICT, why=_other_record_why(source, target))
-    if target.state in HELD:
-        # A caller of the target holds it now: its attempt is not the source's to overwrite.
-        return Step(Action.CONFLICT, why=f"{target.state.value} in the target, held by {target.lease_owner or '?'}")
     theirs = _strip_copy_mark(_entries(target))
     ours = _entries(source)
     older = _earlier(theirs, ours)
     newer = _earlier(ours, _entries(target))
     if newer and not (older and theirs == ours):
         return Step(Action.NEWER, why=f"the target holds a later version ({target.state.value})")
+    if target.state in HELD:
+        # A caller of the target holds it now: its attempt is not the source's to overwrite.
+        return Step(Action.CONFLICT, why=f"{target.state.value} in the target, held by {target.lease_owner or '?'}")
     if not older:
         return Step(
             Action.CONFLICT,
