@@ -123,7 +123,8 @@ if _MISSING_CLI is None:
 
         \b
         Exit status: 0 done; 1 an error (the message says what); 2 bad usage;
-        3 done, and something needs a person (reconcile, audit). See docs/operations.md.
+        3 done, and something needs a person (reconcile, audit; copy, import: held
+        records left out); 4 copy, import: conflicts kept. See docs/operations.md.
         """
 
     @cli.command("ls")
@@ -588,10 +589,16 @@ if _MISSING_CLI is None:
 
     # Commands that live beside the things they run. Their modules import only click and rich at the
     # top (the ticket service and the demo load their extras when run), so `onceonly --help` stays fast.
-    from onceonly import settle_cli
+    from onceonly import settle_cli, transfer_cli
     from onceonly.demo import cli as demo_cli
     from onceonly.mcp import proxy as mcp_proxy_cli
     from onceonly.tickets import cli as tickets_cli
 
-    for _command in (*tickets_cli.COMMANDS, *settle_cli.COMMANDS, *demo_cli.COMMANDS, *mcp_proxy_cli.COMMANDS):
+    for _command in (
+        *tickets_cli.COMMANDS,
+        *settle_cli.COMMANDS,
+        *demo_cli.COMMANDS,
+        *mcp_proxy_cli.COMMANDS,
+        *transfer_cli.COMMANDS,
+    ):
         cli.add_command(_command)

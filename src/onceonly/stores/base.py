@@ -10,6 +10,8 @@ proven by one conformance suite (``tests/stores/``):
   SQL stores insert first and read only on a conflict, so a first call is just the two writes of
   claim and settle, and a replay pays a second statement.
 - ``insert(record)``: write it only if the key is absent; ``True`` when this call wrote it.
+  ``insert`` and ``swap`` write the record as given, every field, its history and version as they
+  are: ``onceonly.transfer`` copies ledgers between stores through them alone.
 - ``swap(record, expected)``: replace the record only if its stored ``version`` is still
   ``expected.version`` and its ``created_at`` is still ``expected.created_at``: the compare-and-set
   every transition goes through. ``expected`` is the record as the caller read it, so a store may
