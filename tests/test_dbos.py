@@ -1,0 +1,219 @@
+"""DBOS recovery finds the same key: a guarded call inside a DBOS workflow is keyed by the workflow.
+
+The crash tests run a real pydantic-ai agent (scripted ``FunctionModel``) under ``DBOSDurability`` on a
+SQLite system database, in a child process that dies right after the guarded ``charge`` wrote its
+charge; a second process launches DBOS, which recovers the pending workflow and runs it again
+(tests/_dbos_agent.py). The charges are counted in their own SQLite table. The in-process tests run plain
+DBOS workflows and steps.
+
+The children fork from a forkserver that imported pydantic-ai and DBOS once (seconds each, otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("dbos")
+pytest.importorskip("pydantic_ai.durable_exec.dbos")
+
+from dbos import DBOS, DBOSConfig, SetWorkflowID
+
+import onceonly
+import onceonly.dbos
+from onceonly import Ledger
+from onceonly.edge import durable_unit
+from tests import _dbos_agent
+
+pytestmark = pytest.mark.slow
+
+REPLAYED = re.compile(r"This action was already done at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ and was not repeated\.")
+UNKNOWN = "The outcome of this action is unknown"
+
+
+@pytest.fixture(scope="module", name="forkserver")
+def fixture_forkserver() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests._dbos_agent"])
+    return ctx
+
+
+def crash_then_recover(ctx: multiprocessing.context.BaseContext, where: Path, keying: str) -> dict[str, Any]:
+    first = ctx.Process(target=_dbos_agent.main, args=("run", where, keying))  # type: ignore[attr-defined]
+    first.start()
+    first.join(60)
+    assert first.exitcode == _dbos_agent.CRASHED, f"the first run should die in the tool, exit code {first.exitcode}"
+    second = ctx.Process(target=_dbos_agent.main, args=("recover", where, keying))  # type: ignore[attr-defined]
+    second.start()
+    second.join(60)
+    assert second.exitcode == 0, f"the recovering process failed, exit code {second.exitcode}"
+    result: dict[str, Any] = json.loads((where / "result.json").read_text())
+    return result
+
+
+def test_recovered_agent_workflow_replays_the_charge(forkserver: Any, tmp_path: Path) -> None:
+    """Keyed by the workflow, the recovered run finds the dead run's charge (its probe confirms it): one
+    charge, and the model reads onceonly's replay text."""
+    result = crash_then_recover(forkserver, tmp_path, "dbos")
+    assert result["charges"] == 1
+    assert result["keys"][0].startswith("dbos%3Aorder-1:charge:")
+    assert REPLAYED.search(result["output"]) and "charged 5" in result["output"]
+    assert "onceonly resolve" not in result["output"]
+
+
+def test_recovered_agent_workflow_without_a_probe_is_told_unknown(forkserver: Any, tmp_path: Path) -> None:
+    """No probe: the recovered call does not charge again, and the model is told the outcome is unknown."""
+    result = crash_then_recover(forkserver, tmp_path, "dbos-review")
+    assert result["charges"] == 1
+    assert UNKNOWN in result["output"]
+    assert "onceonly resolve" not in result["output"]
+
+
+def test_without_dbos_keying_the_recovered_workflow_charges_twice(forkserver: Any, tmp_path: Path) -> None:
+    """The same flow keyed by the caller's ``ledger.task("conv-1")``: recovery does not enter it, the
+    recovered call gets another key, and the customer is charged twice."""
+    result = crash_then_recover(forkserver, tmp_path, "task")
+    assert result["charges"] == 2
+    assert sorted(key.split(":")[0] for key in result["keys"]) == ["conv-1", "default"]
+
+
+# --- in process: plain DBOS workflows and steps ---------------------------------------------------
+
+
+@pytest.fixture(name="dbos")
+def fixture_dbos(tmp_path: Path) -> Iterator[None]:
+    config: DBOSConfig = {"name": "onceonly-dbos-inproc", "system_database_url": f"sqlite:///{tmp_path / 'dbos.db'}"}
+    DBOS(config=config)
+    try:
+        yield
+    finally:
+        DBOS.destroy(destroy_registry=True)
+        onceonly.dbos.uninstall()
+
+
+def charges_on(ledger: Ledger) -> tuple[Any, list[str]]:
+    made: list[str] = []
+
+    @ledger.tool(name="charge")
+    def charge(amount: int) -> str:
+        call = onceonly.current_call()
+        assert call is not None
+        made.append(call.scope)
+        return f"charged {amount}"
+
+    return charge, made
+
+
+def test_two_workflows_each_charge_and_a_replan_in_one_replays(dbos: None, sqlite_url: str) -> None:
+    """Keyed per workflow: the same charge in two orders runs twice (two customers), and the same charge
+    asked twice inside one workflow (a re-planned tool call) runs once."""
+    onceonly.dbos.install()
+    with Ledger.open(sqlite_url) as ledger:
+        charge, made = charges_on(ledger)
+
+        @DBOS.workflow()
+        def order() -> list[str]:
+            return [charge(5), charge(5)]
+
+        DBOS.launch()
+        for name in ("order-a", "order-b"):
+            with SetWorkflowID(name):
+                assert order() == ["charged 5", "charged 5"]
+        assert made == ["dbos:order-a", "dbos:order-b"]
+        assert charge(5) == "charged 5"  # outside a workflow: the ledger's scope, as before
+        assert made[-1] == ledger.scope
+
+
+def test_a_task_entered_inside_the_workflow_wins(dbos: None, sqlite_url: str) -> None:
+    """``ledger.task`` inside the workflow function is entered again on recovery, so it scopes the calls:
+    two workflows of one conversation share the charge."""
+    onceonly.dbos.install()
+    with Ledger.open(sqlite_url) as ledger:
+        charge, made = charges_on(ledger)
+
+        @DBOS.workflow()
+        def order(conversation: str) -> str:
+            with ledger.task(conversation):
+                return str(charge(5))
+
+        DBOS.launch()
+        for name in ("order-a", "order-b"):
+            with SetWorkflowID(name):
+                assert order("conv-1") == "charged 5"
+        assert made == ["conv-1"]
+
+
+def test_a_task_entered_outside_the_workflow_gives_way_with_a_warning(
+    dbos: None, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller's task is not there when DBOS recovers the workflow: the workflow's scope is used
+    (the same on the first run and on recovery), and a warning says where to enter the task (once per
+    process: no other test here enters a task outside a workflow)."""
+    onceonly.dbos.install()
+    with Ledger.open(sqlite_url) as ledger:
+        charge, made = charges_on(ledger)
+
+        @DBOS.workflow()
+        def order() -> str:
+            return str(charge(5))
+
+        DBOS.launch()
+        with caplog.at_level(logging.WARNING, "onceonly"), ledger.task("conv-1"), SetWorkflowID("order-a"):
+            assert order() == "charged 5"
+        assert made == ["dbos:order-a"]
+        assert any("inside the workflow function" in r.getMessage() for r in caplog.records)
+
+
+def test_per_step_scopes_each_step(dbos: None, sqlite_url: str) -> None:
+    """``per="step"``: the same charge in two DBOS steps runs in each (DBOS's own reading of two steps),
+    keyed by the step id DBOS gives it again on recovery; workflow code keeps the workflow's scope."""
+    onceonly.dbos.install(per="step")
+    with Ledger.open(sqlite_url) as ledger:
+        charge, made = charges_on(ledger)
+        seen: list[Any] = []
+
+        @DBOS.step()
+        def pay() -> str:
+            seen.append(onceonly.dbos.unit())
+            return str(charge(5))
+
+        @DBOS.workflow()
+        def order() -> list[str]:
+            return [pay(), pay(), str(charge(5))]
+
+        DBOS.launch()
+        with SetWorkflowID("order-a"):
+            assert order() == ["charged 5"] * 3
+        assert made == ["dbos:order-a/step:1", "dbos:order-a/step:2", "dbos:order-a"]
+        assert [u.unit for u in seen] == ["dbos:order-a", "dbos:order-a"]
+        with pytest.raises(ValueError, match="uninstall"):
+            onceonly.dbos.install(per="workflow")
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_task_scope(dbos: None, sqlite_url: str) -> None:
+    onceonly.dbos.install()
+    onceonly.dbos.install()
+    assert onceonly.dbos.installed() == "workflow"
+    with Ledger.open(sqlite_url) as ledger:
+        charge, made = charges_on(ledger)
+
+        @DBOS.workflow()
+        def order() -> str:
+            return str(charge(5))
+
+        DBOS.launch()
+        onceonly.dbos.uninstall()
+        assert onceonly.dbos.installed() is None
+        with ledger.task("conv-1"), SetWorkflowID("order-a"):
+            order()
+        assert made == ["conv-1"]
+    assert durable_unit() is None
+    with pytest.raises(ValueError, match="per="):
+        onceonly.dbos.install(per="call")  # type: ignore[arg-type]
