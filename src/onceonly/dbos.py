@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from onceonly._install import install_hint
 from onceonly.edge import MAX_SCOPE, DurableUnit, register_durable
 from onceonly.keys import safe_name
 
@@ -47,7 +48,7 @@ def _load() -> Any:
     try:
         from dbos import DBOS
     except ImportError as exc:
-        raise ImportError("onceonly.dbos needs the dbos package: pip install 'onceonly[dbos]' (dbos>=3.4,<4)") from exc
+        raise ImportError(f"onceonly.dbos needs dbos (3.x): {install_hint('dbos')}") from exc
     return DBOS
 
 
