@@ -7,7 +7,8 @@ Every integration (LangChain, the OpenAI Agents SDK, MCP, and the guarded functi
   gives; else the authenticated principal or the protocol session; else the run's own id, with one
   warning naming the setting that shares records across runs. Never a process-wide scope by silent
   fallback. A scope a client chooses is bound under its caller, so it never reaches another caller's
-  records;
+  records. Inside a durable engine's unit (a DBOS workflow: ``register_durable``, ``scope_here``) the
+  unit's id, which the engine's recovery in another process brings back, unlike the caller's task;
 - **the arguments in their real form**: ``onceonly.schema.coerce`` (validated and coerced by the tool's
   own JSON Schema before the fingerprint);
 - **what a result means** (``error_result_verdict``): a tool that reported an error after it may have
