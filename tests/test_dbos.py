@@ -113,11 +113,11 @@ def charges_on(ledger: Ledger) -> tuple[Any, list[str]]:
     return charge, made
 
 
-def test_two_workflows_each_charge_and_a_replan_in_one_replays(dbos: None, sqlite_url: str) -> None:
-    """Keyed per workflow: the same charge in two orders runs twice (two customers), and the same charge
-    asked twice inside one workflow (a re-planned tool call) runs once."""
+def test_two_workflows_each_charge_and_a_replan_in_one_replays(dbos: None, store_url: str) -> None:
+    """Keyed per workflow, on each store: the same charge in two orders runs twice (two customers), and
+    the same charge asked twice inside one workflow (a re-planned tool call) runs once."""
     onceonly.dbos.install()
-    with Ledger.open(sqlite_url) as ledger:
+    with Ledger.open(store_url) as ledger:
         charge, made = charges_on(ledger)
 
         @DBOS.workflow()
