@@ -89,133 +89,141 @@ def test_without_dbos_keying_the_recovered_workflow_charges_twice(forkserver: An
 # --- in process: plain DBOS workflows and steps ---------------------------------------------------
 
 
-@pytest.fixture(name="dbos")
-def fixture_dbos(tmp_path: Path) -> Iterator[None]:
-    config: DBOSConfig = {"name": "onceonly-dbos-inproc", "system_database_url": f"sqlite:///{tmp_path / 'dbos.db'}"}
+class Shop:
+    """The ledger and guarded ``charge`` of the running test; the workflows below call through it."""
+
+    ledger: Ledger
+    charge: Any
+    made: list[str]
+
+    def use(self, ledger: Ledger) -> None:
+        self.ledger, self.made = ledger, []
+
+        @ledger.tool(name="charge")
+        def charge(amount: int) -> str:
+            call = onceonly.current_call()
+            assert call is not None
+            self.made.append(call.scope)
+            return f"charged {amount}"
+
+        self.charge = charge
+
+
+SHOP = Shop()
+SEEN: list[Any] = []  # onceonly.dbos.unit() as the ``pay`` step saw it
+
+
+@pytest.fixture(scope="module", name="dbos")
+def fixture_dbos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One DBOS for the module (launching and destroying one takes a second): its workflows call
+    ``SHOP``, which each test points at its own ledger. Workflow ids are the tests' own: DBOS returns a
+    finished workflow's recorded result for its id."""
+    where = tmp_path_factory.mktemp("dbos")
+    config: DBOSConfig = {"name": "onceonly-dbos-inproc", "system_database_url": f"sqlite:///{where / 'dbos.db'}"}
     DBOS(config=config)
+
+    @DBOS.step(name="pay")
+    def pay() -> str:
+        SEEN.append(onceonly.dbos.unit())
+        return str(SHOP.charge(5))
+
+    @DBOS.workflow(name="charge_twice")
+    def charge_twice() -> list[str]:
+        return [SHOP.charge(5), SHOP.charge(5)]
+
+    @DBOS.workflow(name="charge_once")
+    def charge_once() -> str:
+        return str(SHOP.charge(5))
+
+    @DBOS.workflow(name="charge_in_task")
+    def charge_in_task(conversation: str) -> str:
+        with SHOP.ledger.task(conversation):
+            return str(SHOP.charge(5))
+
+    @DBOS.workflow(name="pay_in_steps")
+    def pay_in_steps() -> list[str]:
+        return [pay(), pay(), str(SHOP.charge(5))]
+
+    DBOS.launch()
     try:
-        yield
+        yield {f.__name__: f for f in (charge_twice, charge_once, charge_in_task, pay_in_steps)}
     finally:
         DBOS.destroy(destroy_registry=True)
-        onceonly.dbos.uninstall()
 
 
-def charges_on(ledger: Ledger) -> tuple[Any, list[str]]:
-    made: list[str] = []
-
-    @ledger.tool(name="charge")
-    def charge(amount: int) -> str:
-        call = onceonly.current_call()
-        assert call is not None
-        made.append(call.scope)
-        return f"charged {amount}"
-
-    return charge, made
+@pytest.fixture(name="shop")
+def fixture_shop(dbos: dict[str, Any], sqlite_url: str) -> Iterator[Shop]:
+    with Ledger.open(sqlite_url) as ledger:
+        SHOP.use(ledger)
+        SEEN.clear()
+        try:
+            yield SHOP
+        finally:
+            onceonly.dbos.uninstall()
 
 
-def test_two_workflows_each_charge_and_a_replan_in_one_replays(dbos: None, store_url: str) -> None:
+def test_two_workflows_each_charge_and_a_replan_in_one_replays(dbos: dict[str, Any], store_url: str) -> None:
     """Keyed per workflow, on each store: the same charge in two orders runs twice (two customers), and
     the same charge asked twice inside one workflow (a re-planned tool call) runs once."""
     onceonly.dbos.install()
-    with Ledger.open(store_url) as ledger:
-        charge, made = charges_on(ledger)
-
-        @DBOS.workflow()
-        def order() -> list[str]:
-            return [charge(5), charge(5)]
-
-        DBOS.launch()
-        for name in ("order-a", "order-b"):
-            with SetWorkflowID(name):
-                assert order() == ["charged 5", "charged 5"]
-        assert made == ["dbos:order-a", "dbos:order-b"]
-        assert charge(5) == "charged 5"  # outside a workflow: the ledger's scope, as before
-        assert made[-1] == ledger.scope
+    try:
+        with Ledger.open(store_url) as ledger:
+            SHOP.use(ledger)
+            kind = store_url.split(":", maxsplit=1)[0]
+            for name in (f"two-{kind}-a", f"two-{kind}-b"):
+                with SetWorkflowID(name):
+                    assert dbos["charge_twice"]() == ["charged 5", "charged 5"]
+            assert SHOP.made == [f"dbos:two-{kind}-a", f"dbos:two-{kind}-b"]
+            assert SHOP.charge(5) == "charged 5"  # outside a workflow: the ledger's scope, as before
+            assert SHOP.made[-1] == ledger.scope
+    finally:
+        onceonly.dbos.uninstall()
 
 
-def test_a_task_entered_inside_the_workflow_wins(dbos: None, sqlite_url: str) -> None:
+def test_a_task_entered_inside_the_workflow_wins(dbos: dict[str, Any], shop: Shop) -> None:
     """``ledger.task`` inside the workflow function is entered again on recovery, so it scopes the calls:
     two workflows of one conversation share the charge."""
     onceonly.dbos.install()
-    with Ledger.open(sqlite_url) as ledger:
-        charge, made = charges_on(ledger)
-
-        @DBOS.workflow()
-        def order(conversation: str) -> str:
-            with ledger.task(conversation):
-                return str(charge(5))
-
-        DBOS.launch()
-        for name in ("order-a", "order-b"):
-            with SetWorkflowID(name):
-                assert order("conv-1") == "charged 5"
-        assert made == ["conv-1"]
+    for name in ("inside-a", "inside-b"):
+        with SetWorkflowID(name):
+            assert dbos["charge_in_task"]("conv-1") == "charged 5"
+    assert shop.made == ["conv-1"]
 
 
 def test_a_task_entered_outside_the_workflow_gives_way_with_a_warning(
-    dbos: None, sqlite_url: str, caplog: pytest.LogCaptureFixture
+    dbos: dict[str, Any], shop: Shop, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The caller's task is not there when DBOS recovers the workflow: the workflow's scope is used
     (the same on the first run and on recovery), and a warning says where to enter the task (once per
     process: no other test here enters a task outside a workflow)."""
     onceonly.dbos.install()
-    with Ledger.open(sqlite_url) as ledger:
-        charge, made = charges_on(ledger)
-
-        @DBOS.workflow()
-        def order() -> str:
-            return str(charge(5))
-
-        DBOS.launch()
-        with caplog.at_level(logging.WARNING, "onceonly"), ledger.task("conv-1"), SetWorkflowID("order-a"):
-            assert order() == "charged 5"
-        assert made == ["dbos:order-a"]
-        assert any("inside the workflow function" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, "onceonly"), shop.ledger.task("conv-1"), SetWorkflowID("outside-a"):
+        assert dbos["charge_once"]() == "charged 5"
+    assert shop.made == ["dbos:outside-a"]
+    assert any("inside the workflow function" in r.getMessage() for r in caplog.records)
 
 
-def test_per_step_scopes_each_step(dbos: None, sqlite_url: str) -> None:
+def test_per_step_scopes_each_step(dbos: dict[str, Any], shop: Shop) -> None:
     """``per="step"``: the same charge in two DBOS steps runs in each (DBOS's own reading of two steps),
     keyed by the step id DBOS gives it again on recovery; workflow code keeps the workflow's scope."""
     onceonly.dbos.install(per="step")
-    with Ledger.open(sqlite_url) as ledger:
-        charge, made = charges_on(ledger)
-        seen: list[Any] = []
-
-        @DBOS.step()
-        def pay() -> str:
-            seen.append(onceonly.dbos.unit())
-            return str(charge(5))
-
-        @DBOS.workflow()
-        def order() -> list[str]:
-            return [pay(), pay(), str(charge(5))]
-
-        DBOS.launch()
-        with SetWorkflowID("order-a"):
-            assert order() == ["charged 5"] * 3
-        assert made == ["dbos:order-a/step:1", "dbos:order-a/step:2", "dbos:order-a"]
-        assert [u.unit for u in seen] == ["dbos:order-a", "dbos:order-a"]
-        with pytest.raises(ValueError, match="uninstall"):
-            onceonly.dbos.install(per="workflow")
+    with SetWorkflowID("steps-a"):
+        assert dbos["pay_in_steps"]() == ["charged 5"] * 3
+    assert shop.made == ["dbos:steps-a/step:1", "dbos:steps-a/step:2", "dbos:steps-a"]
+    assert [u.unit for u in SEEN] == ["dbos:steps-a", "dbos:steps-a"]
+    with pytest.raises(ValueError, match="uninstall"):
+        onceonly.dbos.install(per="workflow")
 
 
-def test_install_is_idempotent_and_uninstall_restores_the_task_scope(dbos: None, sqlite_url: str) -> None:
+def test_install_is_idempotent_and_uninstall_restores_the_task_scope(dbos: dict[str, Any], shop: Shop) -> None:
     onceonly.dbos.install()
     onceonly.dbos.install()
     assert onceonly.dbos.installed() == "workflow"
-    with Ledger.open(sqlite_url) as ledger:
-        charge, made = charges_on(ledger)
-
-        @DBOS.workflow()
-        def order() -> str:
-            return str(charge(5))
-
-        DBOS.launch()
-        onceonly.dbos.uninstall()
-        assert onceonly.dbos.installed() is None
-        with ledger.task("conv-1"), SetWorkflowID("order-a"):
-            order()
-        assert made == ["conv-1"]
+    onceonly.dbos.uninstall()
+    assert onceonly.dbos.installed() is None
+    with shop.ledger.task("conv-1"), SetWorkflowID("uninstalled-a"):
+        dbos["charge_once"]()
+    assert shop.made == ["conv-1"]
     assert durable_unit() is None
     with pytest.raises(ValueError, match="per="):
         onceonly.dbos.install(per="call")  # type: ignore[arg-type]
