@@ -17,7 +17,8 @@ Every integration (LangChain, the OpenAI Agents SDK, MCP, and the guarded functi
   ``str(exception)``; onceonly's own result marks (``OWN_META_PREFIX``) are set by onceonly alone
   (``strip_own_meta``).
 
-Pure, framework-free and without I/O, apart from the one warning a run scope logs.
+Pure, framework-free and without I/O, apart from the one warning a run scope logs (and one for a task
+entered outside a durable unit).
 """
 
 from __future__ import annotations
