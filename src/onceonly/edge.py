@@ -7,7 +7,8 @@ Every integration (LangChain, the OpenAI Agents SDK, MCP, and the guarded functi
   gives; else the authenticated principal or the protocol session; else the run's own id, with one
   warning naming the setting that shares records across runs. Never a process-wide scope by silent
   fallback. A scope a client chooses is bound under its caller, so it never reaches another caller's
-  records;
+  records. Inside a durable engine's unit (a DBOS workflow: ``register_durable``, ``scope_here``) the
+  unit's id, which the engine's recovery in another process brings back, unlike the caller's task;
 - **the arguments in their real form**: ``onceonly.schema.coerce`` (validated and coerced by the tool's
   own JSON Schema before the fingerprint);
 - **what a result means** (``error_result_verdict``): a tool that reported an error after it may have
@@ -16,17 +17,19 @@ Every integration (LangChain, the OpenAI Agents SDK, MCP, and the guarded functi
   ``str(exception)``; onceonly's own result marks (``OWN_META_PREFIX``) are set by onceonly alone
   (``strip_own_meta``).
 
-Pure, framework-free and without I/O, apart from the one warning a run scope logs.
+Pure, framework-free and without I/O, apart from the one warning a run scope logs (and one for a task
+entered outside a durable unit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,7 +42,7 @@ from onceonly.errors import (
     RetryScheduled,
     SimilarCall,
 )
-from onceonly.keys import safe_name
+from onceonly.keys import safe_name, validate_name
 from onceonly.plan import Outcome
 from onceonly.policy import Verdict
 from onceonly.tell import TOLD, tell_model
@@ -47,14 +50,19 @@ from onceonly.tell import TOLD, tell_model
 __all__ = [
     "OWN_META_PREFIX",
     "STATES",
+    "DurableUnit",
     "Envelope",
     "EnvelopeState",
     "caller_scope",
     "client_scope",
+    "durable_unit",
+    "entered_task",
     "envelope",
     "error_result_verdict",
+    "register_durable",
     "run_identity",
     "run_scope",
+    "scope_here",
     "strip_own_meta",
     "task_scope",
 ]
@@ -78,6 +86,106 @@ def task_scope() -> str | None:
     .. versionadded:: 0.1
     """
     return TASK_SCOPE.get()
+
+
+# --- durable engines ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DurableUnit:
+    """The unit of a durable engine that is running this code (a DBOS workflow, or a step of one).
+
+    Attributes:
+        unit: the id of what the engine recovers and runs again in a new process (``dbos:<workflow id>``):
+            a ``ledger.task()`` entered inside it is entered again on recovery, one entered outside is not.
+        scope: the scope of guarded calls made here when no task entered inside the unit names one.
+
+    .. versionadded:: 0.1
+    """
+
+    unit: str
+    scope: str
+
+
+# name -> a function of no arguments that returns the running unit of that engine, or None outside one.
+# Registered by the engine's integration (onceonly.dbos.install); asked on every guarded call.
+_durable: dict[str, Callable[[], DurableUnit | None]] = {}
+_durable_lock = threading.Lock()
+
+# The durable unit the innermost ``ledger.task()`` was entered in (None: outside any), set with TASK_SCOPE.
+TASK_UNIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("onceonly_task_unit", default=None)
+
+
+def register_durable(engine: str, resolver: Callable[[], DurableUnit | None] | None) -> None:
+    """Make guarded calls inside ``engine``'s durable units take their scope from ``resolver``
+    (``None`` removes it). The resolver must be cheap and must not raise: it runs on every guarded call.
+
+    .. versionadded:: 0.1
+    """
+    with _durable_lock:
+        if resolver is None:
+            _durable.pop(engine, None)
+        else:
+            _durable[engine] = resolver
+
+
+def durable_unit() -> DurableUnit | None:
+    """The durable unit running this code, by the first registered engine that names one, or ``None``.
+
+    .. versionadded:: 0.1
+    """
+    for resolver in tuple(_durable.values()):
+        found = resolver()
+        if found is not None:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def entered_task(name: str) -> Iterator[str]:
+    """Set the task scope (``ledger.task``), noting the durable unit it is entered in."""
+    here = durable_unit()
+    scope_token = TASK_SCOPE.set(validate_name(name, "task name"))
+    unit_token = TASK_UNIT.set(None if here is None else here.unit)
+    try:
+        yield name
+    finally:
+        TASK_UNIT.reset(unit_token)
+        TASK_SCOPE.reset(scope_token)
+
+
+def scope_here(default: str) -> str:
+    """The scope of a guarded call made here: outside a durable unit, the innermost ``ledger.task()``,
+    else ``default`` (the ledger's). Inside one, a task entered inside the same unit (recovery enters it
+    again), else the unit's own scope: a task entered outside the unit (the caller's) is not there when
+    the engine recovers the unit in a new process, so keying by it would give the recovered call a new
+    key and run it twice. That case logs one warning.
+
+    .. versionadded:: 0.1
+    """
+    task = TASK_SCOPE.get()
+    if not _durable:  # no durable engine installed: the plain rule, at no cost
+        return task or default
+    here = durable_unit()
+    if here is None:
+        return task or default
+    if task is None:
+        return here.scope
+    if TASK_UNIT.get() == here.unit:
+        return task
+    with _warned_lock:
+        first = ("durable", "task outside") not in _warned
+        _warned.add(("durable", "task outside"))
+    if first:
+        _log.warning(
+            "onceonly: ledger.task(%r) was entered outside the durable unit %s, and recovery does not enter it "
+            "again, so guarded calls inside are scoped to the unit (%s); enter ledger.task inside the workflow "
+            "function to share records across workflows",
+            task,
+            here.unit,
+            here.scope,
+        )
+    return here.scope
 
 
 # --- who is calling -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from onceonly import states as st
 from onceonly.clock import StoreClock
-from onceonly.edge import TASK_SCOPE
+from onceonly.edge import entered_task, scope_here
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener
 from onceonly.keys import Normalizer, canonical_json, validate_name
@@ -172,11 +172,13 @@ class Ledger:
         return ledger
 
     def current_scope(self) -> str:
-        """The scope of keys here: the innermost ``task()``, else the ledger's.
+        """The scope of keys here: the innermost ``task()``, else the ledger's; inside a durable engine's
+        unit (``onceonly.dbos.install``), the unit's unless a task was entered inside it
+        (``edge.scope_here``).
 
         .. versionadded:: 0.1
         """
-        return TASK_SCOPE.get() or self.scope
+        return scope_here(self.scope)
 
     # --- the decorator ----------------------------------------------------------------------------
 
@@ -340,15 +342,14 @@ class Ledger:
         """Scope every key inside to one task or session.
 
         Re-running the same task after a crash replays its finished steps and continues at the first
-        unfinished one. Works across threads and asyncio tasks (a ``contextvars`` variable).
+        unfinished one. Works across threads and asyncio tasks (a ``contextvars`` variable). Inside a
+        DBOS workflow (``onceonly.dbos.install``) only a task entered inside the workflow applies: one
+        entered outside it is not there when DBOS recovers the workflow (docs/integrations.md).
 
         .. versionadded:: 0.1
         """
-        token = TASK_SCOPE.set(validate_name(name, "task name"))
-        try:
+        with entered_task(name):
             yield name
-        finally:
-            TASK_SCOPE.reset(token)
 
     # --- the operations API (CLI, dashboard) -----------------------------------------------------
 

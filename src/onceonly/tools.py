@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 from onceonly import drivers
-from onceonly.edge import TASK_SCOPE, envelope
+from onceonly.edge import envelope, scope_here
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.plan import Call, Outcome, plan
@@ -325,7 +325,7 @@ class ToolSpec:
             digest = fingerprint(canonical_json(select(hashed, self.key_fields), path="key"))[:32]
         if occurrence != 1:  # an int from 1: using() checked it
             digest = f"{digest}#{occurrence}"
-        scope = TASK_SCOPE.get() or self.ledger.scope  # Ledger.current_scope(), inlined: every call
+        scope = scope_here(self.ledger.scope)  # Ledger.current_scope(), without the method call
         full = compose_key(scope, self.name, digest)
         rt = self.runtime
         # Positional: built on every call (key, scope, tool, fingerprint, args, owner, policy, clock, rng).
