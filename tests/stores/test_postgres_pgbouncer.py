@@ -188,3 +188,56 @@ def test_guarded_calls_survive_recycled_and_cut_server_connections(
     finally:
         ledger.close()
         bouncer.stop()
+
+
+def test_libpq_options_are_refused_by_pgbouncer(bouncer: PgBouncer, database: str, tag: str) -> None:
+    """PgBouncer refuses libpq's ``options`` startup parameter, so ``options=-c statement_timeout=…``
+    cannot bound a statement behind it (the store's ``statement_timeout=`` below can)."""
+    url = join_url(bouncer.url(database), schema=tag, listen="false", options="-c%20statement_timeout%3D5s")
+    with pytest.raises(onceonly.StoreUnavailable, match="unsupported startup parameter: options"):
+        PostgresStore(url)
+
+
+@pytest.mark.parametrize("prepare", ["true", "false"])
+def test_statement_timeout_cancels_a_blocked_statement_through_pgbouncer(
+    postgres_database_url: str, database: str, admin: Any, tag: str, prepare: str
+) -> None:
+    """Through PgBouncer in transaction mode with one server connection (every client shares it),
+    ``statement_timeout=300ms``: a swap (a hot statement) and a delete (through psycopg's cursor) that
+    wait on a row another transaction locked are cancelled after about 300 ms, sync and async, each with
+    the store's error naming the timeout; the row is unchanged; the timeout was set for each statement's
+    own transaction, so another client of the same server connection sees the server's setting; and
+    once the lock is gone the same store writes."""
+    import asyncio
+    import time
+
+    bouncer = _bouncer(postgres_database_url, "default_pool_size = 1")
+    url = join_url(bouncer.url(database), schema=tag, listen="false", statement_timeout="300ms", prepare=prepare)
+    store = PostgresStore(url)
+    try:
+        rec = make("held")
+        assert store.claim(rec) is None
+        done = onceonly.states.confirm(rec, result_json="1", now=NOW + 1, ttl=None, via="run", by="t")
+        with admin.transaction():
+            admin.execute(f'SELECT 1 FROM "{tag}".onceonly_records WHERE key = %s FOR UPDATE', ("held",))
+            for what, call in [
+                ("swap", lambda: store.swap(done, rec)),
+                ("delete", lambda: store.delete("held", rec.version, rec.created_at)),
+                ("aswap", lambda: asyncio.run(store.aswap(done, rec))),
+                ("adelete", lambda: asyncio.run(store.adelete("held", rec.version, rec.created_at))),
+            ]:
+                started = time.monotonic()
+                with pytest.raises(onceonly.StoreUnavailable, match="longer than statement_timeout=300ms") as caught:
+                    call()
+                took = time.monotonic() - started
+                assert 0.25 < took < 5, (what, took)
+                print(what, f"{took:.2f}s:", caught.value)
+        got = store.get("held")
+        assert got is not None and got.state is State.IN_FLIGHT and got.version == rec.version
+        with psycopg.connect(bouncer.url(database), autocommit=True) as plain:
+            assert plain.execute("SHOW statement_timeout").fetchone()[0] == "0"
+        assert store.swap(done, rec)
+        assert asyncio.run(store.aget("held")) == done
+    finally:
+        store.close()
+        bouncer.stop()
