@@ -1,7 +1,8 @@
-"""The PostgreSQL store behind PgBouncer in transaction mode (Debian's ``pgbouncer`` package), started
-on a free port in front of the shared server, on this run's own database: many processes opening a new
-schema at once, prepared statements, a statement timeout, and guarded calls while the pooler's server
-connections are recycled and cut."""
+"""The PostgreSQL store behind PgBouncer (Debian's ``pgbouncer`` package), started on a free port in
+front of the shared server, on this run's own database. In transaction mode: many processes opening a
+new schema at once, prepared and unnamed statements, libpq's ``options`` refused and the store's
+``statement_timeout=`` instead, and guarded calls while the pooler's server connections are recycled
+and cut. In session mode: the default options, LISTEN included."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ from tests.stores._records import NOW, make  # noqa: E402
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
-def _bouncer(postgres_database_url: str, *settings: str) -> PgBouncer:
+def _bouncer(postgres_database_url: str, *settings: str, pool_mode: str = "transaction") -> PgBouncer:
     if pgbouncer_bin() is None:
         _unavailable("pgbouncer is not installed (apt-get install pgbouncer): cannot test through a pooler")
     parts = urlsplit(postgres_database_url)
-    return PgBouncer(parts.hostname or "127.0.0.1", parts.port or 5432, *settings).start()
+    return PgBouncer(parts.hostname or "127.0.0.1", parts.port or 5432, *settings, pool_mode=pool_mode).start()
 
 
 @pytest.fixture(name="tag")
@@ -240,4 +241,32 @@ def test_statement_timeout_cancels_a_blocked_statement_through_pgbouncer(
         assert asyncio.run(store.aget("held")) == done
     finally:
         store.close()
+        bouncer.stop()
+
+
+def test_session_mode_takes_the_defaults(postgres_database_url: str, database: str, tag: str) -> None:
+    """PgBouncer in session mode passes everything through, LISTEN included: a ledger with the default
+    options (listen, prepared statements) and a statement_timeout, a second caller waiting on a running
+    call gets its result, and the operation runs once."""
+    bouncer = _bouncer(postgres_database_url, "default_pool_size = 4", pool_mode="session")
+    ledger = onceonly.Ledger.open(join_url(bouncer.url(database), schema=tag, statement_timeout="5s"))
+    runs: list[int] = []
+    started = threading.Event()
+
+    @ledger.tool(name="pgbouncer.session", wait=10.0)
+    def effect(n: int) -> int:
+        started.set()
+        runs.append(n)
+        threading.Event().wait(0.5)
+        return n
+
+    try:
+        first = threading.Thread(target=effect, args=(7,))
+        first.start()
+        assert started.wait(10)
+        second = effect.outcome(7)
+        first.join(10)
+        assert second.replayed and second.result == 7 and runs == [7]
+    finally:
+        ledger.close()
         bouncer.stop()
