@@ -65,11 +65,11 @@ def main() -> None:
             return {"id": title, "status": "open"}
 
         create_ticket("warm-up", "t", pad)  # the ledger's metadata, scripts and counters exist before "before"
-        client.execute_command("MEMORY", "PURGE")
+        client.memory_purge()
         before = client.info("memory")["used_memory"]
         for n in range(args.records):
             create_ticket(f"session-{n % 100:03d}", f"Printer on fire, ticket {n:07d}", pad)
-        client.execute_command("MEMORY", "PURGE")
+        client.memory_purge()
         after = client.info("memory")["used_memory"]
         sample = next(k for k in client.scan_iter(match="mem:*:r:*", count=1000))
         usage = client.memory_usage(sample, samples=0)
