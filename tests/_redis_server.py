@@ -93,7 +93,8 @@ class PrivateRedisCluster:
     spread over them by ``redis-cli --cluster create``, ``replicas`` replicas of each, persisting nothing.
 
     ``start()`` returns once every node says ``cluster_state:ok`` (and every replica is in sync);
-    ``stop()`` stops each node by its PID, ``kill(port)`` one node by SIGKILL (a failover's cause).
+    ``stop()`` stops each node by its PID, ``kill(port)`` one node by SIGKILL (a failover's cause),
+    ``rejoin(port)`` starts it again as its successor's replica.
     """
 
     def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
@@ -125,12 +126,7 @@ class PrivateRedisCluster:
     def start(self) -> PrivateRedisCluster:
         try:
             for port in self.ports:
-                command = [
-                    self.server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                    "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"), "--cluster-node-timeout",
-                    "2000", "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
-                ]  # fmt: skip
-                self.procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                self.procs.append(self._spawn(port))
             deadline = time.monotonic() + 10
             for port, proc in zip(self.ports, self.procs, strict=True):
                 while not self._ask(port, "PING").startswith(b"PONG"):
@@ -164,6 +160,31 @@ class PrivateRedisCluster:
             self.stop()
             raise
         return self
+
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+        command = [
+            self.server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"), "--cluster-node-timeout",
+            "2000", "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
+        ]  # fmt: skip
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def rejoin(self, port: int, timeout: float = 30.0) -> None:
+        """Start the killed node on ``port`` again, empty (nothing persisted) but with its cluster config:
+        it finds that its replica took over and follows it. Returns once it is a replica in sync that
+        its new master streams to."""
+        at = self.ports.index(port)
+        assert self.procs[at].poll() is not None, f"the node on {port} is still running"
+        self.procs[at] = self._spawn(port)
+        deadline = time.monotonic() + timeout
+        expected = len(self.ports) // (1 + self.replicas) * self.replicas
+        while True:
+            info = self._ask(port, "INFO", "replication")
+            if b"role:slave" in info and b"master_link_status:up" in info and self._online() >= expected:
+                return
+            assert self.procs[at].poll() is None, f"the node on {port} exited with {self.procs[at].returncode}"
+            assert time.monotonic() < deadline, f"the node on {port} did not rejoin as a replica within {timeout:g} s"
+            time.sleep(0.1)
 
     def _online(self) -> int:
         """How many replicas their masters stream to (``slaveN:...,state=online,...`` on the master)."""

@@ -294,7 +294,7 @@ class Similar:
             does not count them; default ``STOP_WORDS`` (a small English list), ``frozenset()`` for none.
         min_words: the fewest meaningful words (not stop-words, counted once each) a field's text needs,
             in both calls, before they can match, with any ``score``; default 1, so a subject such as
-            "the" or "Re:" matches nothing.
+            "the" matches nothing ("re" of "Re:" is a word, not a stop-word).
 
     Raises:
         ImportError: no ``score`` given and rapidfuzz is not installed (the message says how to add it).

@@ -1,7 +1,8 @@
-"""The PostgreSQL store behind PgBouncer in transaction mode (Debian's ``pgbouncer`` package), started
-on a free port in front of the shared server, on this run's own database: many processes opening a new
-schema at once, prepared statements, a statement timeout, and guarded calls while the pooler's server
-connections are recycled and cut."""
+"""The PostgreSQL store behind PgBouncer (Debian's ``pgbouncer`` package), started on a free port in
+front of the shared server, on this run's own database. In transaction mode: many processes opening a
+new schema at once, prepared and unnamed statements, libpq's ``options`` refused and the store's
+``statement_timeout=`` instead, and guarded calls while the pooler's server connections are recycled
+and cut. In session mode: the default options, LISTEN included."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ from tests.stores._records import NOW, make  # noqa: E402
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
-def _bouncer(postgres_database_url: str, *settings: str) -> PgBouncer:
+def _bouncer(postgres_database_url: str, *settings: str, pool_mode: str = "transaction") -> PgBouncer:
     if pgbouncer_bin() is None:
         _unavailable("pgbouncer is not installed (apt-get install pgbouncer): cannot test through a pooler")
     parts = urlsplit(postgres_database_url)
-    return PgBouncer(parts.hostname or "127.0.0.1", parts.port or 5432, *settings).start()
+    return PgBouncer(parts.hostname or "127.0.0.1", parts.port or 5432, *settings, pool_mode=pool_mode).start()
 
 
 @pytest.fixture(name="tag")
@@ -185,6 +186,87 @@ def test_guarded_calls_survive_recycled_and_cut_server_connections(
             (State.CONFIRMED.value,),
         ).fetchall()
         assert open_states == []
+    finally:
+        ledger.close()
+        bouncer.stop()
+
+
+def test_libpq_options_are_refused_by_pgbouncer(bouncer: PgBouncer, database: str, tag: str) -> None:
+    """PgBouncer refuses libpq's ``options`` startup parameter, so ``options=-c statement_timeout=…``
+    cannot bound a statement behind it (the store's ``statement_timeout=`` below can)."""
+    url = join_url(bouncer.url(database), schema=tag, listen="false", options="-c%20statement_timeout%3D5s")
+    with pytest.raises(onceonly.StoreUnavailable, match="unsupported startup parameter: options"):
+        PostgresStore(url)
+
+
+@pytest.mark.parametrize("prepare", ["true", "false"])
+def test_statement_timeout_cancels_a_blocked_statement_through_pgbouncer(
+    postgres_database_url: str, database: str, admin: Any, tag: str, prepare: str
+) -> None:
+    """Through PgBouncer in transaction mode with one server connection (every client shares it),
+    ``statement_timeout=300ms``: a swap (a hot statement) and a delete (through psycopg's cursor) that
+    wait on a row another transaction locked are cancelled after about 300 ms, sync and async, each with
+    the store's error naming the timeout; the row is unchanged; the timeout was set for each statement's
+    own transaction, so another client of the same server connection sees the server's setting; and
+    once the lock is gone the same store writes."""
+    import asyncio
+    import time
+
+    bouncer = _bouncer(postgres_database_url, "default_pool_size = 1")
+    url = join_url(bouncer.url(database), schema=tag, listen="false", statement_timeout="300ms", prepare=prepare)
+    store = PostgresStore(url)
+    try:
+        rec = make("held")
+        assert store.claim(rec) is None
+        done = onceonly.states.confirm(rec, result_json="1", now=NOW + 1, ttl=None, via="run", by="t")
+        with admin.transaction():
+            admin.execute(f'SELECT 1 FROM "{tag}".onceonly_records WHERE key = %s FOR UPDATE', ("held",))
+            for what, call in [
+                ("swap", lambda: store.swap(done, rec)),
+                ("delete", lambda: store.delete("held", rec.version, rec.created_at)),
+                ("aswap", lambda: asyncio.run(store.aswap(done, rec))),
+                ("adelete", lambda: asyncio.run(store.adelete("held", rec.version, rec.created_at))),
+            ]:
+                started = time.monotonic()
+                with pytest.raises(onceonly.StoreUnavailable, match="longer than statement_timeout=300ms") as caught:
+                    call()
+                took = time.monotonic() - started
+                assert 0.25 < took < 5, (what, took)
+                print(what, f"{took:.2f}s:", caught.value)
+        got = store.get("held")
+        assert got is not None and got.state is State.IN_FLIGHT and got.version == rec.version
+        with psycopg.connect(bouncer.url(database), autocommit=True) as plain:
+            assert plain.execute("SHOW statement_timeout").fetchone()[0] == "0"
+        assert store.swap(done, rec)
+        assert asyncio.run(store.aget("held")) == done
+    finally:
+        store.close()
+        bouncer.stop()
+
+
+def test_session_mode_takes_the_defaults(postgres_database_url: str, database: str, tag: str) -> None:
+    """PgBouncer in session mode passes everything through, LISTEN included: a ledger with the default
+    options (listen, prepared statements) and a statement_timeout, a second caller waiting on a running
+    call gets its result, and the operation runs once."""
+    bouncer = _bouncer(postgres_database_url, "default_pool_size = 4", pool_mode="session")
+    ledger = onceonly.Ledger.open(join_url(bouncer.url(database), schema=tag, statement_timeout="5s"))
+    runs: list[int] = []
+    started = threading.Event()
+
+    @ledger.tool(name="pgbouncer.session", wait=10.0)
+    def effect(n: int) -> int:
+        started.set()
+        runs.append(n)
+        threading.Event().wait(0.5)
+        return n
+
+    try:
+        first = threading.Thread(target=effect, args=(7,))
+        first.start()
+        assert started.wait(10)
+        second = effect.outcome(7)
+        first.join(10)
+        assert second.replayed and second.result == 7 and runs == [7]
     finally:
         ledger.close()
         bouncer.stop()

@@ -951,6 +951,13 @@ class PostgresStore:
                 "up and reachable? (raise pool_max_size or pool_timeout in the URL if it is only busy)"
             )
         sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate == "57014" and self.options.statement_timeout is not None and "statement timeout" in text:
+            return StoreUnavailable(
+                f"{self._where}: a statement ran longer than statement_timeout={self.options.statement_timeout} "
+                f"and the server cancelled it ({text}). Whether the last write landed is unknown; the ledger "
+                "reads the record again before it decides. If the server is only slow (a lock held long, a "
+                "busy disk), raise statement_timeout in the URL"
+            )
         if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or sqlstate == "25006":
             # 25006: read-only transaction, e.g. connected to a standby after a failover.
             return StoreUnavailable(
@@ -972,8 +979,8 @@ class PostgresStore:
                 f"was unknown to the backend that was to run it ({text}), even right after the store prepared "
                 "it again. The likely cause is a pooler in transaction mode without prepared-statement support, "
                 "which sends the preparation and the execution to different backends: connect the ledger in "
-                "session mode (or bypass the pooler), or use PgBouncer 1.21 or newer with max_prepared_statements "
-                "set. The statement ran nowhere"
+                "session mode (or bypass the pooler), use PgBouncer 1.21 or newer with max_prepared_statements "
+                "set, or open the ledger with prepare=false in the URL. The statement ran nowhere"
             )
         if sqlstate in ("42P01", "42703", "3F000"):  # undefined table, column, schema
             return StoreCorrupt(
