@@ -624,6 +624,27 @@ def reconcile(
         by=who,
         sleep_budget=lambda: max(0.0, deadline - clock()),
     )
+    lines = _first_pass(ledger, worker, report, scope=scope, batch=batch, full_every=full_every)
+    _settle_due(ledger, worker, lines, deadline=deadline, sleep=do_sleep)
+    report.lines = list(lines.values())
+    report.finished_at = clock()
+    counts = {k: v for k, v in report.counts.items() if v}
+    if counts:
+        log.info("onceonly reconcile by %s: %s", who, counts)
+    return report
+
+
+def _first_pass(
+    ledger: Ledger,
+    worker: _Reconciler,
+    report: ReconcileReport,
+    *,
+    scope: str | None,
+    batch: int,
+    full_every: float | None,
+) -> dict[str, ReconcileLine]:
+    """Read every record to settle, page by page, and settle each once. Returns the lines by key."""
+    clock = ledger.clock
     lines: dict[str, ReconcileLine] = {}
     after: str | None = None
     # A store that knows who holds its leases says whether any can have run out; if none can, the
@@ -646,8 +667,19 @@ def reconcile(
     # Read to the end: a dead holder's file may go, unless a record was left held (a scope, a store error).
     if looked is not None and scope is None and not any(ln.after in HELD for ln in lines.values()):
         looked.done()
+    return lines
 
-    # Records that become due within this run's budget: one sleep for all of them, then again.
+
+def _settle_due(
+    ledger: Ledger,
+    worker: _Reconciler,
+    lines: dict[str, ReconcileLine],
+    *,
+    deadline: float,
+    sleep: Callable[[float], None],
+) -> None:
+    """Records that become due within this run's budget: one sleep for all of them, then again."""
+    clock = ledger.clock
     while True:
         now = clock()
         due = [
@@ -655,10 +687,10 @@ def reconcile(
             if ln.settlement is Settlement.WAITING and ln.due_at is not None and ln.due_at <= deadline
         ]  # fmt: skip
         if not due or now > deadline:
-            break
+            return
         latest = max(ln.due_at or now for ln in due)
         if latest > now:
-            do_sleep(latest - now)
+            sleep(latest - now)
         for ln in due:
             rec = ledger.store.get(ln.key)
             if rec is None:
@@ -671,13 +703,6 @@ def reconcile(
             lines[ln.key] = ReconcileLine(
                 again.key, again.tool, ln.before, again.after, again.settlement, again.detail, again.due_at
             )
-
-    report.lines = list(lines.values())
-    report.finished_at = clock()
-    counts = {k: v for k, v in report.counts.items() if v}
-    if counts:
-        log.info("onceonly reconcile by %s: %s", who, counts)
-    return report
 
 
 def reconcile_forever(
