@@ -346,7 +346,8 @@ def test_a_failover_with_replicas_1_runs_nothing_twice(
     ops, reruns, raised = _failover_reruns(sentinel, tmp_path, "prefix=wait1&replicas=1&replicas_timeout=0.5")
     record_property("operations", ops)
     record_property("calls that raised during the failover", raised)
-    assert ops >= 100
+    # Enough operations to span the failover; how many fit before it is over depends on the machine.
+    assert ops >= 30, f"only {ops} operations were made during the failover"
     assert reruns == 0, f"{reruns} of {ops} operations ran again after the failover with replicas=1"
 
 
