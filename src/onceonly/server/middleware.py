@@ -361,99 +361,18 @@ class IdempotencyMiddleware:
         held = got
         loop = asyncio.get_running_loop()
         held.timer = loop.call_later(self.processing_timeout / 3, self._start_beat, held)
-        status = 0
-        headers: Any = ()
-        chunks: list[bytes] | None = []
-        size = 0
-        finished = False
-        gone = False  # the client left: the app runs on to the end, unheard, so its response is stored
-        # A client that leaves must not stop a response this middleware will store: the app would
-        # return without one, the key would be released and the retry would run the handler again. So
-        # ``http.disconnect`` reaches the app only once the response is complete or will not be kept.
-        unheard = asyncio.Event()
-        held_receive = _replaying(body, receive, until=unheard)
-
-        async def capture(message: Message) -> None:
-            nonlocal status, headers, chunks, size, finished, gone
-            kind = message["type"]
-            if kind == "http.response.start":
-                if status:
-                    await refuse("a second http.response.start")
-                if not _is_status(message.get("status")):
-                    await refuse(f"http.response.start with status {message.get('status')!r}")
-                status, headers = message["status"], message.get("headers", ())
-                if status in self.release_statuses:
-                    unheard.set()
-            elif kind == "http.response.body":
-                if not status:
-                    await refuse("http.response.body before http.response.start")
-                chunk = message.get("body", b"")
-                if chunks is not None:
-                    size += len(chunk)
-                    if size > self.max_stored_body:
-                        chunks = None
-                        unheard.set()
-                        log.warning(
-                            "onceonly.server: the response to %s passes max_stored_body (%d bytes): "
-                            "not stored, the key is released and a retry runs again",
-                            ctx.store_key,
-                            self.max_stored_body,
-                        )
-                    else:
-                        chunks.append(chunk)
-                if not message.get("more_body", False) and not finished:
-                    # Store (or release) before the client can see the end of the response.
-                    finished = True
-                    if chunks is None or status in self.release_statuses:
-                        await self._release(held, f"HTTP {status}" if chunks is not None else "response too large")
-                    else:
-                        stored = StoredResponse.build(status, headers, b"".join(chunks), self.replay_headers)
-                        await self._complete(held, stored)
-            else:
-                chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
-                unheard.set()
-            if gone:
-                if chunks is None or status in self.release_statuses:
-                    # Not kept after all (grew past max_stored_body, trailers…): no one will read it,
-                    # so the app hears the disconnect the server reported, or an endless stream runs on.
-                    raise OSError("the client disconnected")
-                return
-            try:
-                await send(message)
-            except OSError:
-                # ASGI 2.4: the client is gone. A response that is kept goes on to the store (a retry
-                # replays it); one that is not has no reader left, so the app may stop.
-                if chunks is None or status in self.release_statuses:
-                    raise
-                gone = True
-                log.debug("onceonly.server: the client of %s left; the response is still stored", ctx.store_key)
-            if finished:
-                unheard.set()
-
-        async def refuse(what: str) -> None:
-            # A response the server cannot send is no response to keep: release the key and fail the
-            # application here, so the server answers 500 (or drops the connection) and a retry runs.
-            nonlocal finished
-            unheard.set()
-            if not finished:
-                finished = True
-                await self._release(held, f"ASGI protocol error: {what}")
-            raise RuntimeError(
-                f"ASGI protocol error: the application sent {what}; IdempotencyMiddleware stored nothing "
-                f"and released the key {ctx.key!r}"
-            )
-
+        response = _Capture(self, held, ctx, send)
         # Every way out stores or releases the key, and both stop the renewal timer and beats first.
         try:
-            await self.app(scope, held_receive, capture)
+            await self.app(scope, _replaying(body, receive, until=response.unheard), response.send)
         except BaseException:
-            if not finished:
-                finished = True
+            if not response.finished:
+                response.finished = True
                 await self._release(held, "the application raised")
             raise
         finally:
-            unheard.set()
-        if not finished:
+            response.unheard.set()
+        if not response.finished:
             await self._release(held, "the application returned without a complete response")
 
     async def _claim(self, scope: Scope, ctx: IdempotencyContext) -> _Held | tuple[Message, Message]:
@@ -794,6 +713,108 @@ class IdempotencyMiddleware:
             slug="in-progress",
             headers=[(b"retry-after", str(self.retry_after).encode())],
             extra={"key": ctx.key},
+        )
+
+
+class _Capture:
+    """The application's response to one guarded request, passed on to the client and kept: stored
+    (or the key released) before the client can see its end.
+
+    A client that leaves must not stop a response this middleware will store: the app would return
+    without one, the key would be released and the retry would run the handler again. So
+    ``http.disconnect`` reaches the app (``unheard``) only once the response is complete or will not
+    be kept.
+    """
+
+    def __init__(self, mw: IdempotencyMiddleware, held: _Held, ctx: IdempotencyContext, send: Send) -> None:
+        self.mw = mw
+        self.held = held
+        self.ctx = ctx
+        self.client = send
+        self.status = 0
+        self.headers: Any = ()
+        self.chunks: list[bytes] | None = []
+        self.size = 0
+        self.finished = False
+        self.gone = False  # the client left: the app runs on to the end, unheard, so its response is stored
+        self.unheard = asyncio.Event()
+
+    def kept(self) -> bool:
+        return self.chunks is not None and self.status not in self.mw.release_statuses
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self.start(message)
+        elif kind == "http.response.body":
+            await self.body(message)
+        else:
+            self.chunks = None  # trailers, pathsend, zero-copy: not a response this middleware can keep
+            self.unheard.set()
+        if self.gone:
+            if not self.kept():
+                # Not kept after all (grew past max_stored_body, trailers…): no one will read it, so the
+                # app hears the disconnect the server reported, or an endless stream runs on.
+                raise OSError("the client disconnected")
+            return
+        try:
+            await self.client(message)
+        except OSError:
+            # ASGI 2.4: the client is gone. A response that is kept goes on to the store (a retry
+            # replays it); one that is not has no reader left, so the app may stop.
+            if not self.kept():
+                raise
+            self.gone = True
+            log.debug("onceonly.server: the client of %s left; the response is still stored", self.ctx.store_key)
+        if self.finished:
+            self.unheard.set()
+
+    async def start(self, message: Message) -> None:
+        if self.status:
+            await self.refuse("a second http.response.start")
+        if not _is_status(message.get("status")):
+            await self.refuse(f"http.response.start with status {message.get('status')!r}")
+        self.status, self.headers = message["status"], message.get("headers", ())
+        if self.status in self.mw.release_statuses:
+            self.unheard.set()
+
+    async def body(self, message: Message) -> None:
+        if not self.status:
+            await self.refuse("http.response.body before http.response.start")
+        chunk = message.get("body", b"")
+        if self.chunks is not None:
+            self.size += len(chunk)
+            if self.size > self.mw.max_stored_body:
+                self.chunks = None
+                self.unheard.set()
+                log.warning(
+                    "onceonly.server: the response to %s passes max_stored_body (%d bytes): "
+                    "not stored, the key is released and a retry runs again",
+                    self.ctx.store_key,
+                    self.mw.max_stored_body,
+                )
+            else:
+                self.chunks.append(chunk)
+        if not message.get("more_body", False) and not self.finished:
+            # Store (or release) before the client can see the end of the response.
+            self.finished = True
+            if self.chunks is None or self.status in self.mw.release_statuses:
+                why = f"HTTP {self.status}" if self.chunks is not None else "response too large"
+                await self.mw._release(self.held, why)
+            else:
+                stored = StoredResponse.build(self.status, self.headers, b"".join(self.chunks), self.mw.replay_headers)
+                await self.mw._complete(self.held, stored)
+
+    async def refuse(self, what: str) -> None:
+        """A response the server cannot send is no response to keep: release the key and fail the
+        application here, so the server answers 500 (or drops the connection) and a retry runs."""
+        self.unheard.set()
+        if not self.finished:
+            self.finished = True
+            await self.mw._release(self.held, f"ASGI protocol error: {what}")
+        raise RuntimeError(
+            f"ASGI protocol error: the application sent {what}; IdempotencyMiddleware stored nothing "
+            f"and released the key {self.ctx.key!r}"
         )
 
 
