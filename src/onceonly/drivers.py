@@ -354,7 +354,8 @@ def _log_late_failure(call: Call, fence: int, exc: BaseException | None = None) 
 
 def _settle_late(runtime: Runtime, call: Call, fence: int, value: Any, error: BaseException | None) -> None:
     try:
-        drive(runtime, late_outcome(call, fence, value, error), None, call, (), {})
+        with runtime.writing_late():
+            drive(runtime, late_outcome(call, fence, value, error), None, call, (), {})
     except Exception:
         _log_late_failure(call, fence)
 

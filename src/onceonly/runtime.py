@@ -20,7 +20,7 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,10 @@ class Runtime:
         on_tick = None if store_clock is None else store_clock.sync_if_due
         self.beats = Heartbeats(store, clock, on_tick)
         self.late_tasks: set[asyncio.Task[Any]] = set()
+        # Late outcomes being written from a tool's worker thread: close() lets them finish first, since
+        # a store closed under a thread that is using it may fail that thread (SQLite: crash the process).
+        self._writing = 0
+        self._written = threading.Condition()
 
     def observed(self) -> bool:
         """Whether anyone hears of transitions (a listener, or the transitions log at INFO)."""
@@ -118,8 +122,23 @@ class Runtime:
         """``counter(spec)`` is entered around each guarded call from now on (``None``: no longer)."""
         self.count_call = counter
 
-    def close(self) -> None:
+    @contextlib.contextmanager
+    def writing_late(self) -> Iterator[None]:
+        """Around recording a late outcome in a worker thread: ``close()`` waits for it."""
+        with self._written:
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._written:
+                self._writing -= 1
+                self._written.notify_all()
+
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the heartbeats, and wait up to ``wait`` seconds for late outcomes being written."""
         self.beats.close()
+        with self._written:
+            self._written.wait_for(lambda: self._writing == 0, timeout=wait)
 
 
 _HOST = socket.gethostname()[:40]
