@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import click
 from rich.text import Text
 
+from onceonly.errors import OnceOnlyError
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.stores._url import redact_url, scrub
 
@@ -340,3 +341,35 @@ def load_app(spec: str, app_dir: str) -> Ledger:
         return load_ledger(spec, app_dir)
     except (ValueError, TypeError, ImportError) as exc:
         raise click.ClickException(printable(exc)) from exc
+
+
+def url_option(
+    help: str = "The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--url`` option of a command that works on one ledger: ``$ONCEONLY_URL``, else the default file."""
+    return click.option("--url", envvar="ONCEONLY_URL", default=DEFAULT_URL, show_default=True, help=help)
+
+
+def fail(exc: Exception) -> click.ClickException:
+    """An error as the command's message, not a traceback."""
+    # str() of a KeyError is the repr of its message, quoted: show the message itself.
+    text = exc.args[0] if isinstance(exc, LookupError) and exc.args else exc
+    return click.ClickException(printable(text))
+
+
+@contextmanager
+def existing_ledger(url: str) -> Iterator[Ledger]:
+    """The ledger at ``url``, read as it is, closed afterwards; an error opening it becomes the message.
+
+    A SQLite file that is not there is refused: opening it would make an empty ledger (and its
+    directory) and report no records, hiding a wrong --url.
+    """
+    try:
+        refuse_missing_ledger(url)
+        ledger = open_as_is(url)
+    except (OnceOnlyError, ValueError, ImportError) as exc:
+        raise fail(exc) from exc
+    try:
+        yield ledger
+    finally:
+        ledger.close()

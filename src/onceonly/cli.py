@@ -24,7 +24,7 @@ else:
 
 from onceonly._install import install_hint
 from onceonly.errors import OnceOnlyError
-from onceonly.ledger import DEFAULT_URL, Ledger
+from onceonly.ledger import Ledger
 from onceonly.states import UNSETTLED, Record, State, shown_result
 from onceonly.stores import redact_url
 
@@ -45,44 +45,27 @@ if _MISSING_CLI is None:
         Since,
         cell,
         dumps,
+        existing_ledger,
+        fail,
         open_as_is,
         printable,
         refuse_missing_ledger,
         run_every,
+        url_option,
     )
 
-    _url_option = click.option(
-        "--url",
-        envvar="ONCEONLY_URL",
-        default=DEFAULT_URL,
-        show_default=True,
-        help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
-    )
+    _url_option = url_option()
 
-    def _fail(exc: Exception) -> click.ClickException:
-        # str() of a KeyError is the repr of its message, quoted: show the message itself.
-        text = exc.args[0] if isinstance(exc, LookupError) and exc.args else exc
-        return click.ClickException(printable(text))
+    _fail = fail
 
     @contextmanager
     def _ledger(url: str) -> Iterator[Ledger]:
-        """The ledger at ``url``, closed afterwards; its errors (and those of the command's calls on
-        it) become a message, not a traceback.
-
-        A SQLite file that is not there is refused: opening it would make an empty ledger (and its
-        directory) and report no records, hiding a wrong --url.
-        """
-        try:
-            refuse_missing_ledger(url)
-            ledger = open_as_is(url)
-        except (OnceOnlyError, ValueError, ImportError) as exc:
-            raise _fail(exc) from exc
-        try:
-            yield ledger
-        except (OnceOnlyError, ValueError, LookupError) as exc:  # KeyError: no record with that key
-            raise _fail(exc) from exc
-        finally:
-            ledger.close()
+        """``existing_ledger``, and the errors of the command's calls on it become a message too."""
+        with existing_ledger(url) as ledger:
+            try:
+                yield ledger
+            except (OnceOnlyError, ValueError, LookupError) as exc:  # KeyError: no record with that key
+                raise fail(exc) from exc
 
     def _when(ts: float | None) -> str:
         """An ISO 8601 time in UTC, to the millisecond."""

@@ -16,9 +16,8 @@ from typing import Any, TextIO
 import click
 
 from onceonly import transfer
-from onceonly._cli import dumps, open_as_is, printable, refuse_missing_ledger
+from onceonly._cli import dumps, existing_ledger, fail, printable, url_option
 from onceonly.errors import OnceOnlyError
-from onceonly.ledger import DEFAULT_URL
 from onceonly.stores import Store, open_store, redact_url
 
 __all__ = ["COMMANDS", "CONFLICT_EXIT", "IN_FLIGHT_EXIT"]
@@ -40,22 +39,14 @@ _in_flight_option = click.option(
 _json_option = click.option("--json", "as_json", is_flag=True, help="The summary as one JSON object.")
 
 
-def _fail(exc: Exception) -> click.ClickException:
-    return click.ClickException(printable(exc))
+_fail = fail
 
 
 @contextmanager
 def _source(url: str) -> Iterator[Store]:
     """The ledger at ``url``, read as it is; a missing one is refused (it would read as empty)."""
-    try:
-        refuse_missing_ledger(url)
-        ledger = open_as_is(url)
-    except (OnceOnlyError, ValueError, ImportError) as exc:
-        raise _fail(exc) from exc
-    try:
+    with existing_ledger(url) as ledger:
         yield ledger.store
-    finally:
-        ledger.close()
 
 
 @contextmanager
@@ -163,13 +154,7 @@ def copy_command(source: str, target: str, in_flight: transfer.InFlight, as_json
 
 
 @click.command("export")
-@click.option(
-    "--url",
-    envvar="ONCEONLY_URL",
-    default=DEFAULT_URL,
-    show_default=True,
-    help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
-)
+@url_option()
 @click.option("-o", "--output", type=click.File("w", encoding="utf-8", lazy=True), default="-", help="Default: stdout.")
 def export_command(url: str, output: TextIO) -> None:
     """Write every record, with its history, as JSON lines: a header, one record per line, an end line.
@@ -192,13 +177,7 @@ def export_command(url: str, output: TextIO) -> None:
 
 
 @click.command("import")
-@click.option(
-    "--url",
-    envvar="ONCEONLY_URL",
-    default=DEFAULT_URL,
-    show_default=True,
-    help="The store to import into (made when absent).",
-)
+@url_option("The store to import into (made when absent).")
 @click.argument("file", type=click.File("r", encoding="utf-8"))
 @_in_flight_option
 @_json_option

@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 
 import click
 
-from onceonly._cli import printable
+from onceonly._cli import printable, url_option
 from onceonly._install import install_hint
-from onceonly.ledger import DEFAULT_URL, Ledger
+from onceonly.ledger import Ledger
 from onceonly.mcp.config import ProxyConfig, load_config
 from onceonly.mcp.front import FrontDoor, check_listen, is_loopback
 
@@ -116,13 +116,7 @@ def _listen(value: str | None) -> tuple[str, int] | None:
 
 
 @click.command("mcp-proxy", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option(
-    "--url",
-    envvar="ONCEONLY_URL",
-    default=DEFAULT_URL,
-    show_default=True,
-    help="The ledger: sqlite:///path.db, redis://host:6379/0, postgresql://host/db.",
-)
+@url_option()
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False), help="A TOML file.")
 @click.option("--upstream", default=None, help="A streamable-HTTP upstream URL (instead of a command after --).")
 @click.option("--listen", default=None, help="Serve streamable HTTP at HOST:PORT/mcp instead of stdio.")
