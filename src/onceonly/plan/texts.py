@@ -139,6 +139,11 @@ def _in_progress(rec: Record, key: str, now: float) -> InProgress:
     )
 
 
+def _resolve_hint(key: str) -> str:
+    """The operator's next step for an outcome only a person can settle."""
+    return f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON | --failed REASON"
+
+
 def _reentered(rec: Record, call: Call) -> ReentrantCall:
     """``call`` met the claim of a call it runs inside: it would wait on itself."""
     return ReentrantCall(
@@ -160,7 +165,7 @@ def _awaiting_review(rec: Record, key: str) -> OutcomeUnknown:
         _message(
             rec,
             f"this operation is waiting for a person to settle it: its outcome is unknown{_cause(rec)}",
-            f"check whether it happened, then: onceonly resolve '{key}' --confirmed JSON | --failed REASON",
+            _resolve_hint(key),
         ),
         key=key,
         record=rec,
@@ -211,7 +216,7 @@ def _settled_by_review(rec: Record, parked: Record) -> OutcomeUnknown:
         _message(
             parked,
             f"the outcome is unknown{_cause(rec)}, and this tool settles unknowns by review",
-            f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
+            _resolve_hint(rec.key),
         ),
         key=rec.key,
         record=parked,
@@ -237,7 +242,7 @@ def _all_unknown(rec: Record, parked: Record) -> OutcomeUnknown:
         _message(
             parked,
             f"all attempts ended with an unknown outcome, the last{_cause(rec)}",
-            f"check whether it happened, then: onceonly resolve '{rec.key}' --confirmed JSON | --failed REASON",
+            _resolve_hint(rec.key),
         ),
         key=rec.key,
         record=parked,
