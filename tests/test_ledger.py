@@ -1104,3 +1104,48 @@ def test_a_claim_that_lands_after_its_lease_ran_out_does_not_run(store_url: str,
         assert effects == ["other"]
     finally:
         other.close()
+
+
+class _SlowConfirm:
+    """The real store, passed through; a write that confirms a record waits until ``release`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def swap(self, record: Any, expected: Any) -> bool:
+        if record.state is State.CONFIRMED:
+            self.entered.set()
+            self.release.wait(10)
+        return bool(self.inner.swap(record, expected))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_closing_the_ledger_waits_for_a_late_outcome_being_written(store_url: str) -> None:
+    """The caller stopped waiting (timeout) and closes the ledger while the tool's late success is being
+    written from its worker thread: close() lets that write finish, so the success is recorded (a store
+    closed under it would lose it, and SQLite could crash the process)."""
+    slow = _SlowConfirm(open_store(store_url))
+    ledger = Ledger(slow)
+    runs: list[int] = []
+
+    @ledger.tool(name="late_close", timeout=0.05)
+    def work(n: int) -> dict[str, int]:
+        time.sleep(0.2)
+        runs.append(n)
+        return {"n": n}
+
+    key = work.key_for(1)
+    with pytest.raises(onceonly.OutcomeUnknown):
+        work(1)
+    assert slow.entered.wait(10), "the late success never reached the store"
+    threading.Timer(0.3, slow.release.set).start()
+    ledger.close()
+    with Ledger(open_store(store_url)) as again:
+        rec = again.get(key)
+    assert rec is not None and rec.state is State.CONFIRMED and rec.result == {"n": 1}
+    assert runs == [1]
