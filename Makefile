@@ -12,13 +12,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Frameworks whose pinned dependencies cannot share .venv with the others (README, "Extras"): each gets a
+# virtual environment of its own with the project, its extra and the test tools, and its tests under
+# tests/isolated/<extra>/ run there. In .venv those tests are skipped, naming the environment that runs them.
+ISOLATED ?=
+ISOLATED_STAMPS := $(foreach name,$(ISOLATED),.venv-$(name)/.installed)
+
+.venv-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -e '.[$*,test]'
+	touch $@
+
 demo: $(STAMP)  ## the main job: embedded, no servers needed
 	$(BIN)/onceonly demo
 
 TEST_WORKERS ?= 3
 
-test: $(STAMP)  ## the whole suite; Redis/PostgreSQL from ONCEONLY_TEST_REDIS_URL / ONCEONLY_TEST_POSTGRES_URL
+test: $(STAMP) $(ISOLATED_STAMPS)  ## the whole suite; Redis/PostgreSQL from ONCEONLY_TEST_REDIS_URL / ONCEONLY_TEST_POSTGRES_URL
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	@set -e; for name in $(ISOLATED); do \
+	  echo "== tests/isolated/$$name in .venv-$$name"; \
+	  .venv-$$name/bin/python -m pytest -n 2 tests/isolated/$$name; \
+	done
 
 bench: $(STAMP)  ## per-call overhead per store next to the store's own floor
 	$(BIN)/python benchmarks/bench.py
@@ -36,4 +52,4 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .onceonly
+	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache .onceonly
