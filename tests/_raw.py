@@ -12,7 +12,7 @@ from onceonly.stores import open_store
 
 __all__ = ["REDIS_AT", "RawRecords"]
 
-#: The record's fields in the Redis store's JSON array ``d`` (stores/redis.py ``_encode``).
+#: The record's fields in the Redis store's JSON array ``d`` (stores/redis/_codec.py ``encode``).
 REDIS_AT = {
     "scope": 0, "tool": 1, "fingerprint": 2, "state": 3, "attempts": 4, "fence": 5, "version": 6, "lease_owner": 7,
     "lease_until": 8, "next_attempt_at": 9, "expires_at": 10, "created_at": 11, "updated_at": 12, "result": 13,
