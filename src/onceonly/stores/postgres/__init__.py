@@ -39,7 +39,7 @@ from onceonly.stores.postgres.store import PostgresStore
 
 __all__ = ["SCHEMA_VERSION", "PostgresOptions", "PostgresStore", "parse_postgres_url"]
 
-# Where users import them from, as before the module was a package (reprs, docs, pickles).
+# They say where users import them from: the package (reprs, docs, pickles).
 for _public in (PostgresOptions, PostgresStore, parse_postgres_url):
     _public.__module__ = __name__
 del _public

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
-# The package's name, as before it was a package: logging configured for it keeps working.
+# The package's name: logging configured for onceonly.stores.postgres covers every part of it.
 log = logging.getLogger("onceonly.stores.postgres")
 
 
