@@ -717,7 +717,7 @@ def test_connections_speak_utf8_whatever_the_url_says(pg_url: str) -> None:
 
 def test_the_pool_hands_out_the_connection_returned_last(pg_url: str) -> None:
     """LIFO: one caller keeps one warm backend instead of round-robin over every pooled connection
-    (psycopg_pool is FIFO; ``_LifoPool`` turns it; this fails if a psycopg_pool upgrade undoes that)."""
+    (psycopg_pool is FIFO; ``LifoPool`` turns it; this fails if a psycopg_pool upgrade undoes that)."""
     store = PostgresStore(join_url(pg_url, pool_min_size="3", pool_max_size="3"))
     try:
         store._pool.wait(timeout=10)
@@ -835,7 +835,7 @@ def test_cursor_statements_survive_a_deallocate_behind_psycopgs_back(pg_url: str
     prepared: by default psycopg prepares a query after 5 runs and keeps using it, so after a DEALLOCATE
     ALL it did not see, every later run of that query on the connection failed (26000). Each runs here
     more than 5 times, the backend forgets, and each still works, as do the hot statements."""
-    from onceonly.stores.postgres import _ALL, _COUNT
+    from onceonly.stores.postgres.store import _ALL, _COUNT
 
     store = PostgresStore(join_url(pg_url, pool_min_size="1", pool_max_size="1"))  # one connection
     recs = [make(f"cur-{i}") for i in range(3)]
@@ -892,7 +892,7 @@ def test_cursor_statements_survive_a_deallocate_behind_psycopgs_back(pg_url: str
 def test_a_forgotten_statement_on_the_cursor_path_is_explained_as_such(store: PostgresStore) -> None:
     """A 26000 met by a statement sent through psycopg's cursor does not claim the store prepared it
     again (only the hot statements are prepared by the store); it still names the likely cause."""
-    from onceonly.stores.postgres import _COUNT
+    from onceonly.stores.postgres.store import _COUNT
 
     with pytest.raises(StoreUnavailable, match="psycopg's cursor") as info:
         store._run("EXECUTE onceonly_never_prepared", (), _COUNT)
@@ -935,7 +935,7 @@ def test_a_forked_child_gets_connections_of_its_own(postgres_database_url: str) 
 
     import psycopg
 
-    from onceonly.stores import postgres
+    from onceonly.stores.postgres import _pools
 
     store = open_store(join_url(postgres_database_url, schema=f"fork_{uuid.uuid4().hex[:8]}", pool_max_size="1"))
     for who in ("p", "c"):
@@ -950,7 +950,7 @@ def test_a_forked_child_gets_connections_of_its_own(postgres_database_url: str) 
             wrong = sum(
                 (got := store.get(f"c-{i}")) is None or got.key != f"c-{i}" for _ in range(10) for i in range(50)
             )
-            for old in postgres._inherited:
+            for old in _pools.inherited:
                 if isinstance(old, psycopg.Connection):
                     old.close()  # sends Terminate: into /dev/null
         finally:

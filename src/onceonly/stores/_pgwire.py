@@ -11,7 +11,7 @@ of the floor on a guarded first call (docs/benchmarks.md).
 One logic for both faces: ``run()`` is a generator that the sync connection's ``wait()`` drives, and
 the async connection's ``await wait()``.
 
-The types are the table's (``stores/postgres.py``: text, integer, bigint, double precision), declared
+The types are the table's (``stores/postgres/_schema.py``: text, integer, bigint, double precision), declared
 at preparation, so the server never guesses them. A float8 is sent and read as its eight bytes:
 exact both ways.
 """
