@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import re
 import secrets
-import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +32,18 @@ from typing import Any
 
 from onceonly.errors import InProgress, KeyConflict, StoreCorrupt
 
-from ._http import IdempotencyContext, Replay, StoredResponse, idempotency_context
+from ._answers import Problems, send_all
+from ._http import (
+    ASGIApp,
+    IdempotencyContext,
+    Message,
+    Receive,
+    Replay,
+    Scope,
+    Send,
+    StoredResponse,
+    idempotency_context,
+)
 
 __all__ = ["IdempotencyTable", "Slot"]
 
@@ -40,6 +51,8 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0
 _PLACEHOLDER = re.compile(r":([a-z_]+)")
 _SECRET_KEY = "onceonly:meta:client-secret"
 Executor = Callable[[str, Mapping[str, Any]], tuple[int, list[Any]]]
+
+log = logging.getLogger("onceonly.server")
 
 
 class IdempotencyTable:
@@ -318,10 +331,57 @@ def _is_lock_timeout(exc: BaseException) -> bool:
     lock_timeout, and PostgreSQL's serialization failure (REPEATABLE READ, SERIALIZABLE: the holder
     committed after this transaction's snapshot was taken; a retry in a new transaction replays)."""
     orig = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
-    if isinstance(orig, sqlite3.OperationalError):
+    # Looked up, not imported: an error of sqlite3 exists only once the application loaded it.
+    sqlite = sys.modules.get("sqlite3")
+    if sqlite is not None and isinstance(orig, sqlite.OperationalError):
         msg = str(orig).lower()
         return "locked" in msg or "busy" in msg
     psycopg_errors = sys.modules.get("psycopg.errors")
     if psycopg_errors is not None:
         return isinstance(orig, psycopg_errors.LockNotAvailable | psycopg_errors.SerializationFailure)
     return False
+
+
+# --- the middleware's side: turning the table's exceptions into responses -----------------------
+
+
+async def serve(
+    app: ASGIApp, scope: Scope, receive: Receive, send: Send, ctx: IdempotencyContext, problems: Problems
+) -> None:
+    """Run one request with a key (``ctx``) through ``app`` for ``IdempotencyMiddleware(transactional=True)``:
+    the handler's ``Replay``, ``KeyConflict`` and ``InProgress`` become the replay, 422 and 409."""
+    started = False
+
+    async def watch(message: Message) -> None:
+        nonlocal started
+        if message["type"] == "http.response.start":
+            started = True
+        await send(message)
+
+    try:
+        await app(scope, receive, watch)
+    except BaseException as raised:
+        exc = _unwrap(raised)
+        if not isinstance(exc, Replay | KeyConflict | InProgress):
+            raise
+        if started:
+            log.exception(
+                "onceonly.server: %s reached IdempotencyMiddleware after a response had started (an error "
+                "middleware answered it first?): add the middleware inside the application, with "
+                "app.add_middleware(IdempotencyMiddleware, transactional=True), not wrapped around it",
+                type(exc).__name__,
+            )
+            raise
+        if isinstance(exc, Replay):
+            await send_all(send, exc.response.messages(replayed=True))
+        elif isinstance(exc, KeyConflict):
+            await send_all(send, problems.conflict(scope, ctx, exc))
+        else:
+            await send_all(send, problems.in_flight(ctx))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (anyio task groups wrap)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
