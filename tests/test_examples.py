@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,3 +99,14 @@ def test_the_sqlite_docs_fork_example_runs_each_order_once(tmp_path: Path) -> No
     assert all(run.returncode == 0 for run in runs), runs[0].stderr + runs[1].stderr
     assert sorted(runs[0].stdout.splitlines()[:2]) == ["charging o-1", "charging o-2"]
     assert "charging" not in runs[1].stdout, "the second run is replayed from the ledger"
+
+
+def test_smolagents_example_shows_the_duplicate_and_its_absence() -> None:
+    """examples/smolagents_agent.py (docs/smolagents.md): two tickets without onceonly, one with it, and the
+    model reads the unknown, then the replay."""
+    pytest.importorskip("smolagents")
+    stdout = _run("smolagents_agent.py")
+    assert "without onceonly: 2 tickets" in stdout
+    assert "with onceonly: 1 ticket" in stdout
+    assert "asked again after the late answer: 1 ticket" in stdout
+    assert "The outcome of this action is unknown" in stdout and "was not repeated" in stdout

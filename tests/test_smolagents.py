@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("smolagents")
 
-from smolagents import Model, ToolCallingAgent, tool
+from smolagents import Model, Tool, ToolCallingAgent, tool
 from smolagents.models import ChatMessage, ChatMessageToolCall, ChatMessageToolCallFunction, MessageRole
 
 import onceonly
@@ -282,3 +282,188 @@ def test_smolagents_takes_the_guarded_functions_signature_and_docstring(ledger: 
         plain.inputs,
         plain.output_type,
     )
+
+
+# --- onceonly.smolagents: guard_agent scopes each run ------------------------------------------------
+
+from onceonly.smolagents import GuardedTool, guard, guard_agent  # noqa: E402
+
+
+def plain_ticket_tool(tickets: Tickets, release: threading.Event | None = None, pause: float = 0.0) -> Any:
+    """The undecorated side effect: a ticket row, then (with ``release``) an answer that may be lost."""
+
+    def create_ticket(title: str) -> str:
+        """Open a support ticket.
+
+        Args:
+            title: what the ticket is about.
+        """
+        number = tickets.add(title)
+        if pause:
+            time.sleep(pause)
+        if release is not None:
+            release.wait(10)
+        return f"ticket {number}"
+
+    return create_ticket
+
+
+def agent_of(model: ScriptedModel, *tools: Any) -> ToolCallingAgent:
+    return ToolCallingAgent(tools=list(tools), model=model, max_steps=5, verbosity_level=0)
+
+
+TASK = "The printer on floor 3 is out of toner: open a ticket."
+
+
+def test_without_onceonly_a_reissued_call_makes_a_second_ticket(tickets: Tickets) -> None:
+    """The duplicate guard_agent stops: the model re-issues the call in the same run, and smolagents runs
+    it again."""
+    agent_of(ScriptedModel([TICKET], [TICKET], [DONE]), tool(plain_ticket_tool(tickets))).run(TASK)
+    assert tickets.count() == 2
+
+
+def test_a_lost_answer_reissued_in_the_run_makes_one_ticket_and_the_model_reads_unknown(
+    ledger: Ledger, tickets: Tickets, release: threading.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = ScriptedModel([TICKET], [TICKET], [DONE])
+    agent = guard_agent(agent_of(model, tool(plain_ticket_tool(tickets, release))), ledger, timeout=0.2)
+    with caplog.at_level("WARNING", logger="onceonly"):
+        agent.run(TASK)
+    assert tickets.count() == 1
+    first, second = model.observations()
+    for read in (first, second):
+        assert UNKNOWN in read and "Do not issue it again" in read
+        assert "onceonly resolve" not in read and "Error executing tool" not in read and "Please try again" not in read
+    assert "onceonly resolve" in caplog.text  # the operator's text goes to the log
+    guarded = agent.tools["create_ticket"]
+    assert isinstance(guarded, GuardedTool)
+    [record] = ledger.list()
+    answer_late(ledger, record.key, release)
+
+
+def test_a_reissued_call_in_the_run_replays_and_says_so(ledger: Ledger, tickets: Tickets) -> None:
+    model = ScriptedModel([TICKET], [TICKET], [DONE])
+    guard_agent(agent_of(model, tool(plain_ticket_tool(tickets))), ledger).run(TASK)
+    first, second = model.observations()
+    assert "ticket 1" in first and not REPLAYED.search(first)
+    assert REPLAYED.search(second) and "Its result: ticket 1" in second
+    assert tickets.count() == 1
+
+
+def test_two_runs_with_the_same_arguments_make_two_tickets(ledger: Ledger, tickets: Tickets) -> None:
+    """No conversation named: each run is its own scope, so another run (maybe another user) is never
+    handed the first one's result; reset=False continues the run, and replays."""
+    model = ScriptedModel([TICKET], [DONE], [TICKET], [DONE], [TICKET], [DONE])
+    agent = guard_agent(agent_of(model, tool(plain_ticket_tool(tickets))), ledger)
+    agent.run(TASK)
+    agent.run(TASK)
+    assert tickets.count() == 2
+    agent.run(TASK, reset=False)  # the same conversation, continued
+    assert tickets.count() == 2
+    assert len(set(tickets.scopes)) == 2
+
+
+def test_a_ledger_task_around_the_runs_shares_records_across_them(ledger: Ledger, tickets: Tickets) -> None:
+    agent = guard_agent(
+        agent_of(ScriptedModel([TICKET], [DONE], [TICKET], [DONE]), tool(plain_ticket_tool(tickets))), ledger
+    )
+    with ledger.task("conv-17"):
+        agent.run(TASK)
+        agent.run(TASK)
+    assert tickets.count() == 1 and tickets.scopes == ["conv-17"]
+
+
+def test_two_identical_calls_in_one_step_make_one_ticket(ledger: Ledger, tickets: Tickets) -> None:
+    """smolagents runs them in its thread pool, each in a copy of the run's context."""
+    unguarded = Tickets(tickets.path.with_name("unguarded.db"))
+    agent_of(ScriptedModel([TICKET, TICKET], [DONE]), tool(plain_ticket_tool(unguarded, pause=0.05))).run(TASK)
+    assert unguarded.count() == 2  # without onceonly
+    model = ScriptedModel([TICKET, TICKET], [DONE])
+    guard_agent(agent_of(model, tool(plain_ticket_tool(tickets, pause=0.05))), ledger).run(TASK)
+    assert tickets.count() == 1
+    observed = model.observations()[0]
+    assert "ticket 1" in observed and ("in progress" in observed.lower() or REPLAYED.search(observed))
+
+
+def test_a_streamed_run_is_scoped_step_by_step(ledger: Ledger, tickets: Tickets) -> None:
+    model = ScriptedModel([TICKET], [TICKET], [DONE])
+    agent = guard_agent(agent_of(model, tool(plain_ticket_tool(tickets))), ledger)
+    steps = list(agent.run(TASK, stream=True))
+    assert steps and tickets.count() == 1
+    assert onceonly.edge.task_scope() is None  # nothing of the run's scope is left behind
+
+
+def test_a_tool_made_from_an_at_ledger_tool_function_is_guarded_once(ledger: Ledger, tickets: Tickets) -> None:
+    fn = ledger.tool()(plain_ticket_tool(tickets))
+    agent = guard_agent(agent_of(ScriptedModel([TICKET], [TICKET], [DONE]), tool(fn)), ledger)
+    agent.run(TASK)
+    assert tickets.count() == 1
+    [record] = ledger.list()
+    assert record.tool.endswith("create_ticket") and record.attempts == 1
+    with pytest.raises(TypeError, match=r"already an @ledger\.tool"):
+        guard(fn, ledger, timeout=1)
+
+
+def test_a_tool_subclass_is_guarded_and_shows_the_model_the_same_inputs(ledger: Ledger, tickets: Tickets) -> None:
+    class CreateTicket(Tool):
+        name = "create_ticket"
+        description = "Open a support ticket."
+        inputs = {"title": {"type": "string", "description": "what the ticket is about"}}  # noqa: RUF012
+        output_type = "string"
+
+        def forward(self, title: str) -> str:
+            return f"ticket {tickets.add(title)}"
+
+    original = CreateTicket()
+    guarded = guard(original, ledger)
+    assert (guarded.name, guarded.description, guarded.inputs, guarded.output_type) == (
+        original.name,
+        original.description,
+        original.inputs,
+        original.output_type,
+    )
+    guard_agent(agent_of(ScriptedModel([TICKET], [TICKET], [DONE]), guarded), ledger).run(TASK)
+    assert tickets.count() == 1
+
+
+def test_the_model_is_never_shown_idempotency_key(ledger: Ledger) -> None:
+    def create_ticket(title: str, idempotency_key: str = "") -> str:
+        """Open a support ticket.
+
+        Args:
+            title: what the ticket is about.
+            idempotency_key: filled in by the ledger.
+        """
+        return title
+
+    assert set(guard(create_ticket, ledger).inputs) == {"title"}
+
+
+def test_a_call_outside_any_run_is_its_own_scope(ledger: Ledger, tickets: Tickets) -> None:
+    """A guarded tool called by hand, outside guard_agent and ledger.task, never replays another
+    caller's result: it is scoped to itself."""
+    guarded = guard(plain_ticket_tool(tickets), ledger)
+    assert guarded(title="x") == "ticket 1"
+    assert guarded(title="x") == "ticket 2"
+    with ledger.task("conv-1"):
+        assert guarded(title="x") == "ticket 3"
+        assert REPLAYED.search(guarded(title="x"))
+
+
+def test_a_managed_agent_runs_inside_its_managers_scope(ledger: Ledger, tickets: Tickets) -> None:
+    helper_model = ScriptedModel([TICKET], [DONE], [TICKET], [DONE])
+    helper = ToolCallingAgent(
+        tools=[tool(plain_ticket_tool(tickets))],
+        model=helper_model,
+        max_steps=5,
+        verbosity_level=0,
+        name="helpdesk",
+        description="Opens tickets.",
+    )
+    ask = ("helpdesk", {"task": "open a ticket for the printer"})
+    manager = ToolCallingAgent(
+        tools=[], model=ScriptedModel([ask], [ask], [DONE]), managed_agents=[helper], max_steps=5, verbosity_level=0
+    )
+    guard_agent(manager, ledger).run(TASK)
+    assert tickets.count() == 1  # the manager asked twice in one run: the helper's second run replays
+    assert isinstance(helper.tools["create_ticket"], GuardedTool)
