@@ -42,7 +42,9 @@ kickoffs, so it would hand one conversation another's result; the ledger replays
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -169,9 +171,6 @@ def _run_coroutine(coro: Any) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    import concurrent.futures
-    import contextvars
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(contextvars.copy_context().run, asyncio.run, coro).result()
 

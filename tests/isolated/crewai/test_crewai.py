@@ -29,16 +29,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from crewai import Agent, Crew, Task
+from crewai.flow.flow import Flow, start
 from crewai.hooks.dispatch import HookAborted
 from crewai.llms.base_llm import BaseLLM
 from crewai.tools import BaseTool, tool
 from pydantic import BaseModel
 
 import onceonly
-from onceonly import Ledger
+from onceonly import Ledger, edge
 from onceonly.crewai import SETTING, GuardedTool, Told, guard, guard_tools, run_id
 
 # CrewAI warns about its own deprecated fields when it reads them itself (an agent's post-init does).
@@ -244,6 +245,7 @@ def test_no_conversation_scopes_each_kickoff_to_its_run(
     kickoff of the same Crew object runs its own; one warning names the setting."""
     llm = ScriptedLLM(*[action(), FINAL] * 4)
     team = crew(llm, guard_tools([ticket_tool(tickets)], book), tasks=2)
+    edge._warned.discard(("crewai", SETTING))  # the warning is once per process
     with caplog.at_level("WARNING", logger="onceonly"):
         team.kickoff()
         team.kickoff()
@@ -253,6 +255,31 @@ def test_no_conversation_scopes_each_kickoff_to_its_run(
     warnings = [r for r in caplog.records if "names no conversation" in r.getMessage()]
     assert len(warnings) == 1 and SETTING in warnings[0].getMessage()
     assert run_id() is None  # outside a kickoff
+
+
+def test_a_flow_run_is_one_scope_for_the_crews_it_kicks_off(book: Ledger, tickets: Tickets) -> None:
+    """Crews kicked off inside a flow inherit the flow run's execution id: the second crew's same call
+    replays the first's (without onceonly: two tickets); another kickoff of the flow runs its own."""
+
+    class Desk(Flow[dict[str, Any]]):
+        tools: ClassVar[list[Any]] = []
+
+        @start()
+        def open_tickets(self) -> str:
+            for _ in range(2):
+                crew(ScriptedLLM(action(), FINAL), self.tools).kickoff()
+            return "done"
+
+    Desk.tools = [ticket_tool(tickets)]
+    Desk().kickoff()
+    assert tickets.count() == 2
+
+    Desk.tools = guard_tools([ticket_tool(tickets)], book)
+    Desk().kickoff()
+    assert tickets.count() == 3
+    Desk().kickoff()
+    assert tickets.count() == 4
+    assert len(set(tickets.scopes[2:])) == 2
 
 
 def test_crewai_cache_hands_one_conversation_another_s_result(book: Ledger, tickets: Tickets) -> None:
@@ -355,6 +382,27 @@ def test_an_async_tool_acts_once(book: Ledger, tickets: Tickets) -> None:
     asyncio.run(run())
     assert tickets.count() == before + 1
     assert UNKNOWN in llm.observations()[0] and UNKNOWN in later.observations()[0]
+
+
+def test_an_async_tool_called_by_sync_code_inside_a_running_loop_keeps_the_scope(
+    book: Ledger, tickets: Tickets
+) -> None:
+    """BaseTool.run of an async guarded tool from a coroutine (a loop runs in this thread): it runs in a
+    worker thread with this context, so the conversation's scope holds, and a second call replays."""
+
+    async def create_ticket(title: str) -> str:
+        """Open a support ticket."""
+        return str(tickets.add(title))
+
+    made = guard(create_ticket, book)
+
+    async def caller() -> list[Any]:
+        with book.task("conv-z"):
+            return [made.run(title="toner"), made.run(title="toner")]
+
+    first, second = asyncio.run(caller())
+    assert first == "1" and NOT_REPEATED in second
+    assert tickets.scopes == ["conv-z"]
 
 
 # --- what the model is shown, and CrewAI's control flow ---------------------------------------------------
