@@ -194,7 +194,17 @@ class GuardedTool(BaseTool):  # type: ignore[misc]
     .. versionadded:: 0.1
     """
 
-    _door: _Door = PrivateAttr()
+    _onceonly: _Door | None = PrivateAttr(default=None)
+
+    @property
+    def _door(self) -> _Door:
+        door = self._onceonly
+        if door is None:  # rebuilt by CrewAI from a checkpoint's JSON: the ledger is not part of it
+            raise RuntimeError(
+                f"tool {self.name!r} was rebuilt without its ledger (from a CrewAI checkpoint?): guard the original "
+                "tool again with onceonly.crewai.guard(tool, ledger) and give the agent that"
+            )
+        return door
 
     def _run(self, **kwargs: Any) -> Any:
         return self._door.call(kwargs)
@@ -324,7 +334,7 @@ def guard(tool: BaseTool | Callable[..., Any], ledger: Ledger, **policy: Any) ->
         # CrewAI's own @tool makes the schema the model sees, from the guarded signature (no idempotency_key).
         shown = _settings(crewai_tool(getattr(fn, "__name__", guarded.name))(guarded))
     made = GuardedTool(**shown, cache_function=_never_cache)
-    made._door = _Door(guarded, ledger)
+    made._onceonly = _Door(guarded, ledger)
     return made
 
 

@@ -495,6 +495,9 @@ def test_told_text_is_not_cached_and_guard_refuses_what_it_cannot_take(book: Led
         guard(lambda title: title, book, name="undocumented")
     with pytest.raises(TypeError, match=r"onceonly\.crewai\.guard"):
         book.tool(ticket_tool(tickets))
+    rebuilt = GuardedTool.model_validate(made.model_dump())  # as CrewAI restores a checkpoint's tools
+    with pytest.raises(RuntimeError, match="rebuilt without its ledger"):
+        rebuilt.run(title="x")
 
 
 def test_the_example_runs(tmp_path: Path) -> None:
