@@ -56,6 +56,7 @@ _INTEGRATIONS = {
     "mcp": "onceonly.mcp.OnceOnlyMiddleware(ledger) on the server, or @ledger.tool on the plain function",
     "autogen_core": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
+    "crewai": "onceonly.crewai.guard(tool, ledger) (or guard_tools)",
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
 }
 
