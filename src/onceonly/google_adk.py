@@ -189,6 +189,11 @@ class _Guard:
         self.tell_model = tell_model
         self.scope = scope
         self.long_running = long_running
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"tool {name!r} is a generator: ADK streams its items, and onceonly records one result per call; "
+                "make it return its result"
+            )
         self.is_async = inspect.iscoroutinefunction(fn)
         self.sig, self.hints = _resolved(fn)
         for p in self.sig.parameters.values():
