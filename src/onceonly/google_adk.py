@@ -3,8 +3,9 @@
     from onceonly.google_adk import OnceOnlyPlugin, guard_tools
 
     agent = LlmAgent(name="billing", model=model, tools=guard_tools([charge], ledger))
-    runner = Runner(agent=agent, app_name="shop", session_service=sessions)
-    runner = Runner(agent=agent, app_name="shop", session_service=sessions, plugins=[OnceOnlyPlugin(ledger)])
+    app = App(name="shop", root_agent=agent)                                  # or, for every agent's tools:
+    app = App(name="shop", root_agent=agent, plugins=[OnceOnlyPlugin(ledger)])
+    runner = Runner(app=app, session_service=sessions)
 
 A guarded tool is ADK's own ``FunctionTool`` (or ``LongRunningFunctionTool``) over a function with the
 original's name, docstring and parameters, so ADK builds the same declaration, injects the same
@@ -481,8 +482,8 @@ def guard_tools(tools: Sequence[Any], ledger: Ledger, **options: Any) -> list[An
 
 
 class OnceOnlyPlugin(BasePlugin):  # type: ignore[misc]
-    """An ADK plugin that guards the function tools of every agent its ``Runner`` runs:
-    ``Runner(..., plugins=[OnceOnlyPlugin(ledger)])``.
+    """An ADK plugin that guards the function tools of every agent its app runs:
+    ``App(name=..., root_agent=agent, plugins=[OnceOnlyPlugin(ledger)])``.
 
     Before a run it replaces, in the root agent and each sub-agent, the plain functions,
     ``FunctionTool``s and ``LongRunningFunctionTool``s of ``tools`` with guarded ones (guarding is

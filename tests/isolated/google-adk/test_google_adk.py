@@ -16,17 +16,20 @@ pytest.importorskip(
 )
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from google.adk.agents import LlmAgent
+from google.adk.agents import LlmAgent, RunConfig
+from google.adk.agents.run_config import ToolThreadPoolConfig
 from google.adk.apps import App
 from google.adk.models.base_llm import BaseLlm
 from google.adk.models.llm_request import LlmRequest
@@ -125,6 +128,7 @@ class Chat:
     ) -> None:
         self.sessions = sessions or InMemorySessionService()
         self.runner = Runner(app=App(name=APP, root_agent=agent, plugins=list(plugins)), session_service=self.sessions)
+        self.run_config: RunConfig | None = None
 
     def say(self, text: str = "charge the customer", *, user: str = "alice", session: str = "s-1") -> None:
         asyncio.run(self.asay(text, user=user, session=session))
@@ -133,7 +137,8 @@ class Chat:
         if await self.sessions.get_session(app_name=APP, user_id=user, session_id=session) is None:
             await self.sessions.create_session(app_name=APP, user_id=user, session_id=session)
         content = message or types.Content(role="user", parts=[types.Part(text=text)])
-        async for _ in self.runner.run_async(user_id=user, session_id=session, new_message=content):
+        run = self.runner.run_async(user_id=user, session_id=session, new_message=content, run_config=self.run_config)
+        async for _ in run:
             pass
 
 
@@ -307,6 +312,52 @@ def test_the_same_call_twice_in_one_turn_runs_once(ledger: Ledger, charges: Char
     assert charges.count() == 3
     ran, replayed = sorted(model.told(), key=lambda r: "status" in r)  # either may claim first
     assert ran == {"result": "charge #3"} and REPLAYED.match(message(replayed))
+
+
+def test_sync_tools_on_adks_thread_pool_run_once_and_keep_the_task(ledger: Ledger, charges: Charges) -> None:
+    """``RunConfig(tool_thread_pool_config=...)``: ADK runs sync functions on its thread pool, two identical
+    calls of one turn at the same time. Without onceonly two charges; with it one, and the
+    ``ledger.task(...)`` around the run reaches the worker threads (ADK copies the context)."""
+    started = threading.Barrier(2, timeout=5)
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        with contextlib.suppress(threading.BrokenBarrierError):
+            started.wait(0.5)  # both calls in flight at once (with onceonly the second waits on the ledger)
+        return f"charge #{charges.add(customer, cents)}"
+
+    def both() -> ScriptedModel:
+        return ScriptedModel(
+            steps=[
+                [call("charge", "call_A", customer="c1", cents=500), call("charge", "call_B", customer="c1", cents=500)]
+            ]
+        )
+
+    def chat(model: ScriptedModel, tools: list[Any]) -> Chat:
+        made = Chat(agent(model, tools))
+        made.run_config = RunConfig(tool_thread_pool_config=ToolThreadPoolConfig(max_workers=4))
+        return made
+
+    chat(both(), [charge]).say()
+    assert charges.count() == 2
+
+    model = both()
+    started.reset()
+    with ledger.task("order-7"):
+        chat(model, guard_tools([charge], ledger)).say()
+    assert charges.count() == 3
+    assert sorted("status" in r for r in model.told()) == [False, True]
+    assert [r.scope for r in ledger.list()] == ["order-7"]
+
+
+def test_a_generator_function_is_refused(ledger: Ledger) -> None:
+    """A generator tool streams its items: one recorded result per call does not fit it."""
+
+    def progress(order: str) -> Iterator[str]:
+        yield order
+
+    with pytest.raises(TypeError, match="is a generator"):
+        guard(progress, ledger)
 
 
 # --- who is calling -----------------------------------------------------------------------------------
