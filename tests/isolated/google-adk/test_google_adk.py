@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import sqlite3
 import subprocess
@@ -36,7 +37,8 @@ from google.adk.models.llm_request import LlmRequest
 from google.adk.models.llm_response import LlmResponse
 from google.adk.runners import Runner
 from google.adk.sessions import InMemorySessionService
-from google.adk.tools import FunctionTool, LongRunningFunctionTool, ToolContext
+from google.adk.tools import BaseTool, FunctionTool, LongRunningFunctionTool, ToolContext
+from google.adk.tools.base_toolset import BaseToolset
 from google.genai import types
 from pydantic import Field
 
@@ -652,20 +654,45 @@ def test_the_plugin_guards_every_agents_function_tools(ledger: Ledger, charges: 
     assert looked == ["c1", "c1"]
 
 
+def test_the_plugin_guards_the_tools_a_toolset_gives(ledger: Ledger, charges: Charges) -> None:
+    """A toolset's tools are made per request: the plugin guards them in the request the model answers
+    (``before_model_callback``). Without the plugin the re-plan charges twice."""
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        return f"charge #{charges.add(customer, cents)}"
+
+    class Payments(BaseToolset):
+        async def get_tools(self, readonly_context: Any = None) -> list[BaseTool]:
+            return [FunctionTool(charge)]
+
+    Chat(agent(replan("charge", customer="c1", cents=500), [Payments()])).say()
+    assert charges.count() == 2
+
+    model = replan("charge", customer="c1", cents=500)
+    Chat(agent(model, [Payments()]), plugins=[OnceOnlyPlugin(ledger)]).say()
+    assert charges.count() == 3
+    ran, replayed = model.told()
+    assert ran == {"result": "charge #3"} and replayed["status"] == "replayed"
+
+
 # --- the example ----------------------------------------------------------------------------------------
 
 
-def test_example_runs_offline() -> None:
-    """examples/google_adk_agent.py (it runs in this environment): two charges without onceonly, one with,
-    and what the model was told."""
+def test_example_runs_offline(tmp_path: Path) -> None:
+    """examples/google_adk_agent.py (it runs in this environment, so it is run here rather than by
+    tests/test_examples.py in .venv): two charges without onceonly, one with, what the model was told, and
+    no file left behind."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "google_adk_agent.py")],
         check=False,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == [], "the example left files behind"
     assert "without onceonly: 2 charges" in out.stdout
     assert "with onceonly: 1 charge" in out.stdout
     assert "Do not issue it again" in out.stdout
