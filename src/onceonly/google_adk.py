@@ -215,6 +215,12 @@ class _Guard:
                 )
             if fn.ledger is not ledger:  # type: ignore[attr-defined]
                 raise TypeError(f"{name!r} is guarded by another ledger ({fn.ledger!r}) than the one given")  # type: ignore[attr-defined]
+            if long_running:
+                raise TypeError(
+                    f"{name!r} is an @ledger.tool function in a LongRunningFunctionTool: its empty answer (ADK waits "
+                    "for the client's) would be recorded as its result; pass the plain function, whose pause gives "
+                    "the claim back"
+                )
             if self.takes_context:
                 raise TypeError(
                     f"{name!r} is an @ledger.tool function that takes ADK's {self.context!r}: it would be part of "

@@ -610,6 +610,8 @@ def test_an_ledger_tool_function_keeps_its_settings(ledger: Ledger, charges: Cha
     assert record.scope == f"c:{APP}/alice/s-1"
     with pytest.raises(TypeError, match="its settings are its decorator's"):
         guard(charge, ledger, key=("order",))
+    with pytest.raises(TypeError, match="in a LongRunningFunctionTool"):
+        guard(LongRunningFunctionTool(charge), ledger)
 
 
 def test_the_plugin_guards_every_agents_function_tools(ledger: Ledger, charges: Charges) -> None:
