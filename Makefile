@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 # Frameworks whose pinned dependencies cannot share .venv with the others (README, "Extras"): each gets a
 # virtual environment of its own with the project, its extra and the test tools, and its tests under
 # tests/isolated/<extra>/ run there. In .venv those tests are skipped, naming the environment that runs them.
-ISOLATED ?= crewai
+ISOLATED ?= crewai google-adk
 ISOLATED_STAMPS := $(foreach name,$(ISOLATED),.venv-$(name)/.installed)
 
 .venv-%/.installed: pyproject.toml
