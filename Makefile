@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench chaos lint format clean
 
+# uv resolves and installs in seconds what pip takes minutes for; it is itself installed by pip.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --upgrade pip uv
+	$(BIN)/python -m uv pip install --quiet --python $(BIN)/python -e '.[dev]'
 	touch $(STAMP)
 
 # Frameworks whose pinned dependencies cannot share .venv with the others (README, "Extras"): each gets a
@@ -18,10 +19,9 @@ $(STAMP): pyproject.toml
 ISOLATED ?= crewai google-adk
 ISOLATED_STAMPS := $(foreach name,$(ISOLATED),.venv-$(name)/.installed)
 
-.venv-%/.installed: pyproject.toml
+.venv-%/.installed: pyproject.toml $(STAMP)
 	$(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-$*/bin/python -m pip install --quiet -e '.[$*,test]'
+	$(BIN)/python -m uv pip install --quiet --python .venv-$*/bin/python -e '.[$*,test]'
 	touch $@
 
 demo: $(STAMP)  ## the main job: embedded, no servers needed
