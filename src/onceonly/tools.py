@@ -57,6 +57,8 @@ _INTEGRATIONS = {
     "autogen_core": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
+    "llama_index": "onceonly.llamaindex.guard(tool, ledger) (or guard_tools)",
+    "agno": "onceonly.agno.guard(tool, ledger) (or guard_tools)",
 }
 
 
