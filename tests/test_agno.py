@@ -459,6 +459,33 @@ def test_stop_agent_run_gives_the_claim_back(ledger: Ledger, tickets: Tickets, g
     assert record.state.value == "confirmed" and record.attempts == 1
 
 
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_tool_that_requires_confirmation_runs_once_after_it(ledger: Ledger, tickets: Tickets, guarded: bool) -> None:
+    """Agno pauses a tool that requires confirmation before calling it; the guard runs when Agno calls it,
+    after the confirmation, in the run's session: once, and a re-plan after it replays."""
+
+    @tool(requires_confirmation=True)
+    def create_ticket(title: str) -> str:
+        """Open a support ticket."""
+        return f"ticket {tickets.add(title)}"
+
+    model = Scripted(replies=[ticket(), ticket(), "ok"])
+    helpdesk = agent(model, [guard(create_ticket, ledger) if guarded else create_ticket])
+    paused = helpdesk.run("toner", session_id="conv-a", user_id="ada")
+    for _ in range(2):
+        assert paused.is_paused and tickets.count() <= 1
+        for waiting in paused.tools_requiring_confirmation:
+            waiting.confirmed = True
+        paused = helpdesk.continue_run(run_response=paused)
+    assert not paused.is_paused
+    if not guarded:
+        assert tickets.count() == 2
+        return
+    assert tickets.count() == 1
+    assert tickets.scopes == [caller_scope_of("ada", "conv-a")]
+    assert NOT_REPEATED in model.tool_results()[1]
+
+
 # --- the package and the example ---------------------------------------------------------------------
 
 
