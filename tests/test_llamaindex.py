@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("llama_index.core")
 
-from llama_index.core.agent.workflow import FunctionAgent
+from llama_index.core.agent.workflow import AgentWorkflow, FunctionAgent
 from llama_index.core.base.llms.types import ToolCallBlock
 from llama_index.core.llms import ChatMessage, MessageRole
 from llama_index.core.llms.mock import MockFunctionCallingLLM
@@ -246,6 +246,21 @@ def test_runs_without_a_conversation_are_scoped_to_themselves_with_one_warning(
     assert len(set(tickets.scopes)) == 2 and all(s and s.startswith("r:") for s in tickets.scopes), tickets.scopes
     warnings = [r for r in caplog.records if "names no conversation" in r.getMessage()]
     assert len(warnings) == 1 and SETTING in warnings[0].getMessage()
+
+
+def test_an_agent_workflow_run_is_its_own_scope(ledger: Ledger, tickets: Tickets) -> None:
+    """An AgentWorkflow calls tools through its own step, under the same run id: a re-plan inside the run
+    replays, the next run makes its own ticket."""
+    tools = guard_tools([create_ticket_of(tickets)], ledger)
+
+    async def one_run(script: Script) -> Any:
+        helpdesk = FunctionAgent(name="helpdesk", tools=tools, llm=MockFunctionCallingLLM(response_generator=script))
+        return await AgentWorkflow(agents=[helpdesk]).run(user_msg="toner")
+
+    asyncio.run(one_run(Script(ticket(), ticket())))
+    asyncio.run(one_run(Script(ticket())))
+    assert tickets.count() == 2
+    assert len(set(tickets.scopes)) == 2 and all(s and s.startswith("r:") for s in tickets.scopes)
 
 
 def test_runs_without_a_conversation_share_the_ledgers_scope_with_a_plain_guarded_function(
