@@ -58,6 +58,8 @@ _INTEGRATIONS = {
     "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "crewai": "onceonly.crewai.guard(tool, ledger) (or guard_tools)",
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
+    "llama_index": "onceonly.llamaindex.guard(tool, ledger) (or guard_tools)",
+    "agno": "onceonly.agno.guard(tool, ledger) (or guard_tools)",
 }
 
 
