@@ -57,6 +57,7 @@ _INTEGRATIONS = {
     "autogen_core": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
+    "claude_agent_sdk": "onceonly.claude_agent_sdk.guard(tool, ledger), or create_sdk_mcp_server(name, tools, ledger)",
 }
 
 
