@@ -10,7 +10,10 @@ each scenario shows the duplicate without onceonly and its absence with it.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -428,3 +431,27 @@ def test_guard_tools_refuses_what_it_cannot_guard(ledger: Ledger) -> None:
 
 def book_plain(room: str) -> str:
     return room
+
+
+# --- the example --------------------------------------------------------------------------------------
+
+
+def test_example_charges_once_and_tells_the_model(tmp_path: Path) -> None:
+    """examples/claude_agent_sdk_agent.py runs offline, through the real CLI: two charges without onceonly,
+    one with; the model read the unknown text, and a replay of the charge that answered."""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "claude_agent_sdk_agent.py")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PYTHONPATH": str(root / "src"), "TMPDIR": str(tmp_path), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "without onceonly, a lost answer: charges made: 2" in out.stdout
+    assert "with onceonly, a lost answer: charges made: 1" in out.stdout
+    assert "with onceonly, an answer: charges made: 1" in out.stdout
+    assert out.stdout.count(UNKNOWN) == 2 and NOT_REPEATED in out.stdout
+    assert "onceonly resolve" not in out.stdout  # the operator's text is the log's
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
