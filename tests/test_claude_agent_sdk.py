@@ -455,3 +455,23 @@ def test_example_charges_once_and_tells_the_model(tmp_path: Path) -> None:
     assert out.stdout.count(UNKNOWN) == 2 and NOT_REPEATED in out.stdout
     assert "onceonly resolve" not in out.stdout  # the operator's text is the log's
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_read_only_sdk_tools_error_result_reaches_the_model_as_it_is(
+    ledger: Ledger, charges: Charges, home: Path
+) -> None:
+    @sdk.tool(
+        "charge",
+        "Look a charge up.",
+        {"customer": str, "cents": int},
+        annotations=sdk.ToolAnnotations(readOnlyHint=True),
+    )
+    async def lookup(args: dict[str, Any]) -> dict[str, Any]:
+        charges.add(args["customer"], args["cents"])  # counts the runs: a read runs each time
+        return {"content": [{"type": "text", "text": "no such charge"}], "is_error": True}
+
+    with FakeMessagesApi(scripted([charge_call()], [charge_call()])) as api:
+        asyncio.run(session(api, home, create_sdk_mcp_server("billing", [lookup], ledger)))
+    assert charges.count() == 2
+    assert [(r["text"].split("\n")[0], r["is_error"]) for r in results_of(api)] == [("no such charge", True)] * 2
+    assert ledger.list() == []

@@ -316,6 +316,11 @@ def _from_function(fn: Callable[..., Any], ledger: Ledger, name: str | None, des
     )
 
 
+def _read_only_hint(annotations: object) -> bool:
+    """The tool's own ``readOnlyHint`` (mcp 2 spells the attribute ``read_only_hint``, mcp 1 the wire name)."""
+    return any(getattr(annotations, n, None) is True for n in ("read_only_hint", "readOnlyHint"))
+
+
 def _from_tool(tool: SdkMcpTool[Any], ledger: Ledger, name: str | None, policy: dict[str, Any]) -> SdkMcpTool[Any]:
     # The SDK's own conversion of a declared input_schema (a JSON Schema, a dict of types, a TypedDict):
     # what it sends on the wire, hence the tight pin.
@@ -325,7 +330,7 @@ def _from_tool(tool: SdkMcpTool[Any], ledger: Ledger, name: str | None, policy: 
             f"tool {tool.name!r} asks the model for idempotency_key, so the model would choose keys: guard the "
             "plain function instead (the ledger fills the key in and leaves it out of the schema)"
         )
-    read_only = bool(policy.get("readonly", False) or getattr(tool.annotations, "readOnlyHint", None) is True)
+    read_only = bool(policy.get("readonly", False) or _read_only_hint(tool.annotations))
     handler = tool.handler
     verdict = edge.error_result_verdict(read_only=read_only)
 
