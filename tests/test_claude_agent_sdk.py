@@ -222,6 +222,22 @@ def test_without_onceonly_a_reissued_call_charges_again(charges: Charges, home: 
     assert charges.count() == 2
 
 
+def test_an_at_ledger_tool_function_keeps_its_settings(ledger: Ledger, charges: Charges, home: Path) -> None:
+    @ledger.tool(key=("customer",))  # one charge per customer, whatever the amount
+    def charge(customer: str, cents: int) -> dict[str, Any]:
+        """Charge a customer."""
+        return {"charge": charges.add(customer, cents), "cents": cents}
+
+    with FakeMessagesApi(scripted([charge_call(cents=500)], [charge_call(cents=700)])) as api:
+        asyncio.run(session(api, home, create_sdk_mcp_server("billing", [charge], ledger)))
+    assert charges.count() == 1
+    first, second = results_of(api)
+    assert first["text"].startswith('{"charge": 1, "cents": 500}')
+    assert "other details, and was not repeated" in second["text"] and second["is_error"]
+    with pytest.raises(TypeError, match="its settings are its decorator's"):
+        guard(charge, ledger, timeout=5)
+
+
 # --- two identical calls in one turn ----------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -71,7 +72,7 @@ from onceonly.errors import OnceOnlyError
 from onceonly.plan import Outcome
 from onceonly.policy import Verdict
 from onceonly.schema import SchemaError, coerce
-from onceonly.tell import TOLD, result_text
+from onceonly.tell import TOLD
 from onceonly.tools import Wrappers
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ __all__ = ["SETTING", "create_sdk_mcp_server", "guard", "guard_tools", "session_
 _log = logging.getLogger("onceonly.claude_agent_sdk")
 
 #: What to set so that calls are keyed by the Claude session (named in the run-scope warning).
-SETTING = "hooks=onceonly.claude_agent_sdk.session_hooks() in ClaudeAgentOptions (or ledger.task(session_id))"
+SETTING = "ClaudeAgentOptions(hooks=onceonly.claude_agent_sdk.session_hooks())"
 
 #: The ``_meta`` key under which the CLI sends an MCP call's tool-use id.
 TOOL_USE_META = "claudecode/toolUseId"
@@ -216,6 +217,16 @@ def _shown(content: Any) -> Any:
     return content
 
 
+def _fresh_text(value: Any) -> str:
+    """A function's fresh result as the model reads it, whole: a string as it is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except ValueError:  # a circular structure: its repr is all there is
+        return repr(value)
+
+
 class _ErrorResult(Exception):
     """A tool's own error result (``is_error``): it may have acted before it failed, unless read-only."""
 
@@ -280,7 +291,7 @@ class _Handler:
             return _text(edge.envelope(shown).text)
         if self.whole:
             return {"content": out.result}
-        return _text(result_text(out.result))
+        return _text(_fresh_text(out.result))
 
 
 def _guarded_function(fn: Any) -> bool:
