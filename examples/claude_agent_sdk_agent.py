@@ -47,7 +47,7 @@ async def run(api: FakeMessagesApi, home: Path, server: Any, cents: int) -> list
         mcp_servers={"billing": server},
         allowed_tools=[CHARGE],
         hooks=session_hooks(),  # type: ignore[arg-type]
-        env={**claude_env(api.url, home), "TMPDIR": str(home)},
+        env=claude_env(api.url, home),
         cwd=str(home),
         model="claude-sonnet-4-5",
         setting_sources=[],

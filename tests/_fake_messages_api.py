@@ -189,11 +189,14 @@ def _events(message: dict[str, Any]) -> bytes:
 
 
 def claude_env(api_url: str, home: Path) -> dict[str, str]:
-    """The environment the bundled CLI runs in: this fake API, a home and config directory of its own, and
-    none of the traffic (telemetry, updates, tool search) that would leave the machine."""
+    """The environment the bundled CLI runs in: this fake API, a home, config and temporary directory of its
+    own, and none of the traffic (telemetry, updates, tool search) that would leave the machine."""
     config = home / ".claude"
     config.mkdir(parents=True, exist_ok=True)
+    scratch = home / "tmp"  # the CLI's own temporary files (file-watch probes) stay in the test's folder
+    scratch.mkdir(exist_ok=True)
     return {
+        "TMPDIR": str(scratch),
         "ANTHROPIC_BASE_URL": api_url,
         "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
         "HOME": str(home),
