@@ -444,6 +444,18 @@ def test_guard_tools_refuses_what_it_cannot_guard(ledger: Ledger) -> None:
         guard(made, ledger)
     assert guard(book_plain, ledger) is guard(book_plain, ledger)  # one definition under one name
 
+    @sdk.tool("refund", "Refund.", {"order": str})
+    async def refund(args: dict[str, Any]) -> dict[str, Any]:
+        return {"content": []}
+
+    renamed = guard(refund, ledger, name="refund_order")
+    assert (renamed.name, renamed.description) == ("refund_order", "Refund.")
+    assert renamed.input_schema == {
+        "type": "object",
+        "properties": {"order": {"type": "string"}},
+        "required": ["order"],
+    }
+
 
 def book_plain(room: str) -> str:
     return room

@@ -64,7 +64,7 @@ try:
     from mcp.server.mcpserver.utilities.func_metadata import func_metadata
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
-        f"onceonly.claude_agent_sdk needs the Claude Agent SDK: {install_hint('claude-agent-sdk')}"
+        f"onceonly.claude_agent_sdk needs the Claude Agent SDK and mcp 2 ({exc}): {install_hint('claude-agent-sdk')}"
     ) from exc
 
 from onceonly import edge
@@ -365,7 +365,8 @@ def _from_tool(tool: SdkMcpTool[Any], ledger: Ledger, name: str | None, policy: 
             f"another tool named {ledger_name!r} is guarded on this ledger already: the two would share records and "
             "replay each other's results; pass name='...' to give this one its own"
         ) from None
-    return dataclasses.replace(tool, input_schema=schema, handler=_Handler(guarded, schema, tool.name, True))
+    shown = name or tool.name
+    return dataclasses.replace(tool, name=shown, input_schema=schema, handler=_Handler(guarded, schema, shown, True))
 
 
 # One guarded tool per (ledger, original, settings): guarding the same tool again returns it.
