@@ -288,6 +288,27 @@ def test_two_sessions_with_the_same_arguments_charge_twice_each_under_its_sessio
         assert len(ledger.list(scope=session_scope(sid))) == 1
 
 
+def test_two_sessions_at_once_with_the_same_arguments_charge_twice(
+    ledger: Ledger, charges: Charges, tmp_path: Path
+) -> None:
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer."""
+        return f"charge {charges.add(customer, cents)}"
+
+    server = create_sdk_mcp_server("billing", [charge], ledger)
+    homes = [tmp_path / "home-a", tmp_path / "home-b"]
+    for h in homes:
+        h.mkdir()
+    with FakeMessagesApi(scripted([charge_call()], [charge_call()])) as api:
+
+        async def both() -> list[str]:
+            return list(await asyncio.gather(*(session(api, h, server) for h in homes)))
+
+        ids = asyncio.run(both())
+    assert charges.count() == 2
+    assert sorted(charges.scopes) == sorted(session_scope(i) for i in ids)
+
+
 def test_a_resumed_session_replays_its_earlier_call(ledger: Ledger, charges: Charges, home: Path) -> None:
     def charge(customer: str, cents: int) -> str:
         """Charge a customer."""
