@@ -108,13 +108,15 @@ async def session(
     can_use_tool: Any = None,
     prompt: str = "charge ada 5 dollars",
     resume: str | None = None,
+    own_hooks: dict[Any, Any] | None = None,
+    results: list[ResultMessage] | None = None,
 ) -> str:
     """One Claude session, through the real CLI: its session id."""
     options = ClaudeAgentOptions(
         mcp_servers={"billing": server},
         allowed_tools=[] if can_use_tool is not None else [CHARGE],
         can_use_tool=can_use_tool,
-        hooks=session_hooks() if hooks else None,  # type: ignore[arg-type]
+        hooks=session_hooks(own_hooks) if hooks else own_hooks,  # type: ignore[arg-type]
         env=claude_env(api.url, home),
         cwd=str(home),
         model="claude-sonnet-4-5",
@@ -127,6 +129,8 @@ async def session(
         async for message in client.receive_response():
             if isinstance(message, ResultMessage):
                 session_id = message.session_id
+                if results is not None:
+                    results.append(message)
     return session_id
 
 
@@ -450,6 +454,42 @@ def test_a_denied_call_is_not_claimed_and_a_later_allowed_one_runs_once(
     assert "not now" in denied["text"] and denied["is_error"]
     assert allowed["text"].startswith("charge 1") and not allowed["is_error"]  # ran now, not a replay
     assert charges.count() == 1
+    assert [r.state.value for r in ledger.list()] == ["confirmed"]
+
+
+def test_a_deferred_call_is_not_claimed_and_runs_once_when_the_session_resumes(
+    ledger: Ledger, charges: Charges, home: Path
+) -> None:
+    """A PreToolUse hook's "defer" stops the run before the tool runs; resuming the session runs the
+    deferred call: once, as a fresh call, not as a replay or an unknown."""
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer."""
+        return f"charge {charges.add(customer, cents)}"
+
+    deferring = [True]
+
+    async def defer(hook_input: Any, tool_use_id: str | None, context: Any) -> dict[str, Any]:
+        if deferring[0]:
+            return {"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "defer"}}
+        return {}
+
+    hooks = {"PreToolUse": [sdk.HookMatcher(matcher=None, hooks=[defer])]}
+    server = create_sdk_mcp_server("billing", [charge], ledger)
+    ended: list[ResultMessage] = []
+    with FakeMessagesApi(scripted([charge_call()])) as api:
+
+        async def deferred_then_resumed() -> None:
+            sid = await session(api, home, server, own_hooks=hooks, results=ended)
+            assert charges.count() == 0 and ledger.list() == []  # paused before the tool: nothing claimed
+            deferring[0] = False
+            await session(api, home, server, own_hooks=hooks, resume=sid, prompt="")
+
+        asyncio.run(deferred_then_resumed())
+    assert ended[0].stop_reason == "tool_deferred" and ended[0].deferred_tool_use is not None
+    assert charges.count() == 1
+    (ran,) = results_of(api)
+    assert ran["text"].startswith("charge 1") and not ran["is_error"]
     assert [r.state.value for r in ledger.list()] == ["confirmed"]
 
 
