@@ -60,6 +60,7 @@ _INTEGRATIONS = {
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
     "llama_index": "onceonly.llamaindex.guard(tool, ledger) (or guard_tools)",
     "agno": "onceonly.agno.guard(tool, ledger) (or guard_tools)",
+    "claude_agent_sdk": "onceonly.claude_agent_sdk.guard(tool, ledger), or create_sdk_mcp_server(name, tools, ledger)",
 }
 
 
