@@ -57,6 +57,7 @@ _INTEGRATIONS = {
     "autogen_core": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "autogen_agentchat": "onceonly.autogen.guard(tool, ledger) (or guard_tools)",
     "smolagents": "@ledger.tool(tell_model=True) on the plain function, under smolagents' @tool",
+    "pydantic_ai": "onceonly.pydantic_ai.guard(tool, ledger) (or guard_tools, or guarded(toolset, ledger))",
 }
 
 
