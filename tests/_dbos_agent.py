@@ -11,7 +11,8 @@ which quotes the tool result it read) is written to DIR/result.json with the cha
 
 KEYING: ``dbos`` (``onceonly.dbos.install()``: keyed by the workflow; the recovered call finds the charge
 with its probe), ``dbos-review`` (the same, no probe: the charge stays unknown), ``task`` (no install:
-keyed by the caller's task, which recovery does not restore).
+keyed by the caller's task, which recovery does not restore); ``pydantic`` and ``pydantic-review`` (the
+same as ``dbos`` and ``dbos-review``, the tool a plain function guarded by ``onceonly.pydantic_ai.guard``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 import onceonly
 import onceonly.dbos
+import onceonly.pydantic_ai
 from onceonly import Ledger
 
 WORKFLOW = "order-1"
@@ -42,7 +44,7 @@ def main(mode: str, where: Path, keying: str) -> None:
     effects = sqlite3.connect(where / "effects.db", isolation_level=None, check_same_thread=False)
     effects.execute("CREATE TABLE IF NOT EXISTS charges (key TEXT, amount INTEGER)")
     ledger = Ledger.open(f"sqlite:///{where / 'ledger.db'}")
-    if keying.startswith("dbos"):
+    if keying.startswith(("dbos", "pydantic")):
         onceonly.dbos.install()
 
     def find_charge(args: dict[str, Any], key: str) -> Any:
@@ -50,9 +52,9 @@ def main(mode: str, where: Path, keying: str) -> None:
         return onceonly.NOT_FOUND if row is None else f"charged {row[0]}"
 
     # lease=1: the dead run's claim lapses a second after it died, and the recovered call settles it.
-    probed: dict[str, Any] = {} if keying == "dbos-review" else {"on_unknown": "probe", "probe": find_charge}
+    review = keying.endswith("-review")
+    probed: dict[str, Any] = {} if review else {"on_unknown": "probe", "probe": find_charge}
 
-    @ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)
     def charge(amount: int, *, idempotency_key: str) -> str:
         """Charge the customer's card."""
         effects.execute("INSERT INTO charges VALUES (?, ?)", (idempotency_key, amount))
@@ -60,13 +62,18 @@ def main(mode: str, where: Path, keying: str) -> None:
             os._exit(CRASHED)  # killed after the charge, before the tool returns
         return f"charged {amount}"
 
+    if keying.startswith("pydantic"):
+        tool: Any = onceonly.pydantic_ai.guard(charge, ledger, lease=1.0, **probed)
+    else:
+        tool = ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)(charge)
+
     def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         returned = [part for message in messages for part in message.parts if isinstance(part, ToolReturnPart)]
         if not returned:
             return ModelResponse(parts=[ToolCallPart("charge", {"amount": 5})])
         return ModelResponse(parts=[TextPart(f"the tool said: {returned[-1].content}")])
 
-    agent = Agent(FunctionModel(script), name="shop", tools=[charge], capabilities=[DBOSDurability()])
+    agent = Agent(FunctionModel(script), name="shop", tools=[tool], capabilities=[DBOSDurability()])
 
     @DBOS.workflow(name="order")
     async def order(prompt: str) -> str:
