@@ -58,6 +58,18 @@ class Charges:
         return int(n)
 
 
+@pytest.fixture(name="loop", autouse=True)
+def fixture_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop per test, closed after it: run_sync drives the thread's current loop and leaves it
+    open, and a loop left for the garbage collector is an unclosed-socket warning in a later test."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+    asyncio.set_event_loop(None)
+
+
 @pytest.fixture(name="ledger")
 def fixture_ledger(sqlite_url: str) -> Iterator[Ledger]:
     """A real SQLite ledger in the test's directory, on the real clock (calls in one turn run at once)."""
@@ -265,7 +277,7 @@ def test_a_ledger_task_around_the_runs_wins(ledger: Ledger, charges: Charges) ->
 
 
 def test_an_async_tool_with_context_and_key_runs_once_and_its_schema_shows_neither(
-    ledger: Ledger, charges: Charges
+    ledger: Ledger, charges: Charges, loop: asyncio.AbstractEventLoop
 ) -> None:
     seen: dict[str, Any] = {}
 
@@ -277,7 +289,9 @@ def test_an_async_tool_with_context_and_key_runs_once_and_its_schema_shows_neith
         return f"charged {amount}"
 
     script = Script(CHARGE_5, CHARGE_5)
-    asyncio.run(Agent(script.model(), tools=guard_tools([charge], ledger)).run("go", conversation_id="conv-1"))
+    loop.run_until_complete(
+        Agent(script.model(), tools=guard_tools([charge], ledger)).run("go", conversation_id="conv-1")
+    )
     assert charges.count() == 1
     assert seen["conversation"] == "conv-1" and seen["key"].startswith("c%3Aconv-1:charge:")
     (tool_def,) = script.tools[0]
@@ -420,6 +434,8 @@ def test_model_retry_from_the_tool_is_not_recorded_and_the_next_call_runs(ledger
     Agent(script.model(), tools=guard_tools([charge], ledger)).run_sync("go", conversation_id="conv-1")
     assert tries == [5, 5]
     assert charges.count() == 1
+    (record,) = ledger.list()
+    assert record.state is State.CONFIRMED and record.attempts == 1  # the refused call counted no attempt
     (retry,) = script.retries()
     assert "refused" in str(retry.content)
     assert NOT_REPEATED in str(script.returns()[-1].content)
@@ -445,7 +461,7 @@ def test_guard_refuses_what_is_no_tool(ledger: Ledger) -> None:
 
 
 def test_pydantic_ais_own_timeout_leaves_the_call_running_and_the_retry_replays_it(
-    ledger: Ledger, charges: Charges
+    ledger: Ledger, charges: Charges, loop: asyncio.AbstractEventLoop
 ) -> None:
     """The tool's pydantic-ai ``timeout=`` passes while the provider is still answering: the model is told
     to retry, the call runs on and its late answer is recorded, so the model's retry is a replay, not a
@@ -471,7 +487,7 @@ def test_pydantic_ais_own_timeout_leaves_the_call_running_and_the_retry_replays_
         await Agent(script.model(), tools=tools).run("go", conversation_id="conv-1")
         await asyncio.sleep(0.1)  # the late outcome's write
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
     assert charges.count() == 1
     (retry,) = script.retries()
     assert "Timed out" in str(retry.content)
