@@ -12,7 +12,8 @@ which quotes the tool result it read) is written to DIR/result.json with the cha
 KEYING: ``dbos`` (``onceonly.dbos.install()``: keyed by the workflow; the recovered call finds the charge
 with its probe), ``dbos-review`` (the same, no probe: the charge stays unknown), ``task`` (no install:
 keyed by the caller's task, which recovery does not restore); ``pydantic`` and ``pydantic-review`` (the
-same as ``dbos`` and ``dbos-review``, the tool a plain function guarded by ``onceonly.pydantic_ai.guard``).
+same as ``dbos`` and ``dbos-review``, the tool a plain function guarded by ``onceonly.pydantic_ai.guard``),
+``pydantic-toolset`` (as ``pydantic``, through ``onceonly.pydantic_ai.guarded(FunctionToolset(...))``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from dbos import DBOS, DBOSConfig, SetWorkflowID
-from pydantic_ai import Agent
+from pydantic_ai import Agent, Tool
 from pydantic_ai.durable_exec.dbos import DBOSDurability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.toolsets import FunctionToolset
 
 import onceonly
 import onceonly.dbos
@@ -62,10 +64,21 @@ def main(mode: str, where: Path, keying: str) -> None:
             os._exit(CRASHED)  # killed after the charge, before the tool returns
         return f"charged {amount}"
 
-    if keying.startswith("pydantic"):
-        tool: Any = onceonly.pydantic_ai.guard(charge, ledger, lease=1.0, **probed)
+    tools: dict[str, Any] = {}
+    if keying == "pydantic-toolset":  # the toolset wrapper: its call_tool runs in workflow code, as the tools do
+
+        def charge_card(amount: int) -> str:
+            """Charge the customer's card."""
+            running = onceonly.current_call()
+            assert running is not None
+            return charge(amount, idempotency_key=running.key)
+
+        toolset = FunctionToolset([Tool(charge_card, name="charge")])
+        tools["toolsets"] = [onceonly.pydantic_ai.guarded(toolset, ledger, lease=1.0, **probed)]
+    elif keying.startswith("pydantic"):
+        tools["tools"] = [onceonly.pydantic_ai.guard(charge, ledger, lease=1.0, **probed)]
     else:
-        tool = ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)(charge)
+        tools["tools"] = [ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)(charge)]
 
     def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         returned = [part for message in messages for part in message.parts if isinstance(part, ToolReturnPart)]
@@ -73,7 +86,7 @@ def main(mode: str, where: Path, keying: str) -> None:
             return ModelResponse(parts=[ToolCallPart("charge", {"amount": 5})])
         return ModelResponse(parts=[TextPart(f"the tool said: {returned[-1].content}")])
 
-    agent = Agent(FunctionModel(script), name="shop", tools=[tool], capabilities=[DBOSDurability()])
+    agent = Agent(FunctionModel(script), name="shop", **tools, capabilities=[DBOSDurability()])
 
     @DBOS.workflow(name="order")
     async def order(prompt: str) -> str:

@@ -90,6 +90,15 @@ def test_recovered_agent_workflow_replays_the_charge_of_a_pydantic_ai_guarded_to
     assert "onceonly resolve" not in result["output"]
 
 
+def test_recovered_agent_workflow_replays_the_charge_of_a_guarded_toolset(forkserver: Any, tmp_path: Path) -> None:
+    """The same through onceonly.pydantic_ai.guarded(FunctionToolset(...)): DBOS keeps the wrapper around its
+    function toolset, whose calls run in workflow code, so the recovered call replays too."""
+    result = crash_then_recover(forkserver, tmp_path, "pydantic-toolset")
+    assert result["charges"] == 1
+    assert result["keys"][0].startswith("dbos%3Aorder-1:charge:")
+    assert REPLAYED.search(result["output"]) and "charged 5" in result["output"]
+
+
 def test_recovered_pydantic_ai_guarded_tool_without_a_probe_is_told_unknown(forkserver: Any, tmp_path: Path) -> None:
     """No probe: no second charge, and the model reads the unknown outcome as the tool's (failed) result."""
     result = crash_then_recover(forkserver, tmp_path, "pydantic-review")
