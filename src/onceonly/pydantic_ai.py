@@ -243,7 +243,7 @@ class _Guard:
 
     async def run(self, ctx: RunContext[Any], args: dict[str, Any], invoke: Callable[[], Awaitable[Any]]) -> Any:
         call = _Invocation(invoke)
-        with scoped(self.ledger, self.scope, ctx):
+        with _scoped(self.ledger, self.scope, ctx):
             try:
                 out: Outcome = await self.fn.outcome(**self.fields(args), **{_CALL: call})
             except TOLD as err:
@@ -262,7 +262,7 @@ def _told(err: BaseException) -> ToolFailed:
     return ToolFailed(edge.envelope(err).text)
 
 
-def scoped(ledger: Ledger, scope: ScopeFunction, ctx: RunContext[Any]) -> contextlib.AbstractContextManager[Any]:
+def _scoped(ledger: Ledger, scope: ScopeFunction, ctx: RunContext[Any]) -> contextlib.AbstractContextManager[Any]:
     """The ``ledger.task`` a call runs in: none when the caller entered one or a durable unit decides
     (its scope must be the same when the engine recovers the unit, where the caller's task is gone), else
     the conversation's, else the run's."""
@@ -346,7 +346,7 @@ def _ledger_tool_runner(fn: Any, tool: Tool[Any], tell_model: bool, scope: Scope
     ledger = fn.ledger
 
     async def run(ctx: RunContext[Any], **args: Any) -> Any:
-        with scoped(ledger, scope, ctx):
+        with _scoped(ledger, scope, ctx):
             try:
                 out: Outcome = await calls.call(args, ctx)
             except TOLD as err:
