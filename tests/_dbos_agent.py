@@ -11,7 +11,9 @@ which quotes the tool result it read) is written to DIR/result.json with the cha
 
 KEYING: ``dbos`` (``onceonly.dbos.install()``: keyed by the workflow; the recovered call finds the charge
 with its probe), ``dbos-review`` (the same, no probe: the charge stays unknown), ``task`` (no install:
-keyed by the caller's task, which recovery does not restore).
+keyed by the caller's task, which recovery does not restore); ``pydantic`` and ``pydantic-review`` (the
+same as ``dbos`` and ``dbos-review``, the tool a plain function guarded by ``onceonly.pydantic_ai.guard``),
+``pydantic-toolset`` (as ``pydantic``, through ``onceonly.pydantic_ai.guarded(FunctionToolset(...))``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from dbos import DBOS, DBOSConfig, SetWorkflowID
-from pydantic_ai import Agent
+from pydantic_ai import Agent, Tool
 from pydantic_ai.durable_exec.dbos import DBOSDurability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.toolsets import FunctionToolset
 
 import onceonly
 import onceonly.dbos
+import onceonly.pydantic_ai
 from onceonly import Ledger
 
 WORKFLOW = "order-1"
@@ -42,7 +46,7 @@ def main(mode: str, where: Path, keying: str) -> None:
     effects = sqlite3.connect(where / "effects.db", isolation_level=None, check_same_thread=False)
     effects.execute("CREATE TABLE IF NOT EXISTS charges (key TEXT, amount INTEGER)")
     ledger = Ledger.open(f"sqlite:///{where / 'ledger.db'}")
-    if keying.startswith("dbos"):
+    if keying.startswith(("dbos", "pydantic")):
         onceonly.dbos.install()
 
     def find_charge(args: dict[str, Any], key: str) -> Any:
@@ -50,9 +54,9 @@ def main(mode: str, where: Path, keying: str) -> None:
         return onceonly.NOT_FOUND if row is None else f"charged {row[0]}"
 
     # lease=1: the dead run's claim lapses a second after it died, and the recovered call settles it.
-    probed: dict[str, Any] = {} if keying == "dbos-review" else {"on_unknown": "probe", "probe": find_charge}
+    review = keying.endswith("-review")
+    probed: dict[str, Any] = {} if review else {"on_unknown": "probe", "probe": find_charge}
 
-    @ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)
     def charge(amount: int, *, idempotency_key: str) -> str:
         """Charge the customer's card."""
         effects.execute("INSERT INTO charges VALUES (?, ?)", (idempotency_key, amount))
@@ -60,13 +64,29 @@ def main(mode: str, where: Path, keying: str) -> None:
             os._exit(CRASHED)  # killed after the charge, before the tool returns
         return f"charged {amount}"
 
+    tools: dict[str, Any] = {}
+    if keying == "pydantic-toolset":  # the toolset wrapper: its call_tool runs in workflow code, as the tools do
+
+        def charge_card(amount: int) -> str:
+            """Charge the customer's card."""
+            running = onceonly.current_call()
+            assert running is not None
+            return charge(amount, idempotency_key=running.key)
+
+        toolset = FunctionToolset([Tool(charge_card, name="charge")])
+        tools["toolsets"] = [onceonly.pydantic_ai.guarded(toolset, ledger, lease=1.0, **probed)]
+    elif keying.startswith("pydantic"):
+        tools["tools"] = [onceonly.pydantic_ai.guard(charge, ledger, lease=1.0, **probed)]
+    else:
+        tools["tools"] = [ledger.tool(name="charge", tell_model=True, lease=1.0, **probed)(charge)]
+
     def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         returned = [part for message in messages for part in message.parts if isinstance(part, ToolReturnPart)]
         if not returned:
             return ModelResponse(parts=[ToolCallPart("charge", {"amount": 5})])
         return ModelResponse(parts=[TextPart(f"the tool said: {returned[-1].content}")])
 
-    agent = Agent(FunctionModel(script), name="shop", tools=[charge], capabilities=[DBOSDurability()])
+    agent = Agent(FunctionModel(script), name="shop", **tools, capabilities=[DBOSDurability()])
 
     @DBOS.workflow(name="order")
     async def order(prompt: str) -> str:

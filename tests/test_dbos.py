@@ -78,6 +78,35 @@ def test_recovered_agent_workflow_without_a_probe_is_told_unknown(forkserver: An
     assert "onceonly resolve" not in result["output"]
 
 
+def test_recovered_agent_workflow_replays_the_charge_of_a_pydantic_ai_guarded_tool(
+    forkserver: Any, tmp_path: Path
+) -> None:
+    """The tool guarded by onceonly.pydantic_ai.guard: the key comes from the workflow (onceonly.dbos), not
+    the run's conversation, and the recovered run replays the dead run's charge."""
+    result = crash_then_recover(forkserver, tmp_path, "pydantic")
+    assert result["charges"] == 1
+    assert result["keys"][0].startswith("dbos%3Aorder-1:charge:")
+    assert REPLAYED.search(result["output"]) and "charged 5" in result["output"]
+    assert "onceonly resolve" not in result["output"]
+
+
+def test_recovered_agent_workflow_replays_the_charge_of_a_guarded_toolset(forkserver: Any, tmp_path: Path) -> None:
+    """The same through onceonly.pydantic_ai.guarded(FunctionToolset(...)): DBOS keeps the wrapper around its
+    function toolset, whose calls run in workflow code, so the recovered call replays too."""
+    result = crash_then_recover(forkserver, tmp_path, "pydantic-toolset")
+    assert result["charges"] == 1
+    assert result["keys"][0].startswith("dbos%3Aorder-1:charge:")
+    assert REPLAYED.search(result["output"]) and "charged 5" in result["output"]
+
+
+def test_recovered_pydantic_ai_guarded_tool_without_a_probe_is_told_unknown(forkserver: Any, tmp_path: Path) -> None:
+    """No probe: no second charge, and the model reads the unknown outcome as the tool's (failed) result."""
+    result = crash_then_recover(forkserver, tmp_path, "pydantic-review")
+    assert result["charges"] == 1
+    assert UNKNOWN in result["output"]
+    assert "onceonly resolve" not in result["output"]
+
+
 def test_without_dbos_keying_the_recovered_workflow_charges_twice(forkserver: Any, tmp_path: Path) -> None:
     """The same flow keyed by the caller's ``ledger.task("conv-1")``: recovery does not enter it, the
     recovered call gets another key, and the customer is charged twice."""

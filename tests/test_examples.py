@@ -72,6 +72,19 @@ def test_http_client_example_runs() -> None:
     assert "refunds made: 2, notes made: 1" in stdout
 
 
+def test_pydantic_ai_agent_example_charges_once() -> None:
+    """examples/pydantic_ai_agent.py: two charges without onceonly; with it one, the model told the outcome
+    is unknown (a failed result, not a retry), and after the operator settled it a replay."""
+    pytest.importorskip("pydantic_ai")
+    stdout = _run("pydantic_ai_agent.py")
+    assert "without onceonly: 2 charges" in stdout
+    assert "with onceonly: 1 charge" in stdout
+    assert stdout.count("the model read (failed): The outcome of this action is unknown") == 2
+    assert "the model read (success): This action was already done at" in stdout
+    assert "after the operator settled it, asked again: 1 charge" in stdout
+    assert "onceonly resolve" not in stdout
+
+
 def test_readme_quick_start_declares_the_tool_as_the_example_does() -> None:
     """The README says examples/quickstart.py is its quick start, runnable: the same @ledger.tool(...)."""
 

@@ -61,6 +61,7 @@ _INTEGRATIONS = {
     "llama_index": "onceonly.llamaindex.guard(tool, ledger) (or guard_tools)",
     "agno": "onceonly.agno.guard(tool, ledger) (or guard_tools)",
     "claude_agent_sdk": "onceonly.claude_agent_sdk.guard(tool, ledger), or create_sdk_mcp_server(name, tools, ledger)",
+    "pydantic_ai": "onceonly.pydantic_ai.guard(tool, ledger) (or guard_tools, or guarded(toolset, ledger))",
 }
 
 
