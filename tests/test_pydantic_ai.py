@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -476,8 +477,12 @@ def test_pydantic_ais_own_timeout_leaves_the_call_running_and_the_retry_replays_
 
     class Late(Script):
         def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            # pydantic-ai runs a sync model function in a worker thread: the loop goes on meanwhile.
             if self.calls == 1:
-                answered.set()  # the late answer arrives while the model thinks
+                loop.call_soon_threadsafe(answered.set)  # the late answer arrives while the model thinks
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and not any(r.state.value == "confirmed" for r in ledger.list()):
+                    time.sleep(0.01)  # ... and is recorded before the model asks again
             return super().__call__(messages, info)
 
     script = Late(CHARGE_5, CHARGE_5)

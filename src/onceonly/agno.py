@@ -54,7 +54,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.agno needs agno: {install_hint('agno')}") from exc
 
-from onceonly.edge import caller_scope, envelope, run_scope, task_scope
+from onceonly.edge import caller_scope, envelope, is_guarded, run_scope, task_scope
 from onceonly.schema import coerce
 from onceonly.tell import TOLD
 
@@ -118,11 +118,6 @@ def _scoped(ledger: Ledger, run_context: Any, owner: Any) -> contextlib.Abstract
             return contextlib.nullcontext()
         scope = run_scope(run, integration="agno", setting=SETTING)
     return ledger.task(scope)
-
-
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
 
 
 def _injected(fn: Callable[..., Any]) -> tuple[str, ...]:
@@ -260,7 +255,7 @@ def guard(tool: Function | Callable[..., Any], ledger: Ledger, **policy: Any) ->
     if getattr(fn, "_onceonly_agno", False):
         raise TypeError(f"{getattr(base, 'name', fn)!r} is guarded already: give the original tool or function")
     name = base.name if base is not None else getattr(fn, "__name__", None)
-    if _guarded_function(fn):
+    if is_guarded(fn):
         if policy:
             raise TypeError(
                 f"{fn.name!r} is already an @ledger.tool function: its settings are its decorator's; pass the plain "

@@ -52,7 +52,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.autogen needs autogen-core and autogen-agentchat: {install_hint('autogen')}") from exc
 
-from onceonly.edge import EnvelopeState, envelope, run_scope, task_scope
+from onceonly.edge import EnvelopeState, envelope, is_guarded, run_scope, task_scope
 from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
@@ -101,11 +101,6 @@ class Told(Exception):
         super().__init__(text)
         self.state: EnvelopeState = state
         self.key = key
-
-
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
 
 
 def _original(tool: Any) -> tuple[Callable[..., Any], str | None, str | None, bool]:
@@ -189,7 +184,7 @@ def guard(tool: FunctionTool | Callable[..., Any], ledger: Ledger, **policy: Any
     """
     fn, name, description, strict = _original(tool)
     takes_token = _TOKEN in inspect.signature(fn).parameters
-    if _guarded_function(fn):
+    if is_guarded(fn):
         if policy:
             raise TypeError(
                 f"{getattr(fn, 'name', fn)!r} is already an @ledger.tool function: its settings are its decorator's; "

@@ -294,18 +294,13 @@ class _Handler:
         return _text(_fresh_text(out.result))
 
 
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
-
-
 def _marked(tool: object) -> bool:
     return isinstance(tool, SdkMcpTool) and isinstance(tool.handler, _Handler)
 
 
 def _from_function(fn: Callable[..., Any], ledger: Ledger, name: str | None, description: str | None,
                    policy: dict[str, Any]) -> SdkMcpTool[Any]:  # fmt: skip
-    if _guarded_function(fn):
+    if edge.is_guarded(fn):
         if policy:
             raise TypeError(
                 f"{getattr(fn, 'name', fn)!r} is already an @ledger.tool function: its settings are its decorator's; "

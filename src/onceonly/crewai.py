@@ -65,7 +65,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.crewai needs crewai: {install_hint('crewai')}") from exc
 
-from onceonly.edge import EnvelopeState, envelope, run_scope, task_scope
+from onceonly.edge import EnvelopeState, envelope, is_guarded, run_scope, task_scope
 from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
@@ -238,11 +238,6 @@ class GuardedTool(BaseTool):  # type: ignore[misc]
         return made
 
 
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
-
-
 def _method_body(tool: Any) -> Callable[..., Any]:
     """The function behind a ``BaseTool`` subclass: its ``_run`` (the method a subclass implements), with
     the argument schema's fields as its keyword parameters, so that ``key=`` and ``ignore=`` name them."""
@@ -311,7 +306,7 @@ def guard(tool: BaseTool | Callable[..., Any], ledger: Ledger, **policy: Any) ->
         fn, shown = tool, None
     else:
         raise TypeError(f"onceonly.crewai.guard takes a CrewAI tool or a function, not {tool!r}")
-    if _guarded_function(fn):
+    if is_guarded(fn):
         if policy:
             raise TypeError(
                 f"{getattr(fn, 'name', fn)!r} is already an @ledger.tool function: its settings are its decorator's; "

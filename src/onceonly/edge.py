@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import logging
 import threading
+import types
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -45,9 +48,11 @@ from onceonly.errors import (
 from onceonly.keys import safe_name, validate_name
 from onceonly.plan import Outcome
 from onceonly.policy import Verdict
+from onceonly.runtime import current_call
 from onceonly.tell import TOLD, tell_model
 
 __all__ = [
+    "KEY_PARAM",
     "OWN_META_PREFIX",
     "STATES",
     "DurableUnit",
@@ -59,6 +64,8 @@ __all__ = [
     "entered_task",
     "envelope",
     "error_result_verdict",
+    "is_guarded",
+    "key_filled",
     "register_durable",
     "run_identity",
     "run_scope",
@@ -376,3 +383,63 @@ def envelope(what: Outcome | BaseException) -> Envelope:
         key = getattr(what, "key", None)
         return Envelope(_state_of(what), tell_model(what), None, key if isinstance(key, str) else None)
     raise TypeError(f"envelope() takes an Outcome or an outcome error, not {type(what).__name__}: raise it")
+
+
+# --- the guarded function at the door ----------------------------------------------------------------
+
+#: The parameter a function may declare to be handed its ledger key: filled in by the ledger, never
+#: chosen by the caller or shown to a model.
+KEY_PARAM = "idempotency_key"
+
+
+def is_guarded(fn: object) -> bool:
+    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members), so an
+    integration uses it as it is rather than guarding it a second time.
+
+    .. versionadded:: 0.1
+    """
+    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
+
+
+def key_filled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a framework should see it: without an ``idempotency_key`` parameter, which is filled in
+    with the running guarded call's key, so that the model neither sees nor chooses it. ``fn`` itself
+    when it has no such parameter (or no signature).
+
+    .. versionadded:: 0.1
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    if KEY_PARAM not in sig.parameters:
+        return fn
+    key_of, key_param = current_call, KEY_PARAM
+    if inspect.iscoroutinefunction(fn):
+
+        async def with_key_async(*args: Any, **kwargs: Any) -> Any:
+            running = key_of()
+            if running is not None:
+                kwargs[key_param] = running.key
+            return await fn(*args, **kwargs)
+
+        made: Any = with_key_async
+    else:
+
+        def with_key(*args: Any, **kwargs: Any) -> Any:
+            running = key_of()
+            if running is not None:
+                kwargs[key_param] = running.key
+            return fn(*args, **kwargs)
+
+        made = with_key
+    # Over the function's own globals, so that the framework resolves its annotations (strings under
+    # `from __future__ import annotations`) where the function's module defines them.
+    user_globals = getattr(fn, "__globals__", None)
+    if isinstance(user_globals, dict):
+        made = types.FunctionType(made.__code__, user_globals, made.__name__, None, made.__closure__)
+    functools.update_wrapper(made, fn)
+    made.__dict__.pop("__wrapped__", None)
+    made.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != KEY_PARAM])
+    made.__annotations__ = {k: v for k, v in (getattr(fn, "__annotations__", None) or {}).items() if k != KEY_PARAM}
+    return made  # type: ignore[no-any-return]

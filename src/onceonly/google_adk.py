@@ -167,11 +167,6 @@ def _told(state: str, text: str) -> dict[str, str]:
     return {"status": state, "message": text}
 
 
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
-
-
 class _Guard:
     """One guarded function: the ledger's function, and how ADK's keyword arguments reach it."""
 
@@ -206,7 +201,7 @@ class _Guard:
         found = find_context_parameter(fn)
         self.context = found or _CONTEXT
         self.takes_context = self.context in self.sig.parameters
-        self.pre_guarded = _guarded_function(fn)
+        self.pre_guarded = edge.is_guarded(fn)
         if self.pre_guarded:
             if policy:
                 raise TypeError(

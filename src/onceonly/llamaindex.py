@@ -53,7 +53,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.llamaindex needs llama-index-core: {install_hint('llamaindex')}") from exc
 
-from onceonly.edge import EnvelopeState, envelope, run_scope, task_scope
+from onceonly.edge import EnvelopeState, envelope, is_guarded, run_scope, task_scope
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 
@@ -141,11 +141,6 @@ class GuardedTool(FunctionTool):
             return await super().acall(*args, **kwargs)
         except (Told, SchemaError) as err:
             return self._refused(err, kwargs)
-
-
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
 
 
 def _base(tool: Any) -> FunctionTool:
@@ -268,7 +263,7 @@ def guard(tool: FunctionTool | Callable[..., Any], ledger: Ledger, **policy: Any
     fn: Any = base.real_fn
     ctx = base.ctx_param_name
     meta = base.metadata
-    if _guarded_function(fn):
+    if is_guarded(fn):
         if policy:
             raise TypeError(
                 f"{fn.name!r} is already an @ledger.tool function: its settings are its decorator's; pass the plain "

@@ -32,7 +32,6 @@ import inspect
 import json
 import keyword
 import logging
-import types
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +68,6 @@ from onceonly.errors import OutcomeUnknown
 from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
 from onceonly.plan import Outcome
-from onceonly.runtime import current_call
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 from onceonly.tools import Wrappers
@@ -609,51 +607,10 @@ def function_tool(
                 f"tool_timeout= (the SDK's timeout) needs an async def, and {getattr(fn, '__name__', fn)!r} is "
                 "sync: make it async, or use timeout= (onceonly's per-attempt limit, which works for both)"
             )
-        tool = agents.function_tool(_without_key(fn), timeout=tool_timeout, **sdk)
+        tool = agents.function_tool(edge.key_filled(fn), timeout=tool_timeout, **sdk)
         return _guard(tool, ledger, name, tell_model, scope, dict(policy), fn)
 
     return make
-
-
-def _without_key(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as the SDK should see it: without an ``idempotency_key`` parameter, which the ledger fills
-    in (the current call's key) so that the model neither sees nor chooses it."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn
-    if _KEY not in sig.parameters:
-        return fn
-    key_of = current_call
-    key_param = _KEY
-    if inspect.iscoroutinefunction(fn):
-
-        async def with_key_async(*args: Any, **kwargs: Any) -> Any:
-            running = key_of()
-            if running is not None:
-                kwargs[key_param] = running.key
-            return await fn(*args, **kwargs)
-
-        made: Any = with_key_async
-    else:
-
-        def with_key(*args: Any, **kwargs: Any) -> Any:
-            running = key_of()
-            if running is not None:
-                kwargs[key_param] = running.key
-            return fn(*args, **kwargs)
-
-        made = with_key
-    # Over the function's own globals, so that the SDK resolves its annotations (strings under
-    # `from __future__ import annotations`) where the function's module defines them.
-    user_globals = getattr(fn, "__globals__", None)
-    if isinstance(user_globals, dict):
-        made = types.FunctionType(made.__code__, user_globals, made.__name__, None, made.__closure__)
-    functools.update_wrapper(made, fn)
-    made.__dict__.pop("__wrapped__", None)
-    made.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != _KEY])
-    made.__annotations__ = {k: v for k, v in (getattr(fn, "__annotations__", None) or {}).items() if k != _KEY}
-    return made  # type: ignore[no-any-return]
 
 
 # --- MCP --------------------------------------------------------------------------------------------

@@ -36,11 +36,9 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import keyword
 import logging
-import types
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -57,9 +55,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from onceonly import edge
 from onceonly.plan import Outcome
-from onceonly.runtime import current_call
 from onceonly.tell import TOLD
-from onceonly.tools import KEY_PARAM, Wrappers
+from onceonly.tools import Wrappers
 
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
@@ -192,7 +189,7 @@ class _Guard:
         self.ledger = ledger
         self.tell_model = tell_model
         self.scope = scope
-        if KEY_PARAM in ((schema or {}).get("properties") or {}):
+        if edge.KEY_PARAM in ((schema or {}).get("properties") or {}):
             raise TypeError(
                 f"tool {name!r} asks the model for idempotency_key, so the model would choose keys: guard the "
                 "function with onceonly.pydantic_ai.guard(fn, ledger), which fills the key in and leaves it "
@@ -277,50 +274,8 @@ def _scoped(ledger: Ledger, scope: ScopeFunction, ctx: RunContext[Any]) -> conte
 _wrappers: Wrappers[Tool[Any]] = Wrappers()
 
 
-def _guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
-
-
 def _marked(tool: Tool[Any]) -> bool:
     return getattr(tool.function, "__onceonly_guard__", None) is not None
-
-
-def _without_key(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as pydantic-ai should see it: without an ``idempotency_key`` parameter, which is filled in
-    with the current call's key, so that the model neither sees nor chooses it."""
-    sig = inspect.signature(fn)
-    if KEY_PARAM not in sig.parameters:
-        return fn
-    key_of, key_param = current_call, KEY_PARAM
-    if inspect.iscoroutinefunction(fn):
-
-        async def with_key_async(*args: Any, **kwargs: Any) -> Any:
-            running = key_of()
-            if running is not None:
-                kwargs[key_param] = running.key
-            return await fn(*args, **kwargs)
-
-        made: Any = with_key_async
-    else:
-
-        def with_key(*args: Any, **kwargs: Any) -> Any:
-            running = key_of()
-            if running is not None:
-                kwargs[key_param] = running.key
-            return fn(*args, **kwargs)
-
-        made = with_key
-    # Over the function's own globals, so that pydantic-ai resolves its annotations (strings under
-    # `from __future__ import annotations`) where the function's module defines them.
-    user_globals = getattr(fn, "__globals__", None)
-    if isinstance(user_globals, dict):
-        made = types.FunctionType(made.__code__, user_globals, made.__name__, None, made.__closure__)
-    functools.update_wrapper(made, fn)
-    made.__dict__.pop("__wrapped__", None)
-    made.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != KEY_PARAM])
-    made.__annotations__ = {k: v for k, v in (getattr(fn, "__annotations__", None) or {}).items() if k != KEY_PARAM}
-    return made  # type: ignore[no-any-return]
 
 
 def _ledger_tool_runner(fn: Any, tool: Tool[Any], tell_model: bool, scope: ScopeFunction) -> Any:
@@ -393,7 +348,7 @@ def guard(
         fn: Any = tool.function
     elif callable(tool):
         fn = tool
-        if _guarded_function(fn):
+        if edge.is_guarded(fn):
             if policy or name is not None:
                 raise TypeError(
                     f"{fn.name!r} is already an @ledger.tool function: its settings are its decorator's; pass the "
@@ -401,14 +356,14 @@ def guard(
                 )
             if fn.ledger is not ledger:
                 raise TypeError(f"{fn.name!r} is guarded by another ledger ({fn.ledger!r}) than the one given")
-        original = Tool(fn) if _guarded_function(fn) else Tool(_without_key(fn))
+        original = Tool(fn) if edge.is_guarded(fn) else Tool(edge.key_filled(fn))
     else:
         raise TypeError(f"onceonly.pydantic_ai.guard takes a pydantic-ai Tool or a function, not {tool!r}")
 
     def make() -> Tool[Any]:
         schema = original.function_schema
         runner: Any
-        if _guarded_function(fn):
+        if edge.is_guarded(fn):
             runner = _ledger_tool_runner(fn, original, tell_model, scope)
         else:
             spec = _Guard(
@@ -477,7 +432,7 @@ class GuardedToolset(WrapperToolset[Any]):
         for name, tool in found.items():
             if self.tools is not None and name not in self.tools:
                 continue
-            if KEY_PARAM in ((tool.tool_def.parameters_json_schema or {}).get("properties") or {}):
+            if edge.KEY_PARAM in ((tool.tool_def.parameters_json_schema or {}).get("properties") or {}):
                 raise TypeError(
                     f"tool {name!r} asks the model for idempotency_key, so the model would choose keys: guard its "
                     "function with onceonly.pydantic_ai.guard(fn, ledger) (it fills the key in and leaves it out of "

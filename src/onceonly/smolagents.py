@@ -42,7 +42,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.smolagents needs smolagents: {install_hint('smolagents')}") from exc
 
-from onceonly.edge import envelope, run_scope, task_scope
+from onceonly.edge import envelope, is_guarded, run_scope, task_scope
 from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
@@ -57,11 +57,6 @@ SETTING = "ledger.task(conversation_id) around agent.run()"
 
 # smolagents' own tool that ends a run: never a side effect, never guarded.
 _FINAL = "final_answer"
-
-
-def _is_guarded_function(fn: Any) -> bool:
-    """Whether ``fn`` is already an ``@ledger.tool`` function (it has the guard's public members)."""
-    return callable(getattr(fn, "outcome", None)) and callable(getattr(fn, "key_for", None)) and hasattr(fn, "spec")
 
 
 def _answer(guarded: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -128,12 +123,12 @@ def guard(tool: Tool | Callable[..., Any], ledger: Ledger, **policy: Any) -> Too
         # ``self``); a Tool subclass has a bound forward.
         inner = getattr(tool.forward, "__wrapped__", None)
         shown, fn = tool, inner if callable(inner) else tool.forward
-        if not _is_guarded_function(fn):
+        if not is_guarded(fn):
             policy.setdefault("name", tool.name)
             return GuardedTool(ledger.tool(**policy)(fn), ledger, tool)
     elif not callable(tool):
         raise TypeError(f"onceonly.smolagents.guard takes a smolagents Tool or a function, not {tool!r}")
-    if not _is_guarded_function(fn):
+    if not is_guarded(fn):
         guarded = ledger.tool(**policy)(fn)
         return GuardedTool(guarded, ledger, make_tool(guarded))  # smolagents reads the guarded signature
     if policy:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 from onceonly import drivers
-from onceonly.edge import envelope, scope_here
+from onceonly.edge import KEY_PARAM, envelope, scope_here
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.plan import Call, Outcome, plan
@@ -43,7 +43,7 @@ R_co = TypeVar("R_co", covariant=True)
 _log = logging.getLogger("onceonly")
 
 #: The argument the guard fills in with the call's key: never the caller's to give.
-KEY_PARAM = "idempotency_key"
+
 
 # Framework tool objects: decorating one is a mistake with a better way in (the module's top package
 # → what to use instead).
