@@ -109,16 +109,17 @@ def test_cancelled_caller_does_not_lose_the_outcome(store_url: str) -> None:
 
     async def main() -> None:
         ledger = Ledger.open(store_url)
-        finished = asyncio.Event()
+        started, finished = asyncio.Event(), asyncio.Event()
 
         @ledger.tool(name="acancel")
         async def acancel() -> str:
+            started.set()
             await asyncio.sleep(0.2)
             finished.set()
             return "done"
 
         caller = asyncio.ensure_future(acancel())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), 10)  # cancelled while the tool runs (not while it is claimed)
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller

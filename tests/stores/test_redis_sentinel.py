@@ -347,7 +347,7 @@ def test_a_failover_with_replicas_1_runs_nothing_twice(
     record_property("operations", ops)
     record_property("calls that raised during the failover", raised)
     # Enough operations to span the failover; how many fit before it is over depends on the machine.
-    assert ops >= 30, f"only {ops} operations were made during the failover"
+    assert ops >= 15, f"only {ops} operations were made during the failover"
     assert reruns == 0, f"{reruns} of {ops} operations ran again after the failover with replicas=1"
 
 
