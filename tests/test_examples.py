@@ -123,3 +123,14 @@ def test_smolagents_example_shows_the_duplicate_and_its_absence() -> None:
     assert "with onceonly: 1 ticket" in stdout
     assert "asked again after the late answer: 1 ticket" in stdout
     assert "The outcome of this action is unknown" in stdout and "was not repeated" in stdout
+
+
+def test_autogen_example_shows_the_duplicate_and_its_absence() -> None:
+    """examples/autogen_agent.py (docs/autogen.md): two tickets with a plain FunctionTool, one with
+    onceonly; the model reads the unknown, then the replay."""
+    pytest.importorskip("autogen_agentchat")
+    stdout = _run("autogen_agent.py")
+    assert "without onceonly: 2 tickets" in stdout
+    assert "with onceonly: 1 ticket" in stdout
+    assert "asked again after the late answer: 1 ticket" in stdout
+    assert "The outcome of this action is unknown" in stdout and "was not repeated" in stdout
