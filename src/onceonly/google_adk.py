@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from onceonly import edge
 from onceonly.keys import canonical_json
 from onceonly.plan import Outcome
+from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 from onceonly.tools import Wrappers
 
@@ -201,6 +202,7 @@ class _Guard:
         found = find_context_parameter(fn)
         self.context = found or _CONTEXT
         self.takes_context = self.context in self.sig.parameters
+        self.schema = _arguments_schema(self.sig, self.hints, skip={self.context, edge.KEY_PARAM})
         self.pre_guarded = edge.is_guarded(fn)
         if self.pre_guarded:
             if policy:
@@ -239,7 +241,13 @@ class _Guard:
     def fields(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The ToolContext ADK injected, and the model's arguments."""
         ctx = kwargs.get(self.context) if self.takes_context else kwargs.pop(self.context, None)
-        return ctx, {k: v for k, v in kwargs.items() if k != self.context}
+        fields = {k: v for k, v in kwargs.items() if k != self.context}
+        try:
+            # ADK hands the model's JSON on unchecked (unless its arg-validation feature is on): keyed as
+            # the function's types read it, "500" and 500 for an int are one call (the edge contract).
+            return ctx, coerce(self.schema, fields)
+        except SchemaError:
+            return ctx, fields  # arguments the types do not take: keyed, and passed on, as ADK gave them
 
     def scoped(self, ctx: Any) -> contextlib.AbstractContextManager[Any]:
         if edge.task_scope() is not None:  # the caller's ledger.task() around the run wins
@@ -541,3 +549,21 @@ class OnceOnlyPlugin(BasePlugin):  # type: ignore[misc]
         for key, tool in list(tools.items()):
             if self._wanted(tool):
                 tools[key] = guard(tool, self.ledger, **self.options)
+
+
+def _arguments_schema(sig: inspect.Signature, hints: dict[str, Any], *, skip: Collection[str]) -> dict[str, Any] | None:
+    """The JSON Schema of the model's arguments, from the function's signature (pydantic, which ADK builds
+    its own declarations with); ``None`` when a type has none (the arguments are then keyed as given)."""
+    import pydantic  # ADK's own dependency
+
+    fields: dict[str, Any] = {}
+    for p in sig.parameters.values():
+        if p.name in skip:
+            continue
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        fields[p.name] = (hints.get(p.name, Any), default)
+    try:
+        schema: dict[str, Any] = pydantic.create_model("Arguments", **fields).model_json_schema()
+    except (TypeError, ValueError, NameError, pydantic.PydanticUserError):
+        return None
+    return schema

@@ -706,3 +706,24 @@ def test_without_google_adk_the_import_error_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "onceonly.google_adk needs Google ADK" in out.stderr and "onceonly[google-adk]" in out.stderr
+
+
+def test_arguments_are_keyed_as_the_functions_types_read_them(ledger: Ledger, charges: Charges) -> None:
+    """ADK hands the model's JSON on unchecked: without onceonly "500" reaches an int parameter as a string.
+    Guarded, the arguments are coerced by the function's own types before the key, so 500, "500" and 500.0
+    are one charge, and the function gets an int."""
+    got: list[Any] = []
+
+    def charge(customer: str, cents: int) -> str:
+        """Charge a customer's card."""
+        got.append(cents)
+        return f"charge #{charges.add(customer, cents)}"
+
+    steps = [[call("charge", f"call_{i}", customer="c1", cents=cents)] for i, cents in enumerate((500, "500", 500.0))]
+    Chat(agent(ScriptedModel(steps=[list(s) for s in steps]), [charge])).say()
+    assert got == [500, "500", 500.0] and charges.count() == 3  # without onceonly: three charges, one a str
+    got.clear()
+    Chat(agent(ScriptedModel(steps=steps), guard_tools([charge], ledger))).say()
+    assert got == [500] and charges.count() == 4
+    [record] = ledger.list()
+    assert json.loads(record.args_json) == {"cents": 500, "customer": "c1"}
