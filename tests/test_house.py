@@ -132,3 +132,22 @@ def test_no_module_reads_the_ledgers_private_attributes() -> None:
             ):
                 reads.append(f"{module}:{node.lineno} ledger.{node.attr}")
     assert reads == [], reads
+
+
+# The framework integrations: each goes through the edge contract, none through another.
+INTEGRATIONS = {
+    f"onceonly.{name}"
+    for name in (
+        "agno", "autogen", "claude_agent_sdk", "crewai", "google_adk", "langchain", "llamaindex",
+        "openai_agents", "pydantic_ai", "smolagents",
+    )
+}  # fmt: skip
+
+
+def test_integrations_go_through_the_edge_and_never_through_each_other() -> None:
+    graph = _graph()
+    assert set(graph) >= INTEGRATIONS, INTEGRATIONS - set(graph)
+    for name in sorted(INTEGRATIONS):
+        assert "onceonly.edge" in graph[name], f"{name} does not import onceonly.edge"
+        others = sorted(graph[name] & (INTEGRATIONS - {name}))
+        assert not others, f"{name} imports {others}: share through onceonly.edge instead"
