@@ -587,3 +587,23 @@ def test_while_the_store_is_down_reads_answer_503_and_the_stream_says_so(tmp_pat
             assert _ok(client.get("/api/records", params={"sort": "age"}))["more"] == 0
     finally:
         server.stop()
+
+
+def test_the_command_reconciles_with_the_tools_of_its_app(sqlite_url: str, tmp_path: Path) -> None:
+    """``onceonly dashboard --app module:ledger``: "Reconcile now" settles the unknown shipment through
+    the app's probe (confirmed, with its result), as ``onceonly reconcile --app`` would."""
+    made = seed(sqlite_url, orders=1, reviews=0, spread_hours=0)
+    (tmp_path / "shipping.py").write_text(
+        "import os\nimport onceonly\n\nledger = onceonly.Ledger.open(os.environ['SHIPPING_URL'])\n\n\n"
+        "@ledger.tool(name='ship', on_unknown='probe', probe=lambda args, key: {'shipped': args['order']})\n"
+        "def ship(order: str) -> None:\n    raise AssertionError('the reconciler probes; it never ships again')\n"
+    )
+    app = ["--app", "shipping:ledger", "--app-dir", str(tmp_path)]
+    with running(sqlite_url, *app, env={"SHIPPING_URL": sqlite_url}) as dashboard:
+        report = _ok(httpx.post(f"{dashboard.url}/api/reconcile", json={"by": "alice"}, timeout=60))
+    assert report["tools"] == ["ship"] and "note" not in report
+    (line,) = [r for r in report["records"] if r["key"] == made.unknown]
+    assert (line["before"], line["after"]) == ("unknown", "confirmed")
+    with Ledger.open(sqlite_url) as ledger:
+        rec = ledger.get(made.unknown)
+    assert rec is not None and rec.result == {"shipped": "o-1"} and rec.history[-1]["by"] == "reconcile@dashboard:alice"
