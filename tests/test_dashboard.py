@@ -607,3 +607,17 @@ def test_the_command_reconciles_with_the_tools_of_its_app(sqlite_url: str, tmp_p
     with Ledger.open(sqlite_url) as ledger:
         rec = ledger.get(made.unknown)
     assert rec is not None and rec.result == {"shipped": "o-1"} and rec.history[-1]["by"] == "reconcile@dashboard:alice"
+
+
+def test_an_argument_value_matches_whole_at_any_depth() -> None:
+    """``ops.args_match``: a value inside a model or a list matches by its field's name or alone;
+    strings compare whole, numbers, ``true`` and ``null`` as JSON writes them; stored arguments that do
+    not decode match nothing (the search goes on)."""
+    args = {"req": {"order": "ord-17", "lines": [{"sku": "A-1", "qty": 2}]}, "rush": True, "note": None}
+    rec = timed_charge("default:charge:x", time.time(), 0.1)
+    rec = dataclasses.replace(rec, args_json=json.dumps(args))
+    for term in ("ord-17", "order=ord-17", "sku=A-1", "A-1", "qty=2", "2", "2.0", "rush=true", "note=null", " ord-17 "):
+        assert ops.args_match(rec, term), term
+    for term in ("ord-1", "req=ord-17", "sku=2", "qty=two", "rush=1", "note=", "ORD-17", "nan", "inf"):
+        assert not ops.args_match(rec, term), term
+    assert not ops.args_match(dataclasses.replace(rec, args_json="[not json"), "ord-17")
