@@ -275,7 +275,8 @@ def test_a_person_searches_reconciles_and_resolves_a_selection(browser: Any, sql
 def test_stale_data_is_marked_while_the_store_is_down(browser: Any, tmp_path: Path) -> None:
     """A private Redis under the dashboard is stopped: the page keeps what it showed, under a banner
     that says it is not up to date and since when, with the tiles, rows and charts marked stale; once
-    the server is back (its data kept) the marks go and the page reads the store again."""
+    the server is back (its data kept) the marks go and the page reads the store again. A read that
+    fails on its own (the counts unchanged) is marked the same way, until a read succeeds again."""
     from playwright.sync_api import expect
 
     server = PrivateRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always").start()
@@ -306,6 +307,11 @@ def test_stale_data_is_marked_while_the_store_is_down(browser: Any, tmp_path: Pa
                 for marked in ("#counts", "#records", "#charts"):
                     expect(page.locator(marked)).not_to_have_class(re.compile(r"\bstale\b"))
                 assert page.evaluate(marker) == "none"
+                # A read that fails while the event stream's counts stay as they were: marked too, and
+                # cleared by the next read that succeeds, tried again without a change to wait for.
+                records = "**/api/records?*"
+                down = json.dumps({"error": "the store timed out"})
+                page.route(records, lambda route: route.fulfill(status=503, content_type="application/json", body=down))
                 with Ledger.open(server.url) as ledger:
 
                     @ledger.tool(name="refund", on_unknown="review")
@@ -314,6 +320,11 @@ def test_stale_data_is_marked_while_the_store_is_down(browser: Any, tmp_path: Pa
 
                     with pytest.raises(Exception, match="unknown"):
                         refund("o-after")
+                expect(page.locator("#stale")).to_contain_text("the store timed out")
+                expect(page.locator("#records")).to_have_class(re.compile(r"\bstale\b"))
+                assert _rows(page) == [*made.review, made.unknown]
+                page.unroute(records)
+                expect(page.locator("#stale")).to_be_hidden()
                 expect(page.locator("#records tr[data-key]")).to_have_count(4)  # live again
                 # A failed fetch while the store was down is the browser's own log line; nothing else.
                 assert all("503" in p for p in problems), problems
