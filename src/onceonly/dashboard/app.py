@@ -28,7 +28,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib.resources import files
 from typing import Any
 from urllib.parse import urlsplit
@@ -444,6 +444,19 @@ async def _answer(work: Callable[[], Any]) -> Response:
         return JSONResponse({"error": _message(exc)}, status)
 
 
+def _write(work: Callable[[Any], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint of a ``POST``: its JSON body handed to ``work``, which answers as ``_answer`` says."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
+        return await _answer(lambda: work(body))
+
+    return endpoint
+
+
 def _message(exc: Exception) -> str:
     # str() of a KeyError is the repr of its message, quoted: send the message itself.
     return str(exc.args[0] if isinstance(exc, LookupError) and exc.args else exc)
@@ -498,28 +511,10 @@ def create_app(
     async def stats(request: Request) -> Response:
         return await _answer(lambda: _stats_json(shared_stats, shared, request.query_params))
 
-    async def resolve(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
-        return await _answer(lambda: _resolve_json(ledger, body))
-
-    async def resolve_many(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
-        return await _answer(lambda: _resolve_many_json(ledger, body))
-
     reconciling = _Reconciling(ledger, tools)
-
-    async def reconcile_now(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
-        return await _answer(lambda: reconciling.run(body))
+    resolve = _write(lambda body: _resolve_json(ledger, body))
+    resolve_many = _write(lambda body: _resolve_many_json(ledger, body))
+    reconcile_now = _write(reconciling.run)
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
