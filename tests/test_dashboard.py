@@ -621,3 +621,19 @@ def test_an_argument_value_matches_whole_at_any_depth() -> None:
     for term in ("ord-1", "req=ord-17", "sku=2", "qty=two", "rush=1", "note=", "ORD-17", "nan", "inf"):
         assert not ops.args_match(rec, term), term
     assert not ops.args_match(dataclasses.replace(rec, args_json="[not json"), "ord-17")
+
+
+def test_resolve_many_as_confirmed_gives_each_the_result(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """Picked records resolved as having happened each get the result given (its JSON), ``via="resolve"``;
+    ``reset`` with ``confirmed`` is refused whole, as for one record."""
+    picked = [{"key": k} for k in seeded.review]
+    body = {"records": picked, "confirmed": {"refunded": True}, "by": "bob", "why": "the bank shows the refund"}
+    refused = api.post("/api/resolve-many", json={**body, "reset": True})
+    assert refused.status_code == 400 and '"reset" goes with "failed"' in refused.json()["error"]
+    done = _ok(api.post("/api/resolve-many", json=body))
+    assert done["count"] == {"resolved": 2, "refused": 0}
+    with Ledger.open(store_url) as ledger:
+        for key in seeded.review:
+            rec = ledger.get(key)
+            assert rec is not None and rec.state is State.CONFIRMED and rec.via == "resolve"
+            assert rec.result == {"refunded": True} and rec.history[-1]["by"] == "bob"
