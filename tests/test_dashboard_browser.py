@@ -202,8 +202,9 @@ def test_the_page_shows_filters_opens_resolves_and_updates_live(browser: Any, sq
 
 
 def test_a_person_searches_reconciles_and_resolves_a_selection(browser: Any, sqlite_url: str, tmp_path: Path) -> None:
-    """The search box finds the records of an order id; "Reconcile now" runs the reconciler (a dead
-    holder's charge is failed, with the person's name in its history) and shows what it did; the
+    """The search box finds the records of an order id; the unsettled view lists the oldest first;
+    "Reconcile now" runs the reconciler (a dead holder's charge is failed, with the person's name in
+    its history) and shows what it did; the
     conflicts view lists the record whose side effect happened twice; two records in review picked
     and resolved together, after a second, explicit click, are failed in the store with who and why."""
     from playwright.sync_api import expect
@@ -232,10 +233,14 @@ def test_a_person_searches_reconciles_and_resolves_a_selection(browser: Any, sql
             expect(page.locator("#records tr[data-key]")).to_have_count(1)
             assert _rows(page) == [dead.key] and page.inner_text("#records tr td .state") == "pending"
 
+            page.click("#f-clear")
+            page.click("#view-unsettled")  # the oldest unsettled first: the dead holder's charge, then the others
+            expect(page.locator("#records tr[data-key]")).to_have_count(4)
+            assert _rows(page) == [dead.key, *made.review, made.unknown], page.inner_text("#records")
             page.fill("#who", "carol")
             page.click("#reconcile")
             expect(page.locator("#reconcile-report")).to_contain_text("1 failed")
-            expect(page.locator("#records tr td .state")).to_have_text("failed")
+            expect(page.locator("#records tr[data-key]")).to_have_count(3)  # settled: no longer unsettled
             with Ledger.open(sqlite_url) as ledger:
                 rec = ledger.get(dead.key)
             assert rec is not None and rec.state is State.FAILED
