@@ -241,6 +241,8 @@ def test_a_person_searches_reconciles_and_resolves_a_selection(browser: Any, sql
             page.click("#reconcile")
             expect(page.locator("#reconcile-report")).to_contain_text("1 failed")
             expect(page.locator("#records tr[data-key]")).to_have_count(3)  # settled: no longer unsettled
+            expect(page.locator('[data-count="pending"] b')).to_have_text("0")
+            expect(page.locator('[data-count="failed"] b')).to_have_text("2")
             with Ledger.open(sqlite_url) as ledger:
                 rec = ledger.get(dead.key)
             assert rec is not None and rec.state is State.FAILED
