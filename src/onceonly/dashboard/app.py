@@ -63,7 +63,7 @@ MIN_TOKEN_LENGTH = 16
 #: Records per page at most (``/api/records?limit=``), and per bulk resolve.
 MAX_LIMIT = 500
 #: How far into a sorted list a page may start (``/api/records?offset=``).
-MAX_OFFSET = 1_000_000
+MAX_OFFSET = 100_000
 #: Seconds between two "has anything changed" reads of the event stream (one ``count_by_state``).
 POLL_SECONDS = 1.0
 #: Seconds of silence after which the event stream sends a comment, so proxies keep it open.
