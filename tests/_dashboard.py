@@ -37,7 +37,7 @@ class Seeded:
     unknown: str = ""
 
 
-def _timed(key: str, began: float, took: float) -> Record:
+def timed_charge(key: str, began: float, took: float) -> Record:
     """A charge confirmed by its run ``began`` seconds since the epoch, after ``took`` seconds."""
     history = [
         {"at": began, "from": None, "to": "in_flight", "fence": 1, "reason": "claim", "by": "worker-1"},
@@ -91,7 +91,7 @@ def seed(url: str, *, orders: int = 3, reviews: int = 2, spread_hours: int = 6) 
         hour_start = time.time() // 3600 * 3600  # each hour's three charges in one 15-minute bucket
         for hour in range(spread_hours):
             for n in range(3):
-                rec = _timed(
+                rec = timed_charge(
                     f"default:charge:h{hour:02d}n{n}",
                     hour_start - 3600 * (hour + 1) + 60 * n,
                     0.05 * (n + 1) + 0.01 * hour,

@@ -5,6 +5,7 @@ that leave the store exactly as it was. ``onceonly dashboard`` itself runs in a 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -21,10 +22,12 @@ from click.testing import CliRunner
 from starlette.testclient import TestClient
 
 from onceonly import Ledger, State, ops
+from onceonly import states as st
 from onceonly.cli import cli
 from onceonly.dashboard.app import check_binding, create_app, is_loopback
 from onceonly.tickets import serve_in_thread
-from tests._dashboard import Events, Seeded, running, seed
+from tests._dashboard import Events, Seeded, running, seed, timed_charge
+from tests._redis_server import PrivateRedis
 from tests._urls import SECRET, with_password
 
 TOKEN = "t0ken-for-the-dashboard-tests"
@@ -372,3 +375,265 @@ def test_a_slow_count_is_read_less_often(sqlite_url: str) -> None:
             time.sleep(0.01)
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert 2 <= len(reads) <= 4 and all(g >= COUNT_SPACING * 0.05 for g in gaps), gaps
+
+
+# --- what needs a person: search, sorted views, conflicts, bulk resolve, reconcile ------------------
+
+
+def _keys(answer: httpx.Response) -> list[str]:
+    return [r["key"] for r in _ok(answer)["records"]]
+
+
+def _with_conflicts(url: str) -> str:
+    """A confirmed charge whose side effect happened twice (two conflicts counted on it); its key."""
+    rec = dataclasses.replace(timed_charge("default:charge:twice", time.time() - 60, 0.1), conflicts=2)
+    with Ledger.open(url) as ledger:
+        assert ledger.store.insert(rec)
+    return rec.key
+
+
+def test_search_by_an_argument_value_and_the_views_of_what_needs_a_person(
+    api: httpx.Client, store_url: str, seeded: Seeded
+) -> None:
+    """``arg=`` finds the records whose arguments hold a value (the order id a customer quotes), by any
+    field or by name; needs_review and unknown sorted by age list the oldest first; ``sort=state``
+    puts them before the rest; ``conflicts=1`` keeps the records with conflicts; sorted pages follow
+    ``next_offset`` and cover every record once."""
+    refund, ship = seeded.review[0], seeded.unknown
+    charge = seeded.confirmed[0]
+    assert set(_keys(api.get("/api/records", params={"arg": "o-1"}))) == {charge, refund, ship}
+    assert set(_keys(api.get("/api/records", params={"arg": "order=o-1"}))) == {charge, refund, ship}
+    assert _keys(api.get("/api/records", params=[("arg", "o-1"), ("arg", "amount=1")])) == [charge]
+    assert _keys(api.get("/api/records", params={"arg": "1"})) == [charge]  # amount=1, a number
+    assert _keys(api.get("/api/records", params={"arg": "to=nobody@example.com"})) == [seeded.failed]
+    for nothing in ("o-9", "order=o-", "amount=o-1", "o"):
+        assert _keys(api.get("/api/records", params={"arg": nothing})) == [], nothing
+
+    person = [("state", "needs_review"), ("state", "unknown")]
+    oldest = _keys(api.get("/api/records", params=[*person, ("sort", "age")]))
+    assert oldest == [*seeded.review, ship]  # made in this order
+    assert _keys(api.get("/api/records", params=[*person, ("sort", "-age")])) == oldest[::-1]
+    by_state = _ok(api.get("/api/records", params={"sort": "state", "limit": 5}))
+    states = [r["state"] for r in by_state["records"]]
+    assert states == ["needs_review", "needs_review", "unknown", "failed", "confirmed"]
+    assert by_state["more"] == 20 and by_state["next_offset"] == 5 and by_state["next_after"] is None
+
+    seen: list[dict[str, Any]] = []
+    params: dict[str, Any] = {"sort": "age", "limit": 10}
+    while True:
+        page = _ok(api.get("/api/records", params=params))
+        seen += page["records"]
+        if page["next_offset"] is None:
+            break
+        params["offset"] = page["next_offset"]
+    assert len(seen) == 25 and len({r["key"] for r in seen}) == 25
+    assert [r["created_at"] for r in seen] == sorted(r["created_at"] for r in seen)
+    assert seen[0]["key"] == "default:charge:h05n0"  # the oldest charge, six hours ago
+
+    assert _keys(api.get("/api/records", params={"conflicts": "1"})) == []
+    twice = _with_conflicts(store_url)
+    conflicted = _ok(api.get("/api/records", params={"conflicts": "1", "sort": "age"}))
+    assert [(r["key"], r["conflicts"]) for r in conflicted["records"]] == [(twice, 2)]
+    for bad, words in (
+        ({"sort": "size"}, "sort='size': give one of key, age, -age, state"),
+        ({"sort": "age", "after": "default:"}, "page with offset="),
+        ({"conflicts": "maybe"}, "conflicts='maybe': give 1 or 0"),
+        ({"offset": "-1"}, "offset='-1': give a number from 0"),
+    ):
+        answer = api.get("/api/records", params=bad)
+        assert answer.status_code == 400 and words in answer.json()["error"], answer.text
+
+
+def test_resolve_many_resolves_each_record_still_in_review(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """``POST /api/resolve-many`` resolves every picked record still in review at the version the page
+    read, each with who and why in its history, and refuses the others one by one (not in review, changed,
+    no such key). A bad body is refused whole, before anything is written."""
+    first, second = seeded.review
+    with Ledger.open(store_url) as ledger:
+        versions = {k: ledger.get(k).version for k in (first, second, seeded.failed)}  # type: ignore[union-attr]
+    why = "the bank shows no refund"
+    body: dict[str, Any] = {"failed": why, "by": "alice", "why": why}
+
+    before = _everything(store_url)
+    for bad, words in (
+        ({**body, "records": []}, '"records": give the records to resolve'),
+        ({**body, "records": [first]}, 'each item is {"key": K, "version": V}'),
+        ({**body, "records": [{"key": first}], "by": ""}, "give who resolves it and why"),
+        ({**body, "records": [{"key": first}, {"key": second, "version": "1"}]}, '"version"'),
+        ({**body, "records": [{"key": first}] * 501}, "at most 500"),
+    ):
+        answer = api.post("/api/resolve-many", json=bad)
+        assert answer.status_code == 400 and words in answer.json()["error"], (bad, answer.text)
+    assert _everything(store_url) == before
+
+    picked = [
+        {"key": first, "version": versions[first]},
+        {"key": second, "version": versions[second] - 1},  # the page read an older version
+        {"key": seeded.failed, "version": versions[seeded.failed]},
+        {"key": "default:refund:nope"},
+    ]
+    done = _ok(api.post("/api/resolve-many", json={**body, "records": picked}))
+    assert done["count"] == {"resolved": 1, "refused": 3}
+    assert [r["key"] for r in done["resolved"]] == [first] and done["resolved"][0]["state"] == "failed"
+    refused = {r["key"]: (r["status"], r["error"]) for r in done["refused"]}
+    assert refused[second][0] == 409 and "changed since the page read it" in refused[second][1]
+    assert refused[seeded.failed][0] == 409 and "not needs_review" in refused[seeded.failed][1]
+    assert refused["default:refund:nope"][0] == 404
+
+    again = _ok(api.post("/api/resolve-many", json={**body, "records": [{"key": second}], "reset": True}))
+    assert again["count"] == {"resolved": 1, "refused": 0}
+    with Ledger.open(store_url) as ledger:
+        for key in (first, second):
+            rec = ledger.get(key)
+            assert rec is not None and rec.state is State.FAILED and rec.via == "resolve"
+            assert rec.history[-1]["reason"] == f"resolved by alice: {why}" and rec.history[-1]["by"] == "alice"
+        assert ledger.get(second).attempts == 0  # type: ignore[union-attr]
+        assert ledger.get(seeded.failed) == before[seeded.failed]
+    assert _ok(api.get("/api/counts"))["states"]["needs_review"] == 0
+
+
+def _expired_pending(url: str) -> str:
+    """A charge whose holder died before dispatch: pending, its lease run out a minute ago."""
+    now = time.time()
+    rec = st.new_record(
+        key="default:charge:dead", scope="default", tool="charge", fingerprint="f" * 64,
+        args_json=json.dumps({"order": "o-dead", "amount": 1}), state=State.PENDING, owner="worker-dead",
+        now=now - 120, lease_seconds=60,
+    )  # fmt: skip
+    with Ledger.open(url) as ledger:
+        assert ledger.store.insert(rec)
+    return rec.key
+
+
+def test_reconcile_runs_the_reconciler_once_with_who_started_it(store_url: str, seeded: Seeded) -> None:
+    """``POST /api/reconcile`` runs the reconciler once, as ``onceonly reconcile --once``: a record
+    whose holder died before dispatch is failed, with who started it in its history. Without the app's
+    tools the unknown shipment is left for them (and the answer says so); with them (``tools=``) its
+    probe settles it. Who is required."""
+    dead = _expired_pending(store_url)
+    with Ledger.open(store_url) as ledger, TestClient(create_app(ledger), base_url="http://127.0.0.1") as client:
+        missing = client.post("/api/reconcile", json={})
+        assert missing.status_code == 400 and '"by": give who runs the reconciler' in missing.json()["error"]
+        report = _ok(client.post("/api/reconcile", json={"by": "alice"}))
+    lines = {r["key"]: r for r in report["records"]}
+    assert (lines[dead]["before"], lines[dead]["after"], lines[dead]["settlement"]) == ("pending", "failed", "failed")
+    assert lines[seeded.unknown]["settlement"] == "no_tool" and "no tools registered" in report["note"]
+    assert report["by"] == "reconcile@dashboard:alice" and report["tools"] == []
+    with Ledger.open(store_url) as ledger:
+        rec = ledger.get(dead)
+        assert rec is not None and rec.state is State.FAILED
+        assert rec.history[-1]["by"] == "reconcile@dashboard:alice"
+        assert ledger.get(seeded.unknown).state is State.UNKNOWN  # type: ignore[union-attr]
+
+    with Ledger.open(store_url) as app, Ledger.open(store_url) as ledger:
+
+        @app.tool(name="ship", on_unknown="probe", probe=lambda args, key: {"shipped": args["order"]})
+        def ship(order: str) -> None:
+            raise AssertionError("the reconciler probes; it never ships again")
+
+        with TestClient(create_app(ledger, tools=app.tools), base_url="http://127.0.0.1") as client:
+            report = _ok(client.post("/api/reconcile", json={"by": "bob"}))
+    (line,) = [r for r in report["records"] if r["key"] == seeded.unknown]
+    assert (line["after"], line["settlement"]) == ("confirmed", "confirmed") and "note" not in report
+    with Ledger.open(store_url) as ledger:
+        rec = ledger.get(seeded.unknown)
+        assert rec is not None and rec.state is State.CONFIRMED and rec.result == {"shipped": "o-1"}
+
+
+@pytest.mark.parametrize("path", ["/api/resolve", "/api/resolve-many", "/api/reconcile"])
+def test_every_write_takes_the_token_in_its_header_json_and_the_same_origin(
+    guarded: TestClient, sqlite_url: str, path: str
+) -> None:
+    """Bulk resolve and reconcile are guarded as resolve is: no token in the address, JSON only, no
+    other Origin, and nothing written when refused."""
+    (rec,) = Ledger.open(sqlite_url).list(state="needs_review")
+    body = {"key": rec.key, "records": [{"key": rec.key}], "failed": "no refund", "by": "alice", "why": "no refund"}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = _everything(sqlite_url)
+    assert guarded.post(path, params={"token": TOKEN}, json=body).status_code == 401
+    assert guarded.post(path, json=body).status_code == 401
+    assert guarded.post(path, headers=auth, content=json.dumps(body)).status_code == 415
+    other = guarded.post(path, headers={**auth, "Origin": "https://evil.example"}, json=body)
+    assert other.status_code == 403 and "Origin" in other.json()["error"]
+    assert _everything(sqlite_url) == before
+    same = guarded.post(path, headers={**auth, "Origin": "http://testserver"}, json=body)
+    assert same.status_code == 200, same.text
+
+
+def test_while_the_store_is_down_reads_answer_503_and_the_stream_says_so(tmp_path: Path) -> None:
+    """A private Redis is stopped under a running dashboard: every read answers 503 naming the store,
+    the event stream sends ``unavailable``; once the server is back (its data kept) the stream sends
+    the counts again and the reads answer."""
+    server = PrivateRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always").start()
+    try:
+        seed(server.url, orders=1, reviews=1, spread_hours=0)
+        with (
+            Ledger.open(server.url) as ledger,
+            serve_in_thread(create_app(ledger, poll_seconds=0.05)) as dashboard,
+            httpx.Client(base_url=dashboard.url, timeout=30) as client,
+            client.stream("GET", "/api/events") as response,
+        ):
+            events = Events(response)
+            name, counts = events.next()
+            assert name == "counts" and counts["total"] == 4
+            server.stop()
+            name, down = events.next()
+            assert name == "unavailable" and "error" in down
+            for path in ("/api/counts", "/api/records", "/api/stats"):
+                answer = client.get(path)
+                assert answer.status_code == 503 and answer.json()["error"], (path, answer.text)
+            server.start()
+            assert events.next() == ("counts", counts)
+            assert _ok(client.get("/api/records", params={"sort": "age"}))["more"] == 0
+    finally:
+        server.stop()
+
+
+def test_the_command_reconciles_with_the_tools_of_its_app(sqlite_url: str, tmp_path: Path) -> None:
+    """``onceonly dashboard --app module:ledger``: "Reconcile now" settles the unknown shipment through
+    the app's probe (confirmed, with its result), as ``onceonly reconcile --app`` would."""
+    made = seed(sqlite_url, orders=1, reviews=0, spread_hours=0)
+    (tmp_path / "shipping.py").write_text(
+        "import os\nimport onceonly\n\nledger = onceonly.Ledger.open(os.environ['SHIPPING_URL'])\n\n\n"
+        "@ledger.tool(name='ship', on_unknown='probe', probe=lambda args, key: {'shipped': args['order']})\n"
+        "def ship(order: str) -> None:\n    raise AssertionError('the reconciler probes; it never ships again')\n"
+    )
+    app = ["--app", "shipping:ledger", "--app-dir", str(tmp_path)]
+    with running(sqlite_url, *app, env={"SHIPPING_URL": sqlite_url}) as dashboard:
+        report = _ok(httpx.post(f"{dashboard.url}/api/reconcile", json={"by": "alice"}, timeout=60))
+    assert report["tools"] == ["ship"] and "note" not in report
+    (line,) = [r for r in report["records"] if r["key"] == made.unknown]
+    assert (line["before"], line["after"]) == ("unknown", "confirmed")
+    with Ledger.open(sqlite_url) as ledger:
+        rec = ledger.get(made.unknown)
+    assert rec is not None and rec.result == {"shipped": "o-1"} and rec.history[-1]["by"] == "reconcile@dashboard:alice"
+
+
+def test_an_argument_value_matches_whole_at_any_depth() -> None:
+    """``ops.args_match``: a value inside a model or a list matches by its field's name or alone;
+    strings compare whole, numbers, ``true`` and ``null`` as JSON writes them; stored arguments that do
+    not decode match nothing (the search goes on)."""
+    args = {"req": {"order": "ord-17", "lines": [{"sku": "A-1", "qty": 2}]}, "rush": True, "note": None}
+    rec = timed_charge("default:charge:x", time.time(), 0.1)
+    rec = dataclasses.replace(rec, args_json=json.dumps(args))
+    for term in ("ord-17", "order=ord-17", "sku=A-1", "A-1", "qty=2", "2", "2.0", "rush=true", "note=null", " ord-17 "):
+        assert ops.args_match(rec, term), term
+    for term in ("ord-1", "req=ord-17", "sku=2", "qty=two", "rush=1", "note=", "ORD-17", "nan", "inf"):
+        assert not ops.args_match(rec, term), term
+    assert not ops.args_match(dataclasses.replace(rec, args_json="[not json"), "ord-17")
+
+
+def test_resolve_many_as_confirmed_gives_each_the_result(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """Picked records resolved as having happened each get the result given (its JSON), ``via="resolve"``;
+    ``reset`` with ``confirmed`` is refused whole, as for one record."""
+    picked = [{"key": k} for k in seeded.review]
+    body = {"records": picked, "confirmed": {"refunded": True}, "by": "bob", "why": "the bank shows the refund"}
+    refused = api.post("/api/resolve-many", json={**body, "reset": True})
+    assert refused.status_code == 400 and '"reset" goes with "failed"' in refused.json()["error"]
+    done = _ok(api.post("/api/resolve-many", json=body))
+    assert done["count"] == {"resolved": 2, "refused": 0}
+    with Ledger.open(store_url) as ledger:
+        for key in seeded.review:
+            rec = ledger.get(key)
+            assert rec is not None and rec.state is State.CONFIRMED and rec.via == "resolve"
+            assert rec.result == {"refunded": True} and rec.history[-1]["by"] == "bob"

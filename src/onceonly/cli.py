@@ -480,10 +480,20 @@ if _MISSING_CLI is None:
         show_default=True,
         help="Seconds between two checks for changes (a count of the records per state), for the live page.",
     )
-    def dashboard(url: str, host: str, port: int, token: str | None, poll: float) -> None:
-        """Serve a web page over the ledger until Ctrl-C: counts by state, records with filters, each
-        record's timeline, per-tool latency, resolving records in review; live. Its JSON API is under
-        /api/ (docs/operations.md)."""
+    @click.option(
+        "--app",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="Your ledger with its tools: 'Reconcile now' settles unknown records through their probes.",
+    )
+    @click.option("--app-dir", default=".", show_default=True, help="Put this directory first on sys.path for --app.")
+    def dashboard(
+        url: str, host: str, port: int, token: str | None, poll: float, app: str | None, app_dir: str
+    ) -> None:
+        """Serve a web page over the ledger until Ctrl-C: what needs a person first, records with
+        filters and a search by argument value, each record's timeline, per-tool latency, resolving
+        records in review one by one or together, reconciling; live. Its JSON API is under /api/
+        (docs/operations.md)."""
         try:
             from onceonly.dashboard.app import check_binding, create_app
             from onceonly.tickets._serve import serve
@@ -502,17 +512,26 @@ if _MISSING_CLI is None:
             page = f"{address}/?token=<token>" if token else f"{address}/"
             click.echo(printable(f"onceonly dashboard of {redact_url(url)} at {page} (Ctrl-C stops it)"))
 
-        with _ledger(url) as ledger:
-            try:
-                serve(
-                    create_app(ledger, token=token, poll_seconds=poll),
-                    host=host,
-                    port=port,
-                    log_level="warning",
-                    on_ready=ready,
-                )
-            except OSError as exc:
-                raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        from onceonly._cli import load_app
+
+        # The app is imported only for its tools; the dashboard shows --url's ledger.
+        source = load_app(app, app_dir) if app else None
+        tools = None if source is None else source.tools
+        try:
+            with _ledger(url) as ledger:
+                try:
+                    serve(
+                        create_app(ledger, token=token, poll_seconds=poll, tools=tools),
+                        host=host,
+                        port=port,
+                        log_level="warning",
+                        on_ready=ready,
+                    )
+                except OSError as exc:
+                    raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        finally:
+            if source is not None:
+                source.close()
 
     @cli.command()
     @_url_option

@@ -10,6 +10,8 @@ call pays nothing more to have its duration measured.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
 from onceonly.drivers import aprobe, probe
+from onceonly.errors import StoreError
 from onceonly.events import alert
 from onceonly.plan import NOT_FOUND
 from onceonly.settle import _spec_of
@@ -28,12 +31,14 @@ if TYPE_CHECKING:
     from onceonly.ledger import Ledger
 
 __all__ = [
+    "SORTS",
     "AmbiguousKey",
     "AuditReport",
     "Disagreement",
     "LedgerStats",
     "Page",
     "ToolStats",
+    "args_match",
     "attempt_durations",
     "attempt_spans",
     "audit",
@@ -43,6 +48,7 @@ __all__ = [
     "page",
     "percentile",
     "record_json",
+    "search",
     "short_keys",
     "stats",
     "suggest_timeout",
@@ -480,3 +486,119 @@ def audit(
         report.disagreements.append(d)
         alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
     return report
+
+
+# --- searching: by an argument's value, conflicts, sorted by age or state (the dashboard) ----------
+
+#: The orders ``search`` lists records in: key order (pages by ``after``), oldest first, newest first,
+#: and by state (those that need a person first, then the oldest of each state).
+SORTS = ("key", "age", "-age", "state")
+#: States in the order ``sort="state"`` lists them: what needs a person first, settled ones last.
+_BY_STATE = (State.NEEDS_REVIEW, State.UNKNOWN, State.IN_FLIGHT, State.PENDING, State.FAILED, State.ABANDONED)
+_STATE_ORDER = {s: i for i, s in enumerate((*_BY_STATE, State.CONFIRMED))}
+
+
+def _scalars(value: Any, name: str | None) -> Iterator[tuple[str | None, Any]]:
+    """Every scalar in ``value`` (an argument's JSON), with the name of the field that holds it."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _scalars(v, k)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _scalars(v, name)
+    else:
+        yield name, value
+
+
+def _same(value: Any, text: str) -> bool:
+    """Whether a stored scalar is ``text``: a string equal to it, or a number, bool or null whose JSON is."""
+    if isinstance(value, str):
+        return value == text
+    if value is None or isinstance(value, bool):
+        return text == {None: "null", True: "true", False: "false"}[value]
+    return isinstance(value, int | float) and _number_text(text) == value
+
+
+def _number_text(text: str) -> float | None:
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def args_match(rec: Record, term: str) -> bool:
+    """Whether the record's arguments hold ``term``: ``NAME=VALUE`` (a field of that name, at any
+    depth, whose value is VALUE) or ``VALUE`` (any field's). Values compare whole: a string equal to
+    it, or a number, ``true``, ``false`` or ``null`` written as JSON writes it. A record whose stored
+    arguments do not decode matches nothing."""
+    name, sep, text = term.partition("=")
+    wanted = (name.strip(), text.strip()) if sep and name.strip() else (None, term.strip())
+    try:
+        args = rec.args
+    except StoreError:
+        return False
+    return any(
+        (wanted[0] is None or field_name == wanted[0]) and _same(value, wanted[1])
+        for field_name, value in _scalars(args, None)
+    )
+
+
+def search(
+    ledger: Ledger,
+    *,
+    states: Sequence[State] | None = None,
+    tool: str | None = None,
+    scope: str | None = None,
+    since: float | None = None,
+    prefix: str | None = None,
+    args: Sequence[str] = (),
+    conflicts: bool = False,
+    sort: str = "key",
+    after: str | None = None,
+    offset: int = 0,
+    limit: int = 50,
+) -> Page:
+    """``page`` with more filters and orders: records whose arguments hold every term of ``args``
+    (``args_match``), with conflicts only (``conflicts``), listed in ``sort`` order (``SORTS``).
+
+    In key order it pages by ``after`` as ``page`` does. In the other orders it reads every matching
+    record, pages by ``offset``, and ``more`` counts exactly the matching records after the page.
+    """
+    if sort not in SORTS:
+        raise ValueError(f"sort={sort!r}: give one of {', '.join(SORTS)}")
+    if sort != "key" and after is not None:
+        raise ValueError(f"after= pages the key order; with sort={sort!r} page with offset=")
+
+    def keep(rec: Record) -> bool:
+        return (
+            (since is None or rec.updated_at >= since)
+            and (not conflicts or rec.conflicts > 0)
+            and all(args_match(rec, term) for term in args)
+        )
+
+    query = Query(states=states, tool=tool, scope=scope, after=after if sort == "key" else None)
+    matching = _walk(ledger, query, keep, prefix or "")
+    if sort == "key":
+        found = list(itertools.islice(matching, limit))
+        more = sum(1 for _ in itertools.islice(matching, _COUNT_CAP))
+        return Page(found, more, more >= _COUNT_CAP, found[-1].key if more else None)
+    order: Callable[[Record], tuple[Any, ...]]
+    if sort == "age":
+        order = lambda r: (r.created_at, r.key)  # noqa: E731
+    elif sort == "-age":
+        order = lambda r: (-r.created_at, r.key)  # noqa: E731
+    else:
+        order = lambda r: (_STATE_ORDER[r.state], r.created_at, r.key)  # noqa: E731
+    total = 0
+
+    def counted() -> Iterator[Record]:
+        nonlocal total
+        for rec in matching:
+            total += 1
+            yield rec
+
+    # Only the records up to the end of the page are kept, however many match.
+    first = heapq.nsmallest(offset + limit, counted(), key=order)
+    found = first[offset:]
+    return Page(found, max(0, total - offset - len(found)), False, None)

@@ -1,7 +1,8 @@
 """The dashboard's ASGI app: one page (``static/index.html``) and the JSON API under ``/api/`` it reads.
 
 It reads the ledger as ``onceonly ls``, ``show`` and ``stats`` do (``onceonly.ops``, the same JSON), and
-writes only through ``POST /api/resolve``, which calls ``Ledger.resolve`` with a reason and a name.
+writes only through ``POST /api/resolve`` and ``/api/resolve-many`` (``Ledger.resolve`` with a reason
+and a name) and ``POST /api/reconcile`` (one reconciler run, ``onceonly reconcile --once``).
 
 Who may call it:
 
@@ -10,7 +11,7 @@ Who may call it:
   event stream, which cannot send a header). Tokens are compared in constant time and never logged.
 - Without a token (loopback only) the ``Host`` header must name a loopback host: a web page whose
   DNS name is made to point at 127.0.0.1 (DNS rebinding) is refused.
-- ``POST /api/resolve`` takes only ``Content-Type: application/json``, the token only in the header,
+- Every ``POST`` takes only ``Content-Type: application/json``, the token only in the header,
   and an ``Origin`` (when the browser sends one) equal to the dashboard's own: a form or script on
   another site can do none of these without a CORS preflight, which this app never grants.
 """
@@ -27,7 +28,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib.resources import files
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,14 +53,17 @@ from onceonly import ops
 from onceonly._cli import Since
 from onceonly.errors import InProgress, InvalidKey, NotSerializable, OnceOnlyError, StoreError
 from onceonly.ledger import Ledger
+from onceonly.settle import reconcile
 from onceonly.states import State
 
 __all__ = ["MIN_TOKEN_LENGTH", "check_binding", "create_app", "is_loopback"]
 
 #: The shortest token accepted: a guessable one protects nothing.
 MIN_TOKEN_LENGTH = 16
-#: Records per page at most (``/api/records?limit=``).
+#: Records per page at most (``/api/records?limit=``), and per bulk resolve.
 MAX_LIMIT = 500
+#: How far into a sorted list a page may start (``/api/records?offset=``).
+MAX_OFFSET = 100_000
 #: Seconds between two "has anything changed" reads of the event stream (one ``count_by_state``).
 POLL_SECONDS = 1.0
 #: Seconds of silence after which the event stream sends a comment, so proxies keep it open.
@@ -224,20 +228,38 @@ def _number(params: QueryParams, name: str, default: float | None, low: float, h
     return value
 
 
+def _flag(params: QueryParams, name: str) -> bool:
+    text = (_text(params, name) or "0").lower()
+    if text not in ("0", "1", "true", "false"):
+        raise ValueError(f"{name}={text!r}: give 1 or 0")
+    return text in ("1", "true")
+
+
 def _records_json(ledger: Ledger, params: QueryParams) -> dict[str, Any]:
-    """``GET /api/records``: a page of records (``onceonly ls --json``) and each key's short form."""
-    limit = _number(params, "limit", 50, 1, MAX_LIMIT)
-    found = ops.page(
+    """``GET /api/records``: a page of records (``onceonly ls --json``) and each key's short form.
+
+    ``arg=`` (repeatable) keeps the records whose arguments hold the value (``ops.args_match``),
+    ``conflicts=1`` those with conflicts; ``sort=`` orders them (``ops.SORTS``): in key order the page
+    after it is ``after=next_after``, in the others ``offset=next_offset``."""
+    limit = int(_number(params, "limit", 50, 1, MAX_LIMIT) or 50)
+    offset = int(_number(params, "offset", 0, 0, MAX_OFFSET) or 0)
+    found = ops.search(
         ledger,
         states=_states(params),
         tool=_text(params, "tool"),
         scope=_text(params, "scope"),
         since=_since(params),
         prefix=_text(params, "prefix"),
+        args=[a.strip() for a in params.getlist("arg") if a.strip()],
+        conflicts=_flag(params, "conflicts"),
+        sort=_text(params, "sort") or "key",
         after=_text(params, "after"),
-        limit=int(limit or 50),
+        offset=offset,
+        limit=limit,
     )
     out = found.to_dict()
+    ordered = (_text(params, "sort") or "key") != "key"
+    out["next_offset"] = offset + len(found.records) if ordered and found.more else None
     out["short"] = ops.short_keys(ledger, [r.key for r in found.records])
     return out
 
@@ -317,6 +339,81 @@ def _resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
     return ops.record_json(ledger.resolve(key, **kwargs, version=rec.version))
 
 
+def _resolve_many_json(ledger: Ledger, body: Any) -> dict[str, Any]:
+    """``POST /api/resolve-many``: resolve each of ``"records"`` (``[{"key", "version"}]``) with the
+    one outcome, reason and name the body gives, as ``/api/resolve`` resolves one. Each record is
+    resolved or refused on its own (not in review, changed, unknown key); when the store fails, the
+    records not yet tried are refused with it."""
+    if not isinstance(body, dict) or not isinstance(body.get("records"), list) or not body["records"]:
+        raise ValueError(
+            '"records": give the records to resolve, [{"key": K, "version": V}, ...], with "failed" or '
+            '"confirmed", "by" and "why" as for /api/resolve'
+        )
+    chosen = body["records"]
+    if len(chosen) > MAX_LIMIT:
+        raise ValueError(f'"records": {len(chosen)} given; resolve at most {MAX_LIMIT} at once')
+    shared = {k: v for k, v in body.items() if k != "records"}
+    asks = []
+    for item in chosen:
+        if not isinstance(item, dict):
+            raise ValueError('"records": each item is {"key": K, "version": V}')  # noqa: TRY004
+        asks.append({**shared, "key": item.get("key"), "version": item.get("version")})
+    for ask in asks:
+        _resolve_args(ask)  # a bad body is refused whole, before anything is written
+    resolved: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    failed: StoreError | None = None
+    for ask in asks:
+        if failed is not None:
+            refused.append({"key": ask["key"], "status": 503, "error": f"not tried: {failed}"})
+            continue
+        try:
+            resolved.append(_resolve_json(ledger, ask))
+        except Exception as exc:
+            status = _status(exc)
+            if status is None:
+                raise
+            if isinstance(exc, StoreError):
+                failed = exc
+            refused.append({"key": ask["key"], "status": status, "error": _message(exc)})
+    return {"resolved": resolved, "refused": refused, "count": {"resolved": len(resolved), "refused": len(refused)}}
+
+
+class _Reconciling:
+    """``POST /api/reconcile``: one reconciler run over the ledger (``onceonly reconcile --once``),
+    one at a time per dashboard."""
+
+    def __init__(self, ledger: Ledger, tools: Mapping[str, Any] | None) -> None:
+        self.ledger = ledger
+        self.tools = tools
+        self._lock = threading.Lock()
+
+    def run(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ValueError('send a JSON object: {"by": WHO, "scope": SCOPE (optional)}')  # noqa: TRY004
+        by = body.get("by")
+        if not isinstance(by, str) or not by.strip():
+            raise ValueError('"by": give who runs the reconciler; it is kept in the history of what it settles')
+        scope = body.get("scope")
+        if scope is not None and (not isinstance(scope, str) or not scope):
+            raise ValueError('"scope": a scope\'s name, or leave it out for every record')
+        if not self._lock.acquire(blocking=False):
+            raise _Conflict("a reconcile started from this dashboard is still running: wait for its report")
+        try:
+            tools = self.ledger.tools if self.tools is None else self.tools
+            report = reconcile(self.ledger, tools=tools, scope=scope, by=f"reconcile@dashboard:{by.strip()}")
+        finally:
+            self._lock.release()
+        out = report.to_dict()
+        out["tools"] = sorted(tools)
+        if not tools:
+            out["note"] = (
+                "no tools registered: expired leases were settled, unknown records wait for their tools' "
+                "probes (`onceonly reconcile --app module:ledger`)"
+            )
+        return out
+
+
 class _Conflict(Exception):
     """The request is sound but the record is not in a state that allows it (HTTP 409)."""
 
@@ -344,20 +441,45 @@ async def _answer(work: Callable[[], Any]) -> Response:
         status = _status(exc)
         if status is None:
             raise
-        # str() of a KeyError is the repr of its message, quoted: send the message itself.
-        message = exc.args[0] if isinstance(exc, LookupError) and exc.args else str(exc)
-        return JSONResponse({"error": str(message)}, status)
+        return JSONResponse({"error": _message(exc)}, status)
 
 
-def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float = POLL_SECONDS) -> ASGIApp:
+def _write(work: Callable[[Any], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint of a ``POST``: its JSON body handed to ``work``, which answers as ``_answer`` says."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
+        return await _answer(lambda: work(body))
+
+    return endpoint
+
+
+def _message(exc: Exception) -> str:
+    # str() of a KeyError is the repr of its message, quoted: send the message itself.
+    return str(exc.args[0] if isinstance(exc, LookupError) and exc.args else exc)
+
+
+def create_app(
+    ledger: Ledger,
+    *,
+    token: str | None = None,
+    poll_seconds: float = POLL_SECONDS,
+    tools: Mapping[str, Any] | None = None,
+) -> ASGIApp:
     """The dashboard over ``ledger`` (which the caller opens and closes).
 
     Args:
-        ledger: the ledger shown; read through ``onceonly.ops``, written only by ``/api/resolve``.
+        ledger: the ledger shown; read through ``onceonly.ops``, written only by ``/api/resolve``,
+            ``/api/resolve-many`` and ``/api/reconcile``.
         token: when given, every request must carry it (``Authorization: Bearer``, or ``?token=`` on
             a GET). Serving beyond loopback without one is refused by ``check_binding``.
         poll_seconds: how often the event stream asks the store whether anything changed (one count of
             the records per state, shared by every page that listens).
+        tools: the tools (name → tool) whose probes ``/api/reconcile`` settles unknown records with
+            (default: ``ledger.tools``), e.g. an app's own ledger's.
 
     .. versionadded:: 0.1
     """
@@ -389,12 +511,10 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
     async def stats(request: Request) -> Response:
         return await _answer(lambda: _stats_json(shared_stats, shared, request.query_params))
 
-    async def resolve(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse({"error": f"the body is not JSON: {exc}"}, 400)
-        return await _answer(lambda: _resolve_json(ledger, body))
+    reconciling = _Reconciling(ledger, tools)
+    resolve = _write(lambda body: _resolve_json(ledger, body))
+    resolve_many = _write(lambda body: _resolve_many_json(ledger, body))
+    reconcile_now = _write(reconciling.run)
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
@@ -407,6 +527,8 @@ def create_app(ledger: Ledger, *, token: str | None = None, poll_seconds: float 
         Route("/api/stats", stats, methods=["GET"]),
         Route("/api/events", events, methods=["GET"]),
         Route("/api/resolve", resolve, methods=["POST"]),
+        Route("/api/resolve-many", resolve_many, methods=["POST"]),
+        Route("/api/reconcile", reconcile_now, methods=["POST"]),
     ]
     return _Guard(Starlette(routes=routes), token, _csp(page))
 
