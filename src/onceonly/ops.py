@@ -265,7 +265,7 @@ def attempt_spans(rec: Record) -> list[tuple[float, float]]:
             # Ended by the attempt itself; not by a lease that ran out, a release or a person.
             if to == "confirmed" and reason != "confirmed via run":
                 continue
-            if reason.startswith(("lease of ", "resolved by ", "released: ")):
+            if reason.startswith(("lease of ", "the lease of ", "resolved by ", "released: ")):
                 continue
             spans.append((began, max(0.0, at - began)))
     return spans
