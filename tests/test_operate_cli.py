@@ -159,7 +159,7 @@ def test_show_takes_a_prefix_and_prints_a_timeline(store_url: str) -> None:
     settled = json.loads(_ok(resolved))
     assert settled["state"] == "failed" and settled["history"][-1]["by"] == "ops" and "at_iso" in settled["history"][-1]
     result = _run("show", "default:charge:", "--url", store_url)
-    assert result.exit_code == 1 and "starts several keys" in result.output, result.output
+    assert result.exit_code == 2 and "starts several keys" in result.output, result.output
     result = _run("show", "default:nothing", "--url", store_url)
     assert result.exit_code == 1 and "no record with key 'default:nothing'" in result.output
 

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import click
 from rich.text import Text
 
-from onceonly.errors import OnceOnlyError
+from onceonly._install import install_hint
+from onceonly.errors import OnceOnlyError, StoreError
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.stores._url import redact_url, scrub
 
@@ -197,7 +198,7 @@ def open_as_is(url: str) -> Ledger:
     return Ledger.open(url)
 
 
-_RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made by the first guarded call)"
+_RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made when the app opens it: Ledger.open)"
 
 
 def _sqlite_ledger(url: str) -> None:
@@ -224,10 +225,21 @@ def _sqlite_ledger(url: str) -> None:
         raise click.ClickException(printable(f"{path.absolute()} is not an onceonly ledger yet: {_RUN_ONCE}"))
 
 
-def _redis_ledger(url: str) -> None:
-    import redis
+def _extra(name: str, url: str, exc: ImportError) -> click.ClickException:
+    """A store's driver that is not installed: name the extra that brings it, as the library does."""
+    missing = f"no module named {exc.name!r}" if exc.name else str(exc)
+    return click.ClickException(
+        printable(f"{redact_url(url)!r} needs the {name} extra: {install_hint(name)} ({missing})")
+    )
 
-    from onceonly.stores.redis import parse_redis_url
+
+def _redis_ledger(url: str) -> None:
+    try:
+        import redis
+
+        from onceonly.stores.redis import parse_redis_url
+    except ImportError as exc:
+        raise _extra("redis", url, exc) from exc
 
     client_url, opts = parse_redis_url(url)
     shown = redact_url(url)
@@ -244,9 +256,12 @@ def _redis_ledger(url: str) -> None:
 
 
 def _postgres_ledger(url: str) -> None:
-    import psycopg
+    try:
+        import psycopg
 
-    from onceonly.stores.postgres import SCHEMA_VERSION, parse_postgres_url
+        from onceonly.stores.postgres import SCHEMA_VERSION, parse_postgres_url
+    except ImportError as exc:
+        raise _extra("postgres", url, exc) from exc
 
     options = parse_postgres_url(url)
     shown = redact_url(url)
@@ -272,6 +287,12 @@ def _postgres_ledger(url: str) -> None:
 
 
 def _app_failed(spec: str, exc: Exception) -> ImportError:
+    if isinstance(exc, StoreError):
+        # The app opened its ledger while it was imported, and the store did not answer: the app is fine.
+        return ImportError(
+            f"--app {spec!r}: the app's ledger store failed while the app was imported (it opens its ledger "
+            f"then): {str(exc).rstrip('. ')}. Bring the store up or fix its URL, then run again"
+        )
     return ImportError(
         f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
     )

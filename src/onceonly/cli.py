@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import shlex
@@ -27,6 +28,7 @@ from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
 from onceonly.states import UNSETTLED, Record, State, shown_result
 from onceonly.stores import redact_url
+from onceonly.stores.base import Query
 
 
 def main() -> None:
@@ -64,8 +66,51 @@ if _MISSING_CLI is None:
         with existing_ledger(url) as ledger:
             try:
                 yield ledger
+            except ops.AmbiguousKey as exc:
+                raise _ambiguous(exc) from exc
             except (OnceOnlyError, ValueError, LookupError) as exc:  # KeyError: no record with that key
                 raise fail(exc) from exc
+
+    def _ambiguous(exc: ops.AmbiguousKey) -> click.UsageError:
+        """A prefix several keys start with is bad usage: the message lists them, to pick one."""
+        lines = [printable(f"{exc.prefix!r} starts several keys: give more of the key, one of")]
+        lines += [printable(f"  {k}") for k in exc.candidates]
+        if exc.more:
+            lines.append("  … and more (onceonly ls lists them)")
+        return click.UsageError("\n".join(lines))
+
+    def _check_tool(ledger: Ledger, tool: str | None) -> None:
+        """Refuse a --tool no record has (a typo would list nothing and pass for an empty queue),
+        naming the tools whose names are close. Reads every record, only when nothing matched."""
+        if tool is None or ledger.store.scan(Query(tool=tool, limit=1)):
+            return
+        names = sorted(ops.tool_names(ledger))
+        close = difflib.get_close_matches(tool, names, n=3, cutoff=0.6)
+        if close:
+            hint = f"did you mean {' or '.join(map(repr, close))}?"
+        elif names:
+            hint = f"the tools with records: {', '.join(map(repr, names[:20]))}{'…' if len(names) > 20 else ''}"
+        else:
+            hint = "the ledger has no records"
+        raise click.UsageError(printable(f"no record of a tool named {tool!r} (--tool): {hint}"))
+
+    def _arg_filters(pairs: tuple[str, ...]) -> dict[str, str]:
+        """``--arg NAME=VALUE`` options as a dict for ``ops.matches_args``."""
+        wanted: dict[str, str] = {}
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep or not name:
+                raise click.UsageError(printable(f"--arg {pair!r}: write NAME=VALUE, e.g. --arg order=ord-17"))
+            wanted[name] = value
+        return wanted
+
+    _arg_option = click.option(
+        "--arg",
+        "arg_pairs",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="Only calls with this argument's value (repeatable): order=ord-17, amount=30.",
+    )
 
     def _when(ts: float | None) -> str:
         """An ISO 8601 time in UTC, to the millisecond."""
@@ -116,6 +161,7 @@ if _MISSING_CLI is None:
     @click.option("--tool", default=None, help="Only this tool's records.")
     @click.option("--scope", default=None, help="Only this scope's records.")
     @click.option("--since", type=Since(), default=None, help="Updated since: a duration (1h, 2d) or an ISO time.")
+    @_arg_option
     @click.option("--after", default=None, metavar="KEY", help="Start after this key (the next page).")
     @click.option("--limit", type=COUNT, default=50, show_default=True)
     @click.option("--wide", is_flag=True, help="Whole keys, whole arguments and errors.")
@@ -126,6 +172,7 @@ if _MISSING_CLI is None:
         tool: str | None,
         scope: str | None,
         since: float | None,
+        arg_pairs: tuple[str, ...],
         after: str | None,
         limit: int,
         wide: bool,
@@ -145,7 +192,10 @@ if _MISSING_CLI is None:
                 since=since,
                 after=after,
                 limit=limit,
+                args=_arg_filters(arg_pairs),
             )
+            if not found.records:
+                _check_tool(ledger, tool)
             short = {} if wide or as_json else ops.short_keys(ledger, [r.key for r in found.records])
         more = f"{found.more}{'+' if found.more_capped else ''}"
         if as_json:
@@ -252,34 +302,75 @@ if _MISSING_CLI is None:
             why = f": {entry['reason']}" if entry.get("reason") else ""
             click.echo(printable(f"  {when} {step:>10}  {moved} [fence {entry.get('fence')}]{who}{why}"))
 
+    #: The states a bulk resolve selects from: a confirmed record is never resolved again.
+    _RESOLVABLE = [s.value for s in State if s is not State.CONFIRMED]
+
     @cli.command()
     @_url_option
-    @click.argument("key")
+    @click.argument("key", required=False)
     @click.option("--confirmed", "confirmed", default=None, help="It happened: its result, as JSON.")
     @click.option("--failed", "failed", default=None, help="It did not happen: the reason.")
     @click.option("--reset", is_flag=True, help="With --failed: set attempts back to 0 so it may run again.")
     @click.option("--by", default=None, help="Who resolves it (default: $USER).")
     @click.option("--why", default=None, help="Why: kept in the record's history.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the settled record as JSON.")
+    @click.option(
+        "--state",
+        "states",
+        multiple=True,
+        type=click.Choice(_RESOLVABLE),
+        help="Without KEY: resolve every record in this state (repeatable), of --tool, --scope, --arg.",
+    )
+    @click.option("--tool", default=None, help="Without KEY: only this tool's records.")
+    @click.option("--scope", default=None, help="Without KEY: only this scope's records.")
+    @_arg_option
+    @click.option("--yes", "-y", is_flag=True, help="Without KEY: do not ask before resolving them (scripts).")
+    @click.option(
+        "--force",
+        is_flag=True,
+        help="With --confirmed: record it even though it differs from the shape of the tool's earlier results.",
+    )
+    @click.option("--json", "as_json", is_flag=True, help="Print the settled record(s) as JSON.")
     def resolve(
         url: str,
-        key: str,
+        key: str | None,
         confirmed: str | None,
         failed: str | None,
         reset: bool,
         by: str | None,
         why: str | None,
+        states: tuple[str, ...],
+        tool: str | None,
+        scope: str | None,
+        arg_pairs: tuple[str, ...],
+        yes: bool,
+        force: bool,
         as_json: bool,
     ) -> None:
-        """Settle a record by hand: --confirmed JSON or --failed REASON."""
+        """Settle a record by hand: --confirmed JSON or --failed REASON.
+
+        KEY is a key or a prefix only it starts with (as `onceonly ls` shows it). Without KEY, every
+        record selected by --state (and --tool, --scope, --arg) is resolved alike: their count is
+        shown and confirmation asked (--yes: not asked). A --confirmed result is what the tool's
+        calls with those arguments replay from then on: it is checked against the tool's earlier
+        confirmed results (the same JSON type, an object's keys) and refused when it differs, unless
+        --force.
+        """
         if (confirmed is None) == (failed is None):
             raise click.UsageError("give exactly one of --confirmed JSON or --failed REASON")
         if reset and failed is None:
             raise click.UsageError("--reset goes with --failed: a confirmed record never runs again")
+        selecting = bool(states or tool or scope or arg_pairs)
+        if key is not None and selecting:
+            raise click.UsageError("give a KEY, or select records with --state (--tool, --scope, --arg): not both")
+        if key is None and not states:
+            raise click.UsageError(
+                "give the record's KEY, or select records with --state (e.g. --state needs_review --tool refund)"
+            )
         kwargs: dict[str, Any] = {"by": by, "why": why}
+        value: Any = None
         if confirmed is not None:
             try:
-                kwargs["confirmed"] = _strict_json(confirmed)
+                value = kwargs["confirmed"] = _strict_json(confirmed)
             except json.JSONDecodeError as exc:
                 raise click.UsageError(f"--confirmed takes JSON ({exc}); quote a string as '\"text\"'") from exc
             except ValueError as exc:
@@ -288,11 +379,94 @@ if _MISSING_CLI is None:
             kwargs["failed"] = failed
             kwargs["reset"] = reset
         with _ledger(url) as ledger:
-            rec = ledger.resolve(key, **kwargs)
-        if as_json:
-            click.echo(dumps(ops.record_json(rec), indent=2))
+            if key is not None:
+                found = ops.find(ledger, key)
+                if confirmed is not None:
+                    _check_shape(ledger, [found.tool], value, force)
+                rec = ledger.resolve(found.key, **kwargs)
+                if as_json:
+                    click.echo(dumps(ops.record_json(rec), indent=2))
+                    return
+                click.echo(printable(f"{rec.key}: {rec.state.value}{_replays(rec, value, confirmed)}"))
+                return
+            _resolve_many(ledger, states, tool, scope, _arg_filters(arg_pairs), kwargs, value, yes, force, as_json)
+
+    def _replays(rec: Record, value: Any, confirmed: str | None) -> str:
+        if confirmed is None:
+            return ""
+        return f"; {rec.tool}({_args_summary(rec)}) now replays {dumps(value)}"
+
+    def _check_shape(ledger: Ledger, tools: list[str], value: Any, force: bool) -> None:
+        """Refuse a --confirmed result unlike the tools' earlier ones: the agent gets it back as the
+        tool's own answer. With --force, say so and go on."""
+        for name in sorted(set(tools)):
+            why = ops.result_mismatch(ledger, name, value)
+            if why is None:
+                continue
+            text = printable(f"--confirmed {dumps(value)} for {name!r}: {why}")
+            if not force:
+                raise click.UsageError(
+                    f"{text}. A replayed call returns it as {printable(name)}'s own result: give one of that "
+                    "shape, or --force to record it as given"
+                )
+            click.echo(f"{text} (recorded anyway: --force)", err=True)
+
+    def _resolve_many(
+        ledger: Ledger,
+        states: tuple[str, ...],
+        tool: str | None,
+        scope: str | None,
+        args: dict[str, str],
+        kwargs: dict[str, Any],
+        value: Any,
+        yes: bool,
+        force: bool,
+        as_json: bool,
+    ) -> None:
+        selected = list(ops.records(ledger, states=[State(s) for s in states], tool=tool, scope=scope, args=args))
+        if not selected:
+            _check_tool(ledger, tool)
+            click.echo("no record matches: nothing resolved", err=True)
             return
-        click.echo(printable(f"{key}: {rec.state.value}"))
+        if "confirmed" in kwargs:
+            _check_shape(ledger, [r.tool for r in selected], value, force)
+            outcome = f"confirmed with the result {dumps(value)} (their calls replay it from then on)"
+        else:
+            again = " (attempts reset: they may run again)" if kwargs["reset"] else ""
+            outcome = f"failed: {kwargs['failed']}{again}"
+        short = ops.short_keys(ledger, [r.key for r in selected[:10]])
+        shown = sys.stderr if as_json else sys.stdout
+        click.echo(printable(f"{len(selected)} record(s) to resolve as {outcome}:"), file=shown)
+        for r in selected[:10]:
+            click.echo(printable(f"  {short[r.key]}  {r.state.value}  {r.tool}({_args_summary(r)})"), file=shown)
+        if len(selected) > 10:
+            click.echo(f"  … and {len(selected) - 10} more", file=shown)
+        if not yes:
+            click.confirm(f"resolve these {len(selected)} record(s)?", abort=True, err=as_json)
+        done: list[Record] = []
+        left: list[tuple[str, str]] = []
+        for r in selected:
+            try:
+                # At the version shown: one a reconciler or a colleague settled meanwhile is left as it is.
+                done.append(ledger.resolve(r.key, version=r.version, **kwargs))
+            except (OnceOnlyError, LookupError) as exc:
+                left.append((r.key, str(exc.args[0] if isinstance(exc, LookupError) and exc.args else exc)))
+        if as_json:
+            click.echo(
+                dumps(
+                    {
+                        "resolved": [ops.record_json(r) for r in done],
+                        "left": [{"key": k, "error": e} for k, e in left],
+                    },
+                    indent=2,
+                )
+            )
+        else:
+            for k, e in left:
+                click.echo(printable(f"  left as it was: {k}: {e}"), err=True)
+            click.echo(printable(f"resolved {len(done)} record(s) as {outcome}; {len(left)} left as they were"))
+        if left:
+            raise SystemExit(1)
 
     @cli.command()
     @_url_option
@@ -303,33 +477,83 @@ if _MISSING_CLI is None:
         is_flag=True,
         help="Only the records per state, from the store's counters (no record is read).",
     )
+    @click.option(
+        "--check",
+        is_flag=True,
+        help="Exit 3 while records wait for a person (needs_review), or one is unsettled for longer than "
+        "--max-age: for cron.",
+    )
+    @click.option(
+        "--max-age",
+        type=Duration(positive=True, example="1h"),
+        default=None,
+        help="With --check: exit 3 also when the oldest unsettled record is older than this (30m, 1h).",
+    )
     @click.option("--json", "as_json", is_flag=True)
-    def stats(url: str, tool: str | None, scope: str | None, counts: bool, as_json: bool) -> None:
+    def stats(
+        url: str,
+        tool: str | None,
+        scope: str | None,
+        counts: bool,
+        check: bool,
+        max_age: float | None,
+        as_json: bool,
+    ) -> None:
         """Records by state and tool, the oldest unsettled one, conflicts, and each tool's call
         durations (p50/p95/p99) with the timeout= they suggest (1.5-2x the p99). Reads every record
-        (of --tool, --scope); --counts reads only the counts per state."""
+        (of --tool, --scope); --counts reads only the counts per state.
+
+        With --check, exit 3 while records wait for a person (needs_review), or (--max-age) an
+        unsettled record is older than that; 0 otherwise.
+        """
         if counts and (tool or scope):
             raise click.UsageError("--counts counts the whole ledger: leave out --tool and --scope")
+        if max_age is not None and not check:
+            raise click.UsageError("--max-age goes with --check")
+        oldest_rec: Record | None = None
         with _ledger(url) as ledger:
             if counts:
                 by_state = ledger.stats()
+                if max_age is not None:
+                    oldest_rec = ops.oldest_unsettled(ledger)  # reads the unsettled records only
             else:
                 figures = ops.stats(ledger, tool=tool, scope=scope)
+                if not sum(figures.states.values()):
+                    _check_tool(ledger, tool)
+                oldest_rec = figures.oldest_unsettled
+            now = ledger.clock()
         if counts:
             if as_json:
                 click.echo(json.dumps({"states": by_state, "total": sum(by_state.values())}))
-                return
-            table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
-            table.add_column("state")
-            table.add_column("records", justify="right")
-            for state, n in by_state.items():
-                table.add_row(cell(state), str(n))
-            Console().print(table)
+            else:
+                table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
+                table.add_column("state")
+                table.add_column("records", justify="right")
+                for state, n in by_state.items():
+                    table.add_row(cell(state), str(n))
+                Console().print(table)
+            if check:
+                _stats_check(by_state, oldest_rec, now, max_age)
             return
         data = figures.to_dict()
         if as_json:
             click.echo(dumps(data))
-            return
+        else:
+            _print_stats(url, figures, data)
+        if check:
+            _stats_check(figures.states, oldest_rec, now, max_age)
+
+    def _stats_check(by_state: dict[str, int], oldest: Record | None, now: float, max_age: float | None) -> None:
+        """Exit ``ATTENTION_EXIT`` when a person is needed, saying why on stderr."""
+        from onceonly.settle_cli import ATTENTION_EXIT
+
+        reasons = ops.attention(by_state.get(State.NEEDS_REVIEW.value, 0), oldest, now, max_age)
+        for reason in reasons:
+            click.echo(printable(f"check: {reason}"), err=True)
+        if reasons:
+            raise SystemExit(ATTENTION_EXIT)
+
+    def _print_stats(url: str, figures: ops.LedgerStats, data: dict[str, Any]) -> None:
         console = Console()
         table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
         table.add_column("state")

@@ -10,7 +10,9 @@ call pays nothing more to have its duration measured.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,16 +38,23 @@ __all__ = [
     "ToolStats",
     "attempt_durations",
     "attempt_spans",
+    "attention",
     "audit",
     "find",
     "iso",
+    "json_type",
     "latency",
+    "matches_args",
+    "oldest_unsettled",
     "page",
     "percentile",
     "record_json",
+    "records",
+    "result_mismatch",
     "short_keys",
     "stats",
     "suggest_timeout",
+    "tool_names",
 ]
 
 #: Records read per store query while paging through a ledger.
@@ -103,6 +112,13 @@ def _walk(ledger: Ledger, query: Query, keep: Callable[[Record], bool], prefix: 
         after = batch[-1].key
 
 
+def _keep(since: float | None, args: Mapping[str, Any] | None) -> Callable[[Record], bool]:
+    def keep(rec: Record) -> bool:
+        return (since is None or rec.updated_at >= since) and (not args or matches_args(rec, args))
+
+    return keep
+
+
 def _in_query(rec: Record, query: Query) -> bool:
     return (
         (query.states is None or rec.state in query.states)
@@ -121,14 +137,15 @@ def page(
     prefix: str | None = None,
     after: str | None = None,
     limit: int = 50,
+    args: Mapping[str, Any] | None = None,
 ) -> Page:
     """Records in key order matching the filters (``since``: updated at or after this time;
-    ``prefix``: keys starting with it), at most ``limit``, and a count of those after them (up to
-    ``_COUNT_CAP`` more are read to count)."""
+    ``prefix``: keys starting with it; ``args``: ``matches_args``), at most ``limit``, and a count of
+    those after them (up to ``_COUNT_CAP`` more are read to count)."""
     query = Query(states=states, tool=tool, scope=scope, after=after)
     found: list[Record] = []
     more = 0
-    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since, prefix or ""):
+    for rec in _walk(ledger, query, _keep(since, args), prefix or ""):
         if len(found) < limit:
             found.append(rec)
             continue
@@ -167,7 +184,18 @@ def record_json(rec: Record) -> dict[str, Any]:
 
 
 class AmbiguousKey(LookupError):
-    """A prefix that several keys start with."""
+    """A prefix that several keys start with: ``candidates`` holds the first of them in key order
+    (at most ``CANDIDATES``), ``more`` whether other keys start with it too, ``prefix`` the prefix given."""
+
+    def __init__(self, message: str, *, prefix: str = "", candidates: Sequence[str] = (), more: bool = False) -> None:
+        super().__init__(message)
+        self.prefix = prefix
+        self.candidates = list(candidates)
+        self.more = more
+
+
+#: How many of the keys an ambiguous prefix starts with ``find`` names.
+CANDIDATES = 10
 
 
 def _starting_with(ledger: Ledger, prefix: str, limit: int) -> list[str]:
@@ -190,14 +218,19 @@ def find(ledger: Ledger, key_or_prefix: str) -> Record:
     rec = ledger.get(key_or_prefix)
     if rec is not None:
         return rec
-    keys = _starting_with(ledger, key_or_prefix, 3)
+    keys = _starting_with(ledger, key_or_prefix, CANDIDATES + 1)
     if not keys:
         raise KeyError(
             f"no record with key {key_or_prefix!r} (nor a key starting with it): check it with `onceonly ls`"
         )
     if len(keys) > 1:
         shown = ", ".join(repr(k) for k in keys[:2])
-        raise AmbiguousKey(f"{key_or_prefix!r} starts several keys ({shown}…): give more of the key")
+        raise AmbiguousKey(
+            f"{key_or_prefix!r} starts several keys ({shown}…): give more of the key",
+            prefix=key_or_prefix,
+            candidates=keys[:CANDIDATES],
+            more=len(keys) > CANDIDATES,
+        )
     found = ledger.get(keys[0])
     if found is None:
         raise KeyError(f"the record of {keys[0]!r} was removed while it was read")
@@ -480,3 +513,145 @@ def audit(
         report.disagreements.append(d)
         alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
     return report
+
+
+# --- searching by arguments, selections, tool names -------------------------------------------------
+
+
+def matches_args(rec: Record, wanted: Mapping[str, Any]) -> bool:
+    """Whether the call of ``rec`` had each of ``wanted``'s arguments with that value:
+    ``matches_args(rec, {"order": "ord-17"})``.
+
+    A wanted value matches an argument equal to it, or, given as a string (what a command line or a
+    search box gives), an argument whose JSON text it is: ``"30"`` matches ``30``, ``"true"``
+    matches ``True``, ``'{"a": 1}'`` matches ``{"a": 1}``. A record whose arguments cannot be
+    decoded matches nothing.
+    """
+    try:
+        args = rec.args
+    except Exception:  # a damaged record: found by `show`, not by a search
+        return False
+    for name, value in wanted.items():
+        if name not in args:
+            return False
+        have = args[name]
+        if have == value and type(have) is type(value):
+            continue
+        if isinstance(value, str) and not isinstance(have, str) and _json_equal(value, have):
+            continue
+        return False
+    return True
+
+
+def _json_equal(text: str, value: Any) -> bool:
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return False
+    return bool(parsed == value and type(parsed) is type(value))
+
+
+def records(
+    ledger: Ledger,
+    *,
+    states: Sequence[State] | None = None,
+    tool: str | None = None,
+    scope: str | None = None,
+    since: float | None = None,
+    args: Mapping[str, Any] | None = None,
+) -> Iterator[Record]:
+    """Every record matching the filters (those of ``page``), in key order, read in pages: what a
+    bulk ``onceonly resolve`` settles."""
+    yield from _walk(ledger, Query(states=states, tool=tool, scope=scope), _keep(since, args))
+
+
+def tool_names(ledger: Ledger) -> set[str]:
+    """The tools the ledger holds records of. Reads every record: for telling a mistyped ``--tool``
+    from a tool without records, once a filter found nothing."""
+    return {rec.tool for rec in _walk(ledger, Query(), lambda r: True)}
+
+
+def oldest_unsettled(ledger: Ledger, *, scope: str | None = None) -> Record | None:
+    """The unsettled record (pending, in flight, unknown, in review) made longest ago, or ``None``.
+    Reads only the unsettled records (an index on Redis and PostgreSQL)."""
+    unsettled = sorted(st.UNSETTLED, key=list(State).index)
+    oldest: Record | None = None
+    for rec in _walk(ledger, Query(states=unsettled, scope=scope), lambda r: True):
+        if oldest is None or rec.created_at < oldest.created_at:
+            oldest = rec
+    return oldest
+
+
+# --- the shape of a confirmed result ----------------------------------------------------------------
+
+#: How many of a tool's earlier confirmed results ``result_mismatch`` reads.
+_SHAPE_SAMPLE = 50
+
+_JSON_TYPES = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"),
+               (dict, "an object"), (type(None), "null"))  # fmt: skip
+
+
+def json_type(value: Any) -> str:
+    """``value``'s JSON type, with its article: ``"an object"``, ``"a string"``…"""
+    for kind, name in _JSON_TYPES:
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def result_mismatch(ledger: Ledger, tool: str, value: Any) -> str | None:
+    """Why ``value`` does not look like the results ``tool``'s confirmed records hold (up to
+    ``_SHAPE_SAMPLE`` of them), or ``None`` when it does or there are none to compare with.
+
+    A guarded call that replays a record returns its result to the caller as if the tool had
+    returned it, so a result given by hand should have the tool's own shape: the same JSON type,
+    and for an object, the keys every earlier result had and none that no earlier result had.
+    """
+    earlier: list[Any] = []
+    for rec in ledger.store.scan(Query(states=[State.CONFIRMED], tool=tool, limit=_SHAPE_SAMPLE)):
+        if rec.result_json is None or st.holds_secret(rec):
+            continue
+        try:
+            earlier.append(json.loads(rec.result_json))
+        except ValueError:
+            continue
+    if not earlier:
+        return None
+    seen = f"{len(earlier)} earlier confirmed result(s) of {tool!r}"
+    kinds = {json_type(v) for v in earlier}
+    if json_type(value) not in kinds:
+        example = json.dumps(earlier[0], ensure_ascii=False)[:120]
+        return f"it is {json_type(value)}, but the {seen} are {' or '.join(sorted(kinds))} (e.g. {example})"
+    if not isinstance(value, dict):
+        return None
+    objects = [set(v) for v in earlier if isinstance(v, dict)]
+    common = set.intersection(*objects)
+    known = set.union(*objects)
+    missing, unknown = sorted(common - set(value)), sorted(set(value) - known)
+    problems = []
+    if missing:
+        problems.append(f"it lacks {', '.join(map(repr, missing))}, which every one of the {seen} has")
+    if unknown:
+        problems.append(f"it has {', '.join(map(repr, unknown))}, which none of the {seen} has")
+    return "; ".join(problems) or None
+
+
+# --- what needs a person ----------------------------------------------------------------------------
+
+
+def attention(needs_review: int, oldest: Record | None, now: float, max_age: float | None) -> list[str]:
+    """Why a person is needed, one sentence each (none: nothing waits): records in review, and the
+    oldest unsettled record when it is older than ``max_age`` seconds. What ``onceonly stats --check``
+    and ``onceonly reconcile`` exit 3 on."""
+    reasons = []
+    if needs_review:
+        reasons.append(
+            f"{needs_review} record(s) wait for a person in needs_review: "
+            "onceonly ls --state needs_review, then onceonly resolve"
+        )
+    if max_age is not None and oldest is not None and now - oldest.created_at > max_age:
+        reasons.append(
+            f"{oldest.key} is still {oldest.state.value}, {now - oldest.created_at:.0f}s after its call, "
+            f"longer than --max-age {max_age:g}s: onceonly show {shlex.quote(oldest.key)}"
+        )
+    return reasons
