@@ -5,6 +5,7 @@ against the tool's own results, exit codes cron can test, and messages that name
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import time
@@ -404,3 +405,77 @@ def test_confirmed_force_and_a_tool_without_results(sqlite_url: str) -> None:
             )
         )
     assert "confirmed" in _ok(_run("resolve", "default:notify:x", "--url", sqlite_url, "--confirmed", '"sent"'))
+
+
+# --- 6. tables that fit 80 columns ------------------------------------------------------------------
+
+
+def _long_lines(url: str) -> None:
+    """Charges keyed by their order alone (the note is not part of the key), and refunds in review
+    whose error is longer than a line."""
+    with Ledger.open(url) as ledger:
+
+        @ledger.tool(name="charge", key=["order"])
+        def charge(amount: int, note: str, order: str) -> None:
+            return None
+
+        @ledger.tool(name="refund", on_unknown="review")
+        def refund(order: str) -> None:
+            raise TimeoutError("read timed out while waiting for the bank's answer to the refund request")
+
+        for n in range(3):
+            charge(10 * n, "a note long enough to push the order out of an 80-column table", f"ord-{n}")
+            with pytest.raises(Exception, match="unknown"):
+                refund(f"ord-{n}")
+
+
+def test_ls_and_stats_fit_80_columns(sqlite_url: str) -> None:
+    """At 80 columns: no line is longer; key, state and time are whole; the arguments the key was made
+    of come first (the order, not the alphabetically first amount); only the last column wraps, so the
+    error is all there; --wide shows everything whole."""
+    _long_lines(sqlite_url)
+    narrow = {"COLUMNS": "80"}
+    text = _ok(_run("ls", "--url", sqlite_url, env=narrow))
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    rows = [line for line in lines if line.startswith("default:")]
+    assert len(rows) == 6, text
+    for row in rows:
+        assert re.search(r"\s(confirmed|needs_review)\s+\d\d-\d\d \d\d:\d\d\s", row), row
+    charges = [row for row in rows if row.startswith("default:charge:")]
+    assert all(re.search(r'\s{2}order="ord-', row) for row in charges), text  # not amount= first
+    # The error wraps in its column, word by word: every word of it is on the page.
+    words = " ".join(line[50:] for line in lines)
+    assert all(w in words for w in ("TimeoutError:", "bank's", "refund", "request")), text
+    assert "a note long enough to push the order out" in _ok(_run("ls", "--url", sqlite_url, "--wide", env=WIDE))
+
+    stats = _ok(_run("stats", "--url", sqlite_url, env=narrow))
+    assert all(len(line) <= 80 for line in stats.splitlines()), stats
+    (row,) = [line for line in stats.splitlines() if line.startswith("refund ")]
+    assert row.split()[1:4] == ["3", "3", "0"] and "timeout=" in stats, stats  # figures whole, on one line
+    with Ledger.open(sqlite_url) as ledger:
+        name = "refund_a_customer_payment_through_the_bank_s_own_gateway_v2"
+        ledger.tool(name=name)(lambda order: None)("o")
+    cut = _ok(_run("stats", "--url", sqlite_url, env=narrow))
+    assert all(len(line) <= 80 for line in cut.splitlines()) and "refund_a_customer_…" in cut, cut
+    assert name not in cut and name in _ok(_run("stats", "--url", sqlite_url, "--wide", env=WIDE))
+
+
+def test_key_arguments(sqlite_url: str) -> None:
+    """The arguments a key was made of, found by hashing them again."""
+    with Ledger.open(sqlite_url) as ledger:
+
+        @ledger.tool(name="charge", key=["order"])
+        def charge(amount: int, order: str) -> None: ...
+
+        @ledger.tool(name="pair", key=["b", "c"])
+        def pair(a: int, b: int, c: int) -> None: ...
+
+        @ledger.tool(name="all")
+        def every(a: int, b: int) -> None: ...
+
+        charge(1, "o")
+        pair(1, 2, 3)
+        every(1, 2)
+        found = {r.tool: ops.key_arguments(r) for r in ledger.list(limit=10)}
+    assert found == {"charge": ["order"], "pair": ["b", "c"], "all": ["a", "b"]}

@@ -120,7 +120,7 @@ def test_ls_pages_filters_and_summarises(store_url: str) -> None:
     # At 80 columns: the keys as prefixes that `show` takes, never folded over lines.
     narrow = _ok(_run("ls", "--url", store_url, "--state", "confirmed", env={"COLUMNS": "80"}))
     assert all(len(line) <= 80 for line in narrow.splitlines()), narrow
-    shown = [line.split()[0] for line in narrow.splitlines() if line.startswith(" default:")]
+    shown = [line.split()[0] for line in narrow.splitlines() if line.startswith("default:")]
     assert len(shown) == 5 and all(key not in narrow for key in keys), narrow
     for prefix in shown:
         assert json.loads(_ok(_run("show", prefix, "--url", store_url, "--json")))["key"].startswith(prefix)
@@ -191,7 +191,7 @@ def test_stats_times_each_tool_and_suggests_a_timeout(store_url: str) -> None:
     assert 1.5 * timed["p99"] <= timed["suggested_timeout"] <= 2.2 * timed["p99"]
     counted = json.loads(_ok(_run("stats", "--url", store_url, "--counts", "--json")))
     assert counted["states"] == data["states"] and counted["total"] == 7
-    text = _ok(_run("stats", "--url", store_url, env=WIDE))
+    text = _ok(_run("stats", "--url", store_url, "--wide", env=WIDE))
     assert "oldest unsettled: held-long-ago" in text and "slow" in text
 
 

@@ -296,6 +296,14 @@ def _effects(path: Path) -> dict[str, int]:
         conn.close()
 
 
+def _effect_id(path: Path, op: str) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("SELECT rowid FROM effects WHERE op = ? ORDER BY rowid LIMIT 1", (op,)).fetchone()[0])
+    finally:
+        conn.close()
+
+
 def _records(url: str) -> dict[str, Record]:
     with Ledger.open(url) as ledger:
         return {rec.args["op"]: rec for rec in ledger.list(limit=10_000)}
@@ -324,8 +332,10 @@ def _work_the_review_queue(url: str, effects: Path, records: dict[str, Record]) 
     parked = [rec for rec in records.values() if rec.state is State.NEEDS_REVIEW]
     for i, rec in enumerate(parked):
         done = counts.get(rec.args["op"], 0) == 1
+        # What the person finds in the table, in the tool's own result shape (resolve checks it).
+        found = {"op": rec.args["op"], "id": _effect_id(effects, rec.args["op"])} if done else None
         if i == 0:
-            how = ["--confirmed", json.dumps({"op": rec.args["op"]})] if done else ["--failed", "not found", "--reset"]
+            how = ["--confirmed", json.dumps(found)] if done else ["--failed", "not found", "--reset"]
             proc = subprocess.run(
                 [ONCEONLY, "resolve", rec.key, "--url", url, *how, "--by", "ops", "--why", "checked the table"],
                 capture_output=True, text=True, timeout=60, check=False,
@@ -334,7 +344,7 @@ def _work_the_review_queue(url: str, effects: Path, records: dict[str, Record]) 
             continue
         with Ledger.open(url) as ledger:
             if done:
-                ledger.resolve(rec.key, confirmed={"op": rec.args["op"]}, by="ops", why="checked the table")
+                ledger.resolve(rec.key, confirmed=found, by="ops", why="checked the table")
             else:
                 ledger.resolve(rec.key, failed="not found", reset=True, by="ops", why="checked the table")
     return len(parked)

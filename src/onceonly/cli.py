@@ -118,7 +118,7 @@ if _MISSING_CLI is None:
 
     def _short_when(ts: float) -> str:
         try:
-            return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
+            return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M")
         except (OverflowError, ValueError, OSError):  # past year 9999: the number itself
             return repr(ts)
 
@@ -201,28 +201,12 @@ if _MISSING_CLI is None:
         if as_json:
             click.echo(dumps(found.to_dict(), indent=2))
             return
-        # Sized for 80 columns: the key (its unique prefix), state and time whole; the tool is in the
-        # key (scope:tool:digest) unless the key was given, then it is shown before the arguments.
-        table = Table(
-            title=cell(f"{len(found.records)} record(s) in {redact_url(url)}"),
-            box=box.SIMPLE_HEAD,
-            pad_edge=False,
-            padding=(0, 1),
-        )
+        # Sized for the terminal (80 columns in cron mail): the key (its unique prefix), state and time
+        # whole; the tool is in the key (scope:tool:digest) unless the key was given, then it is shown
+        # before the arguments, the identifying ones first. Only the last column wraps.
+        table = Table(title=cell(f"{len(found.records)} record(s) in {redact_url(url)}"), **_TABLE)
         console = Console()
-        keys = [short.get(r.key, r.key) for r in found.records]
-        if wide:
-            for name in ("key", "state", "updated (UTC)", "args", "error / via"):
-                table.add_column(name, overflow="fold")
-        else:
-            # The key, state and time whole; the arguments and the error share what is left.
-            key_w = max(map(len, keys), default=3)
-            rest = max(16, console.width - key_w - 12 - 14 - 14)  # 14: the edges and gaps
-            table.add_column("key", width=key_w, no_wrap=True)
-            table.add_column("state", width=12, no_wrap=True)
-            table.add_column("updated (UTC)", width=14, no_wrap=True)
-            table.add_column("args", width=rest // 2, no_wrap=True, overflow="ellipsis")
-            table.add_column("error / via", width=rest - rest // 2, no_wrap=True, overflow="ellipsis")
+        rows = []
         for r in found.records:
             note = r.error or (f"via {r.via}" if r.via else "")
             if r.conflicts:
@@ -231,23 +215,52 @@ if _MISSING_CLI is None:
             if not r.key.startswith(f"{r.scope}:{r.tool}:") or wide:
                 args = f"{r.tool}({args})"
             state = r.state.value if r.attempts <= 1 else f"{r.state.value} x{r.attempts}"
-            table.add_row(
-                cell(short.get(r.key, r.key)),
-                state,
-                _when(r.updated_at) if wide else _short_when(r.updated_at),
-                cell(args),
-                cell(note),
-            )
+            when = _when(r.updated_at) if wide else _short_when(r.updated_at)
+            rows.append((short.get(r.key, r.key), state, when, args, note))
+        if wide:
+            for name in ("key", "state", "updated (UTC)", "args", "error / via"):
+                table.add_column(name, overflow="fold")
+        else:
+            fixed = [max([len(printable(row[i])) for row in rows] + [len(h)]) for i, h in enumerate(_LS_HEADS)]
+            rest = console.width - sum(fixed) - _gaps(5)
+            key_fold = rest < 16  # keys too long to leave room: fold them (whole) rather than cut them
+            if key_fold:
+                fixed[0] = max(len(_LS_HEADS[0]), fixed[0] - (16 - rest))
+                rest = 16
+            args_w = min(max([len(printable(row[3])) for row in rows] + [4]), rest // 2)
+            for i, (head, width) in enumerate(zip(_LS_HEADS, fixed, strict=True)):
+                table.add_column(head, width=width, no_wrap=not (i == 0 and key_fold), overflow="fold")
+            table.add_column("args", width=args_w, no_wrap=True, overflow="ellipsis")
+            table.add_column("error / via", width=rest - args_w, overflow="fold")
+        for row in rows:
+            table.add_row(*(cell(c) for c in row))
         console.print(table)
         if found.more:
             click.echo(printable(f"{more} more — next: onceonly ls --after {shlex.quote(found.next_after or '')}"))
 
+    _LS_HEADS = ("key", "state", "updated UTC")
+    #: The tables of ls and stats: no edges, two spaces between columns, a line under the heads.
+    _TABLE: dict[str, Any] = {
+        "box": box.SIMPLE_HEAD,
+        "show_edge": False,
+        "pad_edge": False,
+        "padding": (0, 1),
+        "collapse_padding": True,
+    }
+
+    def _gaps(columns: int) -> int:
+        """The characters a ``_TABLE`` spends between its ``columns`` columns."""
+        return 2 * (columns - 1)
+
     def _args_summary(rec: Record) -> str:
+        """``name=value, ...``, the arguments that identify the call (its key) first."""
         try:
             args = rec.args
         except OnceOnlyError:
             return rec.args_json
-        return ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+        first = ops.key_arguments(rec)
+        names = [*first, *(k for k in args if k not in first)]
+        return ", ".join(f"{k}={json.dumps(args[k], ensure_ascii=False)}" for k in names)
 
     @cli.command()
     @_url_option
@@ -489,6 +502,7 @@ if _MISSING_CLI is None:
         default=None,
         help="With --check: exit 3 also when the oldest unsettled record is older than this (30m, 1h).",
     )
+    @click.option("--wide", is_flag=True, help="Whole tool names and keys, whatever the terminal's width.")
     @click.option("--json", "as_json", is_flag=True)
     def stats(
         url: str,
@@ -497,6 +511,7 @@ if _MISSING_CLI is None:
         counts: bool,
         check: bool,
         max_age: float | None,
+        wide: bool,
         as_json: bool,
     ) -> None:
         """Records by state and tool, the oldest unsettled one, conflicts, and each tool's call
@@ -511,6 +526,7 @@ if _MISSING_CLI is None:
         if max_age is not None and not check:
             raise click.UsageError("--max-age goes with --check")
         oldest_rec: Record | None = None
+        oldest_short: str | None = None
         with _ledger(url) as ledger:
             if counts:
                 by_state = ledger.stats()
@@ -521,6 +537,8 @@ if _MISSING_CLI is None:
                 if not sum(figures.states.values()):
                     _check_tool(ledger, tool)
                 oldest_rec = figures.oldest_unsettled
+                if oldest_rec is not None and not wide:  # the prefix `show` takes: the line fits 80 columns
+                    oldest_short = ops.short_keys(ledger, [oldest_rec.key])[oldest_rec.key]
             now = ledger.clock()
         if counts:
             if as_json:
@@ -539,7 +557,7 @@ if _MISSING_CLI is None:
         if as_json:
             click.echo(dumps(data))
         else:
-            _print_stats(url, figures, data)
+            _print_stats(url, figures, data, oldest_short)
         if check:
             _stats_check(figures.states, oldest_rec, now, max_age)
 
@@ -553,7 +571,9 @@ if _MISSING_CLI is None:
         if reasons:
             raise SystemExit(ATTENTION_EXIT)
 
-    def _print_stats(url: str, figures: ops.LedgerStats, data: dict[str, Any]) -> None:
+    def _print_stats(url: str, figures: ops.LedgerStats, data: dict[str, Any], oldest_short: str | None) -> None:
+        """The tables of ``stats``; ``oldest_short``: the oldest unsettled key as shown (None: whole, --wide)."""
+        wide = oldest_short is None
         console = Console()
         table = Table(title=cell(redact_url(url)), box=box.SIMPLE_HEAD)
         table.add_column("state")
@@ -566,7 +586,7 @@ if _MISSING_CLI is None:
         if oldest is not None:
             click.echo(
                 printable(
-                    f"oldest unsettled: {oldest['key']} ({oldest['state']}, {oldest['tool']}), "
+                    f"oldest unsettled: {oldest_short or oldest['key']} ({oldest['state']}, {oldest['tool']}), "
                     f"{_age(oldest['age_seconds'])} old"
                 )
             )
@@ -576,20 +596,30 @@ if _MISSING_CLI is None:
             )
         if not figures.tools:
             return
-        # Fits 80 columns: "open" counts the unsettled records, "dup" the conflicts, "timed" the attempts
-        # whose duration the histories show.
-        tools = Table(title="by tool", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-        tools.add_column("tool", overflow="fold")
-        for col in ("records", "open", "dup", "timed", "p50", "p95", "p99", "timeout="):
-            tools.add_column(col, justify="right", no_wrap=True)
+        # Fits the terminal (80 columns in cron mail): "open" counts the unsettled records, "dup" the
+        # conflicts, "timed" the attempts whose duration the histories show. The figures are whole; a
+        # tool name longer than what is left is cut with an ellipsis (--wide: whole, wrapped).
+        heads = ("records", "open", "dup", "timed", "p50", "p95", "p99", "timeout=")
+        rows = []
         for t in data["tools"]:
             unsettled = sum(n for s, n in t["states"].items() if State(s) in UNSETTLED)
             timed = [f"{t[q]:.3f}s" if q in t else "" for q in ("p50", "p95", "p99")]
             suggestion = f"{t['suggested_timeout']:g}" if "suggested_timeout" in t else ""
-            tools.add_row(
-                cell(t["tool"]), str(sum(t["states"].values())), str(unsettled), str(t["conflicts"]),
-                str(t["attempts_timed"]), *timed, suggestion,
+            rows.append(
+                (printable(t["tool"]), str(sum(t["states"].values())), str(unsettled), str(t["conflicts"]),
+                 str(t["attempts_timed"]), *timed, suggestion)
             )  # fmt: skip
+        widths = [max([len(row[i + 1]) for row in rows] + [len(h)]) for i, h in enumerate(heads)]
+        tools = Table(title="by tool", **_TABLE)
+        if wide:
+            tools.add_column("tool", overflow="fold")
+        else:
+            room = max(8, console.width - sum(widths) - _gaps(len(heads) + 1))
+            tools.add_column("tool", no_wrap=True, overflow="ellipsis", max_width=room)
+        for head, width in zip(heads, widths, strict=True):
+            tools.add_column(head, justify="right", no_wrap=True, min_width=width)
+        for row in rows:
+            tools.add_row(*(cell(c) for c in row))
         console.print(tools)
 
     @cli.command()

@@ -10,6 +10,7 @@ call pays nothing more to have its duration measured.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import shlex
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from onceonly import states as st
 from onceonly.drivers import aprobe, probe
 from onceonly.events import alert
+from onceonly.keys import canonical_json, fingerprint
 from onceonly.plan import NOT_FOUND
 from onceonly.settle import _spec_of
 from onceonly.states import Record, State
@@ -43,6 +45,7 @@ __all__ = [
     "find",
     "iso",
     "json_type",
+    "key_arguments",
     "latency",
     "matches_args",
     "oldest_unsettled",
@@ -655,3 +658,39 @@ def attention(needs_review: int, oldest: Record | None, now: float, max_age: flo
             f"longer than --max-age {max_age:g}s: onceonly show {shlex.quote(oldest.key)}"
         )
     return reasons
+
+
+# --- which arguments identify a call ----------------------------------------------------------------
+
+#: Calls with more arguments than this are not searched for the ones their key was made of.
+_KEY_SEARCH_ARGS = 8
+
+
+def key_arguments(rec: Record) -> list[str]:
+    """The names of the arguments ``rec``'s key was made of (a tool's ``key=`` fields), found by
+    hashing them again as the key was: every argument, one, or two of them. Empty when none of those
+    gives the key (an explicit key, a key function, normalised fields) or the call has many arguments.
+    """
+    digest = rec.key.rsplit(":", 1)[-1].split("#", 1)[0]
+    try:
+        args = rec.args
+    except Exception:  # a damaged record: shown as stored
+        return []
+    if len(digest) != 32 or not args or len(args) > _KEY_SEARCH_ARGS:
+        return []
+
+    def gives(names: Sequence[str]) -> bool:
+        try:
+            text = canonical_json({n: args[n] for n in names}, path="key")
+        except Exception:
+            return False
+        return fingerprint(text)[:32] == digest
+
+    names = sorted(args)
+    if gives(names):
+        return names  # every argument is in the key: none comes first
+    for size in (1, 2):
+        for combo in itertools.combinations(names, size):
+            if gives(combo):
+                return list(combo)
+    return []
