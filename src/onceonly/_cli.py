@@ -394,3 +394,38 @@ def existing_ledger(url: str) -> Iterator[Ledger]:
         yield ledger
     finally:
         ledger.close()
+
+
+#: The exit status of a command ended by Ctrl-C (128 + SIGINT), after its partial report.
+INTERRUPTED_EXIT = 130
+
+
+@contextmanager
+def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr while the block runs, only when stderr is a terminal and
+    ``enabled`` (not with --json): yields ``done(n)``. ``total`` None: a count without a bar's end.
+    It disappears when the block ends, so that the report is what stays on the screen."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = [SpinnerColumn(), TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.update(task, completed=n)
+
+
+@contextmanager
+def working(what: str, *, enabled: bool = True) -> Iterator[None]:
+    """A spinner with the time spent on stderr while the block runs, for work whose size is not
+    known ahead (a purge, a reconcile pass); only on a terminal and when ``enabled``."""
+    if not enabled or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=Console(stderr=True), transient=True):
+        yield

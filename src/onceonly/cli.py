@@ -26,7 +26,7 @@ else:
 from onceonly._install import install_hint
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
-from onceonly.states import UNSETTLED, Record, State, shown_result
+from onceonly.states import SETTLED, UNSETTLED, Record, State, shown_result
 from onceonly.stores import redact_url
 from onceonly.stores.base import Query
 
@@ -43,6 +43,7 @@ if _MISSING_CLI is None:
     from onceonly import ops
     from onceonly._cli import (
         COUNT,
+        INTERRUPTED_EXIT,
         Duration,
         Since,
         cell,
@@ -51,9 +52,11 @@ if _MISSING_CLI is None:
         fail,
         open_as_is,
         printable,
+        progress_bar,
         refuse_missing_ledger,
         run_every,
         url_option,
+        working,
     )
 
     _url_option = url_option()
@@ -635,6 +638,13 @@ if _MISSING_CLI is None:
         default=None,
         help="Audit every DURATION (1d) until stopped.",
     )
+    @click.option(
+        "--concurrency",
+        type=click.IntRange(1, 256),
+        default=4,
+        show_default=True,
+        help="Probes asked at once (a bounded pool).",
+    )
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
     def audit(
         app: str,
@@ -644,6 +654,7 @@ if _MISSING_CLI is None:
         tool: str | None,
         scope: str | None,
         every: float | None,
+        concurrency: int,
         as_json: bool,
     ) -> None:
         """Check settled records against the business: each tool's probe is asked whether the
@@ -651,8 +662,10 @@ if _MISSING_CLI is None:
         or abandoned one it finds. Writes nothing.
 
         Exit status of a single run: 0 when all agree, 3 on a disagreement or a probe that raised;
-        1 on an error, 2 on bad usage. With --every it runs until SIGTERM or Ctrl-C, then exits 0;
-        each disagreement is also logged as an AuditDisagreement warning.
+        1 on an error, 2 on bad usage; 130 when Ctrl-C ended it (after the report of what was
+        checked). With --every it runs until SIGTERM or Ctrl-C, then exits 0; each disagreement is
+        also logged as an AuditDisagreement warning. A progress bar shows on a terminal (not with
+        --json or into a pipe); probe errors are summarised, one line per distinct error.
         """
         from onceonly._cli import load_app
         from onceonly.settle_cli import ATTENTION_EXIT
@@ -669,16 +682,32 @@ if _MISSING_CLI is None:
 
         def once() -> None:
             nonlocal found_any
+            report = ops.AuditReport()
+            interrupted = False
             try:
-                report = ops.audit(ledger, source.tools, since=since, tool=tool, scope=scope)
+                total = None
+                if since is None and tool is None and scope is None:  # the store's counters say how many
+                    counts = ledger.stats()
+                    total = sum(counts[s.value] for s in SETTLED)
+                with progress_bar("audit", total, enabled=not as_json) as done:
+                    ops.audit(
+                        ledger, source.tools, since=since, tool=tool, scope=scope, concurrency=concurrency,
+                        report=report, progress=lambda r: done(r.checked + sum(r.without_probe.values())),
+                    )  # fmt: skip
+            except KeyboardInterrupt:
+                interrupted = True
             except OnceOnlyError as exc:
                 raise _fail(exc) from exc
             found_any = bool(report.disagreements or report.errors)
             if as_json:
-                click.echo(dumps({"at": _when(time.time()), **report.to_dict()}))
-                return
-            problems = [d.key for d in report.disagreements + report.errors]
-            _print_audit(report, ops.short_keys(ledger, problems))
+                click.echo(dumps({"at": _when(time.time()), **report.to_dict(), "interrupted": interrupted}))
+            else:
+                problems = [d.key for d in report.disagreements + report.errors]
+                _print_audit(report, ops.short_keys(ledger, problems), interrupted=interrupted)
+            if interrupted:
+                if every is not None:
+                    raise KeyboardInterrupt  # the daemon stops as on Ctrl-C between runs: exit 0
+                raise SystemExit(INTERRUPTED_EXIT)
 
         try:
             if every is None:
@@ -692,22 +721,26 @@ if _MISSING_CLI is None:
             if ledger is not source:
                 source.close()
 
-    def _print_audit(report: ops.AuditReport, short: dict[str, str]) -> None:
-        problems = report.disagreements + report.errors
-        if problems:
-            table = Table(title="disagreements", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    def _print_audit(report: ops.AuditReport, short: dict[str, str], *, interrupted: bool = False) -> None:
+        if report.disagreements:
+            table = Table(title="disagreements", **_TABLE)
             table.add_column("key", no_wrap=True)
             for col in ("tool", "ledger", "probe"):
                 table.add_column(col, no_wrap=True)
             table.add_column("detail", overflow="fold")
-            for d in problems:
+            for d in report.disagreements:
                 table.add_row(cell(short.get(d.key, d.key)), cell(d.tool), d.state, d.finding, cell(d.detail))
             Console().print(table)
+        # One line per distinct probe error: a flaky probe is not the same traceback once per record.
+        for n, tool_name, text, key in ops.error_summary(report.errors):
+            example = short.get(key, key)
+            click.echo(printable(f"probe error x{n} ({tool_name}, e.g. {example}): {text}"))
         skipped = ", ".join(f"{n} of {printable(t)}" for t, n in report.without_probe.items())
         click.echo(
             f"{time.strftime('%H:%M:%S')} audited {report.checked} settled record(s): {report.agreed} agree, "
             f"{len(report.disagreements)} disagree, {len(report.errors)} probe error(s)"
             + (f"; not checked (no probe): {skipped}" if skipped else "")
+            + ("; interrupted (Ctrl-C): the records after these were not checked" if interrupted else "")
         )
 
     def _age(seconds: float) -> str:
@@ -782,7 +815,14 @@ if _MISSING_CLI is None:
         with _ledger(url) as ledger:
 
             def once() -> None:
-                removed = ledger.purge()
+                try:
+                    with working("purge: deleting expired records", enabled=not as_json):
+                        removed = ledger.purge()
+                except KeyboardInterrupt:
+                    if every is not None:
+                        raise  # the daemon stops as on Ctrl-C between runs: exit 0
+                    click.echo("interrupted (Ctrl-C): the records deleted so far stay deleted; run again", err=True)
+                    raise SystemExit(INTERRUPTED_EXIT) from None
                 if as_json:
                     click.echo(json.dumps({"removed": removed, "at": ops.iso(time.time())}))
                 else:

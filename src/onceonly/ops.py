@@ -13,7 +13,9 @@ import asyncio
 import itertools
 import json
 import math
+import queue
 import shlex
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -42,6 +44,7 @@ __all__ = [
     "attempt_spans",
     "attention",
     "audit",
+    "error_summary",
     "find",
     "iso",
     "json_type",
@@ -481,41 +484,93 @@ def audit(
     since: float | None = None,
     tool: str | None = None,
     scope: str | None = None,
+    concurrency: int = 1,
+    report: AuditReport | None = None,
+    progress: Callable[[AuditReport], None] | None = None,
 ) -> AuditReport:
     """Ask each settled record's tool probe whether the operation happened, and report where the
     ledger and the other side disagree: ``confirmed`` but the probe finds nothing, ``failed`` or
     ``abandoned`` but the probe finds it. Writes nothing to the ledger; logs an ``AuditDisagreement``
     alert for each. ``since``: only records updated at or after this time.
+
+    ``concurrency``: probes asked at once (each in a thread of its own, at most that many; records
+    are read as the probes answer). ``report``: filled as the audit goes, so that a caller
+    interrupted (Ctrl-C) still has what was checked; ``progress(report)`` is called after each record.
     """
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r}: give 1 or more probes at once")
     specs = {name: _spec_of(t) for name, t in tools.items()}
-    report = AuditReport()
+    report = AuditReport() if report is None else report
     settled = sorted(st.SETTLED, key=list(State).index)
     query = Query(states=settled, tool=tool, scope=scope)
-    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since):
+    records = _walk(ledger, query, lambda r: since is None or r.updated_at >= since)
+
+    # Each probe in a daemon thread of its own, at most ``concurrency`` at once: a probe that hangs
+    # neither holds up a Ctrl-C nor keeps the process from exiting (a pool's threads are joined at exit).
+    answers: queue.SimpleQueue[tuple[Record, Any, BaseException | None]] = queue.SimpleQueue()
+
+    def ask(rec: Record, spec: Any) -> None:
+        try:
+            answers.put((rec, asyncio.run(aprobe(spec, rec)) if spec.is_async else probe(spec, rec), None))
+        except BaseException as exc:  # handed to the caller's thread, which raises it
+            answers.put((rec, None, exc))
+
+    running = 0
+    for rec in records:
         spec = specs.get(rec.tool)
         if spec is None or spec.probe is None:
             report.without_probe[rec.tool] = report.without_probe.get(rec.tool, 0) + 1
+            if progress is not None:
+                progress(report)
             continue
-        report.checked += 1
-        answer = asyncio.run(aprobe(spec, rec)) if spec.is_async else probe(spec, rec)
-        if answer.error is not None:
-            err = answer.error
-            report.errors.append(
-                Disagreement(rec.key, rec.tool, rec.state.value, "error", f"{type(err).__name__}: {err}")
-            )
-            continue
+        threading.Thread(target=ask, args=(rec, spec), name="onceonly-audit", daemon=True).start()
+        running += 1
+        if running >= concurrency:  # read on only as fast as the probes answer
+            _audited(report, answers.get(), progress)
+            running -= 1
+    while running:
+        _audited(report, answers.get(), progress)
+        running -= 1
+    report.disagreements.sort(key=lambda d: d.key)
+    report.errors.sort(key=lambda d: d.key)
+    return report
+
+
+def _audited(
+    report: AuditReport, done: tuple[Record, Any, BaseException | None], progress: Callable[[AuditReport], None] | None
+) -> None:
+    rec, answer, failure = done
+    if failure is not None:
+        raise failure
+    report.checked += 1
+    if answer.error is not None:
+        err = answer.error
+        report.errors.append(Disagreement(rec.key, rec.tool, rec.state.value, "error", f"{type(err).__name__}: {err}"))
+    else:
         found = answer.value is not NOT_FOUND
         if found == (rec.state is State.CONFIRMED):
             report.agreed += 1
-            continue
-        if found:
-            detail = f"{rec.state.value} here, but the probe finds it: {str(answer.value)[:200]}"
         else:
-            detail = "confirmed here, but the probe finds nothing"
-        d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
-        report.disagreements.append(d)
-        alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
-    return report
+            if found:
+                detail = f"{rec.state.value} here, but the probe finds it: {str(answer.value)[:200]}"
+            else:
+                detail = "confirmed here, but the probe finds nothing"
+            d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
+            report.disagreements.append(d)
+            alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
+    if progress is not None:
+        progress(report)
+
+
+def error_summary(errors: Sequence[Disagreement]) -> list[tuple[int, str, str, str]]:
+    """Probe errors grouped by tool and message (its first line): ``(count, tool, message, a key)``,
+    most frequent first. A flaky probe then is one line, not one (multi-line) error per record."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in errors:
+        first = d.detail.strip().splitlines()[0] if d.detail.strip() else d.detail
+        groups.setdefault((d.tool, first[:300]), []).append(d.key)
+    rows = [(len(keys), tool, text, keys[0]) for (tool, text), keys in groups.items()]
+    return sorted(rows, key=lambda row: (-row[0], row[1], row[2]))
 
 
 # --- searching by arguments, selections, tool names -------------------------------------------------

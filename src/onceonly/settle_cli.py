@@ -15,6 +15,7 @@ from rich.table import Table
 from onceonly import ops
 from onceonly._cli import (
     COUNT,
+    INTERRUPTED_EXIT,
     Duration,
     cell,
     dumps,
@@ -23,6 +24,7 @@ from onceonly._cli import (
     printable,
     refuse_missing_ledger,
     until_stopped,
+    working,
 )
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
@@ -257,7 +259,14 @@ def reconcile_command(
 
     try:
         if every is None:
-            report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+            try:
+                with working("reconcile: settling", enabled=not as_json):
+                    report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+            except KeyboardInterrupt:
+                click.echo(
+                    "interrupted (Ctrl-C): the records settled so far stay settled; run again for the rest", err=True
+                )
+                raise SystemExit(INTERRUPTED_EXIT) from None
             show(report)
             if waiting or any(report.counts.get(s.value) for s in ATTENTION):
                 raise SystemExit(ATTENTION_EXIT)
