@@ -479,3 +479,194 @@ def test_key_arguments(sqlite_url: str) -> None:
         every(1, 2)
         found = {r.tool: ops.key_arguments(r) for r in ledger.list(limit=10)}
     assert found == {"charge": ["order"], "pair": ["b", "c"], "all": ["a", "b"]}
+
+
+# --- 7. long runs: concurrency, summarised errors, progress, Ctrl-C -----------------------------------
+
+PROBE_APP = """
+    import pathlib, threading, time
+    from onceonly import NOT_FOUND, Ledger
+
+    ledger = Ledger.open({url!r})
+    MARK = pathlib.Path({mark!r})
+    together = threading.Barrier({together}, timeout=20)
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+
+    def find(args, key):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            order = args["order"]
+            if order.startswith("flaky"):
+                raise ConnectionResetError("the bank reset the connection\\n  a second line\\n  a third line")
+            if order.startswith("hang"):
+                MARK.write_text("probing")
+                time.sleep(60)
+            if {together} > 1 and order.startswith("o-"):
+                together.wait()  # {together} probes must be running at once to get past this
+            return {{"order": order}}
+        finally:
+            with lock:
+                now[0] -= 1
+                MARK.with_suffix(".most").write_text(str(most[0]))
+
+    @ledger.tool(name="charge", probe=find, on_unknown="probe")
+    def charge(order: str) -> dict: ...
+"""
+
+
+def _probe_app(make_app: Any, url: str, tmp_path: Path, *, together: int = 1) -> tuple[str, Path]:
+    mark = tmp_path / "probing"
+    return make_app(PROBE_APP.format(url=url, mark=str(mark), together=together)), mark
+
+
+def _confirmed(url: str, *orders: str) -> None:
+    with Ledger.open(url) as ledger:
+        for n, order in enumerate(orders):
+            rec = Record(
+                key=f"default:charge:{n:04d}{order}", scope="default", tool="charge", fingerprint="f",
+                state=State.CONFIRMED, attempts=1, created_at=time.time(), updated_at=time.time(),
+                args_json=json.dumps({"order": order}), result_json=json.dumps({"order": order}), via="run",
+            )  # fmt: skip
+            assert ledger.store.insert(rec)
+
+
+def test_audit_asks_probes_in_a_bounded_pool(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """--concurrency 3: three probes run at once (a barrier of 3 lets them through only together), never
+    more; one probe at a time would never pass the barrier."""
+    _confirmed(sqlite_url, *(f"o-{n}" for n in range(9)))
+    name, mark = _probe_app(make_app, sqlite_url, tmp_path, together=3)
+    result = _run("audit", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--concurrency", "3", "--json")
+    report = json.loads(_ok(result))
+    assert report["checked"] == 9 and report["agreed"] == 9 and not report["interrupted"]
+    assert mark.with_suffix(".most").read_text() == "3"
+
+
+def test_audit_summarises_a_flaky_probe(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """Six records whose probe raises the same three-line error: one summary line, not six errors of
+    three lines; --json keeps each."""
+    _confirmed(sqlite_url, "o-1", *(f"flaky-{n}" for n in range(6)))
+    name, _ = _probe_app(make_app, sqlite_url, tmp_path)
+    text = _ok(_run("audit", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), env=WIDE), 3)
+    lines = [line for line in text.splitlines() if "ConnectionResetError" in line]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("probe error x6 (charge, e.g. default:charge:0001") and "a second line" not in text
+    assert "audited 7 settled record(s): 1 agree, 0 disagree, 6 probe error(s)" in text
+    again, _ = _probe_app(make_app, sqlite_url, tmp_path)  # a fresh import: the command closed the first one's ledger
+    data = json.loads(_ok(_run("audit", "--app", f"{again}:ledger", "--app-dir", str(tmp_path), "--json"), 3))
+    assert len(data["errors"]) == 6
+
+
+def test_audit_ctrl_c_prints_what_was_checked_and_exits_130(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """Ctrl-C while a probe hangs: the report of the records checked so far, exit 130 (not
+    "Aborted!" and 1), without waiting for the hanging probe."""
+    import os
+    import signal
+    import subprocess
+
+    _confirmed(sqlite_url, "o-1", "o-2", "hang-3", "o-4")
+    name, mark = _probe_app(make_app, sqlite_url, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(tmp_path)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", "audit", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
+         "--concurrency", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)  # well before the hanging probe's 60 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "audited 2 settled record(s): 2 agree" in out and "interrupted (Ctrl-C)" in out, out
+    assert "Aborted!" not in out + err and "progress" not in err
+
+
+def test_progress_shows_on_a_terminal_only(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """On a terminal (a pty) audit draws a progress bar on stderr; into a pipe, or with --json, none."""
+    import os
+    import pty
+    import subprocess
+
+    _confirmed(sqlite_url, *(f"o-{n}" for n in range(5)))
+    name, _ = _probe_app(make_app, sqlite_url, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(tmp_path)])}
+    command = [sys.executable, "-m", "onceonly", "audit", "--app", f"{name}:ledger", "--app-dir", str(tmp_path)]
+
+    def on_a_terminal(*more: str) -> str:
+        leader, follower = pty.openpty()
+        try:
+            proc = subprocess.run(
+                [*command, *more], stdout=subprocess.PIPE, stderr=follower, env=env, timeout=60, check=False
+            )
+            os.close(follower)
+            follower = -1
+            seen = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # the terminal's other end is closed: all was read
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        finally:
+            os.close(leader)
+            if follower >= 0:
+                os.close(follower)
+        assert proc.returncode == 0, proc
+        return seen.decode("utf-8", "replace")
+
+    drawn = on_a_terminal()
+    assert "audit" in drawn and "5/5" in drawn, drawn
+    assert on_a_terminal("--json") == ""
+    piped = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+def test_reconcile_ctrl_c_exits_130(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """Ctrl-C during a reconcile run (a probe hangs): it says what stays, and exits 130."""
+    import os
+    import signal
+    import subprocess
+
+    old = time.time() - 3600
+    with Ledger.open(sqlite_url) as ledger:
+        ledger.store.insert(
+            Record(
+                key="default:charge:hang",
+                scope="default",
+                tool="charge",
+                fingerprint="f",
+                state=State.UNKNOWN,
+                attempts=1,
+                created_at=old,
+                updated_at=old,
+                args_json=json.dumps({"order": "hang-1"}),
+            )
+        )
+    name, mark = _probe_app(make_app, sqlite_url, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(tmp_path)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
+         "--once", "--wait", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted (Ctrl-C): the records settled so far stay settled" in err and "Aborted!" not in out + err
