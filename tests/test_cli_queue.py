@@ -670,3 +670,11 @@ def test_reconcile_ctrl_c_exits_130(sqlite_url: str, make_app: Any, tmp_path: Pa
         proc.kill()
     assert proc.returncode == 130, (out, err)
     assert "interrupted (Ctrl-C): the records settled so far stay settled" in err and "Aborted!" not in out + err
+
+
+def test_audit_with_a_mistyped_tool_says_so(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """`audit --tool chrage` audited nothing and exited 0: now bad usage, naming the close tool."""
+    _confirmed(sqlite_url, "o-1")
+    name, _ = _probe_app(make_app, sqlite_url, tmp_path)
+    result = _run("audit", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--tool", "chrage")
+    assert result.exit_code == 2 and "did you mean 'charge'?" in result.output, result.output

@@ -698,6 +698,11 @@ if _MISSING_CLI is None:
                 interrupted = True
             except OnceOnlyError as exc:
                 raise _fail(exc) from exc
+            if not interrupted and not report.checked and not report.without_probe:
+                try:
+                    _check_tool(ledger, tool)  # a mistyped --tool audits nothing: say so, exit 2
+                except OnceOnlyError as exc:
+                    raise _fail(exc) from exc
             found_any = bool(report.disagreements or report.errors)
             if as_json:
                 click.echo(dumps({"at": _when(time.time()), **report.to_dict(), "interrupted": interrupted}))
