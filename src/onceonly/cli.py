@@ -154,8 +154,9 @@ if _MISSING_CLI is None:
 
         \b
         Exit status: 0 done; 1 an error (the message says what); 2 bad usage;
-        3 done, and something needs a person (reconcile, audit; copy, import: held
-        records left out); 4 copy, import: conflicts kept. See docs/operations.md.
+        3 done, and something needs a person (reconcile, stats --check, audit; copy,
+        import: held records left out); 4 copy, import: conflicts kept; 130 ended by
+        Ctrl-C (audit, reconcile, purge). See docs/operations.md.
         """
 
     @cli.command("ls")
