@@ -101,7 +101,9 @@ def test_missing_key_is_said_plainly(store_url: str) -> None:
     _with_one_record(store_url)
     result = _run("resolve", "no-such-key", "--url", store_url, "--failed", "no")
     _said(result, 1, "no record with key 'no-such-key'")
-    assert result.output.startswith("Error: no record with key 'no-such-key': check it with `onceonly ls`")
+    assert result.output.startswith(
+        "Error: no record with key 'no-such-key' (nor a key starting with it): check it with `onceonly ls`"
+    )
     _said(_run("show", "no-such-key", "--url", store_url), 1, "Error: no record with key 'no-such-key'")
 
 

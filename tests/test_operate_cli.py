@@ -120,7 +120,7 @@ def test_ls_pages_filters_and_summarises(store_url: str) -> None:
     # At 80 columns: the keys as prefixes that `show` takes, never folded over lines.
     narrow = _ok(_run("ls", "--url", store_url, "--state", "confirmed", env={"COLUMNS": "80"}))
     assert all(len(line) <= 80 for line in narrow.splitlines()), narrow
-    shown = [line.split()[0] for line in narrow.splitlines() if line.startswith(" default:")]
+    shown = [line.split()[0] for line in narrow.splitlines() if line.startswith("default:")]
     assert len(shown) == 5 and all(key not in narrow for key in keys), narrow
     for prefix in shown:
         assert json.loads(_ok(_run("show", prefix, "--url", store_url, "--json")))["key"].startswith(prefix)
@@ -159,7 +159,7 @@ def test_show_takes_a_prefix_and_prints_a_timeline(store_url: str) -> None:
     settled = json.loads(_ok(resolved))
     assert settled["state"] == "failed" and settled["history"][-1]["by"] == "ops" and "at_iso" in settled["history"][-1]
     result = _run("show", "default:charge:", "--url", store_url)
-    assert result.exit_code == 1 and "starts several keys" in result.output, result.output
+    assert result.exit_code == 2 and "starts several keys" in result.output, result.output
     result = _run("show", "default:nothing", "--url", store_url)
     assert result.exit_code == 1 and "no record with key 'default:nothing'" in result.output
 
@@ -191,7 +191,7 @@ def test_stats_times_each_tool_and_suggests_a_timeout(store_url: str) -> None:
     assert 1.5 * timed["p99"] <= timed["suggested_timeout"] <= 2.2 * timed["p99"]
     counted = json.loads(_ok(_run("stats", "--url", store_url, "--counts", "--json")))
     assert counted["states"] == data["states"] and counted["total"] == 7
-    text = _ok(_run("stats", "--url", store_url, env=WIDE))
+    text = _ok(_run("stats", "--url", store_url, "--wide", env=WIDE))
     assert "oldest unsettled: held-long-ago" in text and "slow" in text
 
 

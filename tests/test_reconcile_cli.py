@@ -296,6 +296,14 @@ def _effects(path: Path) -> dict[str, int]:
         conn.close()
 
 
+def _effect_id(path: Path, op: str) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("SELECT rowid FROM effects WHERE op = ? ORDER BY rowid LIMIT 1", (op,)).fetchone()[0])
+    finally:
+        conn.close()
+
+
 def _records(url: str) -> dict[str, Record]:
     with Ledger.open(url) as ledger:
         return {rec.args["op"]: rec for rec in ledger.list(limit=10_000)}
@@ -324,8 +332,10 @@ def _work_the_review_queue(url: str, effects: Path, records: dict[str, Record]) 
     parked = [rec for rec in records.values() if rec.state is State.NEEDS_REVIEW]
     for i, rec in enumerate(parked):
         done = counts.get(rec.args["op"], 0) == 1
+        # What the person finds in the table, in the tool's own result shape (resolve checks it).
+        found = {"op": rec.args["op"], "id": _effect_id(effects, rec.args["op"])} if done else None
         if i == 0:
-            how = ["--confirmed", json.dumps({"op": rec.args["op"]})] if done else ["--failed", "not found", "--reset"]
+            how = ["--confirmed", json.dumps(found)] if done else ["--failed", "not found", "--reset"]
             proc = subprocess.run(
                 [ONCEONLY, "resolve", rec.key, "--url", url, *how, "--by", "ops", "--why", "checked the table"],
                 capture_output=True, text=True, timeout=60, check=False,
@@ -334,7 +344,7 @@ def _work_the_review_queue(url: str, effects: Path, records: dict[str, Record]) 
             continue
         with Ledger.open(url) as ledger:
             if done:
-                ledger.resolve(rec.key, confirmed={"op": rec.args["op"]}, by="ops", why="checked the table")
+                ledger.resolve(rec.key, confirmed=found, by="ops", why="checked the table")
             else:
                 ledger.resolve(rec.key, failed="not found", reset=True, by="ops", why="checked the table")
     return len(parked)
@@ -372,7 +382,7 @@ def test_sigkilled_agents_then_reconcile(sqlite_url: str, tmp_path: Path) -> Non
 
     proc = _reconcile(env, "--once", "--review-after", "0", "--json")
     report = json.loads(proc.stdout)
-    attention = sum(report["counts"][name] for name in ("parked", "unsettled", "no_tool"))
+    attention = sum(report["counts"][name] for name in ("parked", "unsettled", "no_tool")) + report["needs_review"]
     assert proc.returncode == (3 if attention else 0), proc.stderr
     records = _check_settled(sqlite_url, effects, ops, allow_failed=True)
     counts = _effects(effects)
@@ -437,5 +447,6 @@ def test_two_reconcilers_and_four_agents_at_once(store_url: str, tmp_path: Path)
     assert settled >= len(kills) // 2  # the reconcilers did settle the dead agents' records
 
     final = _reconcile(env, "--once", "--review-after", "0")
-    assert final.returncode == 0, final.stderr
+    in_review = sum(r.state is State.NEEDS_REVIEW for r in _records(store_url).values())
+    assert final.returncode == (3 if in_review else 0), final.stderr  # records in review wait for a person
     _finish_and_check(store_url, effects, ops, env)

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import click
 from rich.text import Text
 
-from onceonly.errors import OnceOnlyError
+from onceonly._install import install_hint
+from onceonly.errors import OnceOnlyError, StoreError
 from onceonly.ledger import DEFAULT_URL, Ledger
 from onceonly.stores._url import redact_url, scrub
 
@@ -197,7 +198,7 @@ def open_as_is(url: str) -> Ledger:
     return Ledger.open(url)
 
 
-_RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made by the first guarded call)"
+_RUN_ONCE = "give the ledger's URL with --url or $ONCEONLY_URL (a ledger is made when the app opens it: Ledger.open)"
 
 
 def _sqlite_ledger(url: str) -> None:
@@ -224,10 +225,21 @@ def _sqlite_ledger(url: str) -> None:
         raise click.ClickException(printable(f"{path.absolute()} is not an onceonly ledger yet: {_RUN_ONCE}"))
 
 
-def _redis_ledger(url: str) -> None:
-    import redis
+def _extra(name: str, url: str, exc: ImportError) -> click.ClickException:
+    """A store's driver that is not installed: name the extra that brings it, as the library does."""
+    missing = f"no module named {exc.name!r}" if exc.name else str(exc)
+    return click.ClickException(
+        printable(f"{redact_url(url)!r} needs the {name} extra: {install_hint(name)} ({missing})")
+    )
 
-    from onceonly.stores.redis import parse_redis_url
+
+def _redis_ledger(url: str) -> None:
+    try:
+        import redis
+
+        from onceonly.stores.redis import parse_redis_url
+    except ImportError as exc:
+        raise _extra("redis", url, exc) from exc
 
     client_url, opts = parse_redis_url(url)
     shown = redact_url(url)
@@ -244,9 +256,12 @@ def _redis_ledger(url: str) -> None:
 
 
 def _postgres_ledger(url: str) -> None:
-    import psycopg
+    try:
+        import psycopg
 
-    from onceonly.stores.postgres import SCHEMA_VERSION, parse_postgres_url
+        from onceonly.stores.postgres import SCHEMA_VERSION, parse_postgres_url
+    except ImportError as exc:
+        raise _extra("postgres", url, exc) from exc
 
     options = parse_postgres_url(url)
     shown = redact_url(url)
@@ -272,6 +287,12 @@ def _postgres_ledger(url: str) -> None:
 
 
 def _app_failed(spec: str, exc: Exception) -> ImportError:
+    if isinstance(exc, StoreError):
+        # The app opened its ledger while it was imported, and the store did not answer: the app is fine.
+        return ImportError(
+            f"--app {spec!r}: the app's ledger store failed while the app was imported (it opens its ledger "
+            f"then): {str(exc).rstrip('. ')}. Bring the store up or fix its URL, then run again"
+        )
     return ImportError(
         f"--app {spec!r}: importing the app failed: {type(exc).__name__}: {exc} (fix the app, or name another)"
     )
@@ -373,3 +394,38 @@ def existing_ledger(url: str) -> Iterator[Ledger]:
         yield ledger
     finally:
         ledger.close()
+
+
+#: The exit status of a command ended by Ctrl-C (128 + SIGINT), after its partial report.
+INTERRUPTED_EXIT = 130
+
+
+@contextmanager
+def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr while the block runs, only when stderr is a terminal and
+    ``enabled`` (not with --json): yields ``done(n)``. ``total`` None: a count without a bar's end.
+    It disappears when the block ends, so that the report is what stays on the screen."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = [SpinnerColumn(), TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.update(task, completed=n)
+
+
+@contextmanager
+def working(what: str, *, enabled: bool = True) -> Iterator[None]:
+    """A spinner with the time spent on stderr while the block runs, for work whose size is not
+    known ahead (a purge, a reconcile pass); only on a terminal and when ``enabled``."""
+    if not enabled or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=Console(stderr=True), transient=True):
+        yield

@@ -210,7 +210,8 @@ class StoreError(OnceOnlyError):
 
 
 class StoreUnavailable(StoreError):
-    """The store could not be reached, or timed out; whether the last write landed is unknown.
+    """The store could not be reached, or timed out. After a write, whether it landed is unknown (the
+    ledger reads the record again before it decides); after a read or an open, nothing changed.
 
     .. versionadded:: 0.1
     """

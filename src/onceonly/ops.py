@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 import math
+import queue
+import shlex
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,6 +26,7 @@ from onceonly import states as st
 from onceonly.drivers import aprobe, probe
 from onceonly.errors import StoreError
 from onceonly.events import alert
+from onceonly.keys import canonical_json, fingerprint
 from onceonly.plan import NOT_FOUND
 from onceonly.settle import _spec_of
 from onceonly.states import Record, State
@@ -41,17 +46,26 @@ __all__ = [
     "args_match",
     "attempt_durations",
     "attempt_spans",
+    "attention",
     "audit",
+    "error_summary",
     "find",
     "iso",
+    "json_type",
+    "key_arguments",
     "latency",
+    "matches_args",
+    "oldest_unsettled",
     "page",
     "percentile",
     "record_json",
+    "records",
+    "result_mismatch",
     "search",
     "short_keys",
     "stats",
     "suggest_timeout",
+    "tool_names",
 ]
 
 #: Records read per store query while paging through a ledger.
@@ -109,6 +123,13 @@ def _walk(ledger: Ledger, query: Query, keep: Callable[[Record], bool], prefix: 
         after = batch[-1].key
 
 
+def _keep(since: float | None, args: Mapping[str, Any] | None) -> Callable[[Record], bool]:
+    def keep(rec: Record) -> bool:
+        return (since is None or rec.updated_at >= since) and (not args or matches_args(rec, args))
+
+    return keep
+
+
 def _in_query(rec: Record, query: Query) -> bool:
     return (
         (query.states is None or rec.state in query.states)
@@ -127,14 +148,15 @@ def page(
     prefix: str | None = None,
     after: str | None = None,
     limit: int = 50,
+    args: Mapping[str, Any] | None = None,
 ) -> Page:
     """Records in key order matching the filters (``since``: updated at or after this time;
-    ``prefix``: keys starting with it), at most ``limit``, and a count of those after them (up to
-    ``_COUNT_CAP`` more are read to count)."""
+    ``prefix``: keys starting with it; ``args``: ``matches_args``), at most ``limit``, and a count of
+    those after them (up to ``_COUNT_CAP`` more are read to count)."""
     query = Query(states=states, tool=tool, scope=scope, after=after)
     found: list[Record] = []
     more = 0
-    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since, prefix or ""):
+    for rec in _walk(ledger, query, _keep(since, args), prefix or ""):
         if len(found) < limit:
             found.append(rec)
             continue
@@ -173,7 +195,18 @@ def record_json(rec: Record) -> dict[str, Any]:
 
 
 class AmbiguousKey(LookupError):
-    """A prefix that several keys start with."""
+    """A prefix that several keys start with: ``candidates`` holds the first of them in key order
+    (at most ``CANDIDATES``), ``more`` whether other keys start with it too, ``prefix`` the prefix given."""
+
+    def __init__(self, message: str, *, prefix: str = "", candidates: Sequence[str] = (), more: bool = False) -> None:
+        super().__init__(message)
+        self.prefix = prefix
+        self.candidates = list(candidates)
+        self.more = more
+
+
+#: How many of the keys an ambiguous prefix starts with ``find`` names.
+CANDIDATES = 10
 
 
 def _starting_with(ledger: Ledger, prefix: str, limit: int) -> list[str]:
@@ -196,14 +229,19 @@ def find(ledger: Ledger, key_or_prefix: str) -> Record:
     rec = ledger.get(key_or_prefix)
     if rec is not None:
         return rec
-    keys = _starting_with(ledger, key_or_prefix, 3)
+    keys = _starting_with(ledger, key_or_prefix, CANDIDATES + 1)
     if not keys:
         raise KeyError(
             f"no record with key {key_or_prefix!r} (nor a key starting with it): check it with `onceonly ls`"
         )
     if len(keys) > 1:
         shown = ", ".join(repr(k) for k in keys[:2])
-        raise AmbiguousKey(f"{key_or_prefix!r} starts several keys ({shown}…): give more of the key")
+        raise AmbiguousKey(
+            f"{key_or_prefix!r} starts several keys ({shown}…): give more of the key",
+            prefix=key_or_prefix,
+            candidates=keys[:CANDIDATES],
+            more=len(keys) > CANDIDATES,
+        )
     found = ledger.get(keys[0])
     if found is None:
         raise KeyError(f"the record of {keys[0]!r} was removed while it was read")
@@ -451,41 +489,271 @@ def audit(
     since: float | None = None,
     tool: str | None = None,
     scope: str | None = None,
+    concurrency: int = 1,
+    report: AuditReport | None = None,
+    progress: Callable[[AuditReport], None] | None = None,
 ) -> AuditReport:
     """Ask each settled record's tool probe whether the operation happened, and report where the
     ledger and the other side disagree: ``confirmed`` but the probe finds nothing, ``failed`` or
     ``abandoned`` but the probe finds it. Writes nothing to the ledger; logs an ``AuditDisagreement``
     alert for each. ``since``: only records updated at or after this time.
+
+    ``concurrency``: probes asked at once (each in a thread of its own, at most that many; records
+    are read as the probes answer). ``report``: filled as the audit goes, so that a caller
+    interrupted (Ctrl-C) still has what was checked; ``progress(report)`` is called after each record.
     """
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r}: give 1 or more probes at once")
     specs = {name: _spec_of(t) for name, t in tools.items()}
-    report = AuditReport()
+    report = AuditReport() if report is None else report
     settled = sorted(st.SETTLED, key=list(State).index)
     query = Query(states=settled, tool=tool, scope=scope)
-    for rec in _walk(ledger, query, lambda r: since is None or r.updated_at >= since):
+    records = _walk(ledger, query, lambda r: since is None or r.updated_at >= since)
+
+    # Each probe in a daemon thread of its own, at most ``concurrency`` at once: a probe that hangs
+    # neither holds up a Ctrl-C nor keeps the process from exiting (a pool's threads are joined at exit).
+    answers: queue.SimpleQueue[tuple[Record, Any, BaseException | None]] = queue.SimpleQueue()
+
+    def ask(rec: Record, spec: Any) -> None:
+        try:
+            answers.put((rec, asyncio.run(aprobe(spec, rec)) if spec.is_async else probe(spec, rec), None))
+        except BaseException as exc:  # handed to the caller's thread, which raises it
+            answers.put((rec, None, exc))
+
+    running = 0
+    for rec in records:
         spec = specs.get(rec.tool)
         if spec is None or spec.probe is None:
             report.without_probe[rec.tool] = report.without_probe.get(rec.tool, 0) + 1
+            if progress is not None:
+                progress(report)
             continue
-        report.checked += 1
-        answer = asyncio.run(aprobe(spec, rec)) if spec.is_async else probe(spec, rec)
-        if answer.error is not None:
-            err = answer.error
-            report.errors.append(
-                Disagreement(rec.key, rec.tool, rec.state.value, "error", f"{type(err).__name__}: {err}")
-            )
-            continue
+        threading.Thread(target=ask, args=(rec, spec), name="onceonly-audit", daemon=True).start()
+        running += 1
+        if running >= concurrency:  # read on only as fast as the probes answer
+            _audited(report, answers.get(), progress)
+            running -= 1
+    while running:
+        _audited(report, answers.get(), progress)
+        running -= 1
+    report.disagreements.sort(key=lambda d: d.key)
+    report.errors.sort(key=lambda d: d.key)
+    return report
+
+
+def _audited(
+    report: AuditReport, done: tuple[Record, Any, BaseException | None], progress: Callable[[AuditReport], None] | None
+) -> None:
+    rec, answer, failure = done
+    if failure is not None:
+        raise failure
+    report.checked += 1
+    if answer.error is not None:
+        err = answer.error
+        report.errors.append(Disagreement(rec.key, rec.tool, rec.state.value, "error", f"{type(err).__name__}: {err}"))
+    else:
         found = answer.value is not NOT_FOUND
         if found == (rec.state is State.CONFIRMED):
             report.agreed += 1
-            continue
-        if found:
-            detail = f"{rec.state.value} here, but the probe finds it: {str(answer.value)[:200]}"
         else:
-            detail = "confirmed here, but the probe finds nothing"
-        d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
-        report.disagreements.append(d)
-        alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
-    return report
+            if found:
+                detail = f"{rec.state.value} here, but the probe finds it: {str(answer.value)[:200]}"
+            else:
+                detail = "confirmed here, but the probe finds nothing"
+            d = Disagreement(rec.key, rec.tool, rec.state.value, "found" if found else "missing", detail)
+            report.disagreements.append(d)
+            alert("AuditDisagreement", f"{rec.key}: {detail}", key=rec.key, tool=rec.tool, state=rec.state.value)
+    if progress is not None:
+        progress(report)
+
+
+def error_summary(errors: Sequence[Disagreement]) -> list[tuple[int, str, str, str]]:
+    """Probe errors grouped by tool and message (its first line): ``(count, tool, message, a key)``,
+    most frequent first. A flaky probe then is one line, not one (multi-line) error per record."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in errors:
+        first = d.detail.strip().splitlines()[0] if d.detail.strip() else d.detail
+        groups.setdefault((d.tool, first[:300]), []).append(d.key)
+    rows = [(len(keys), tool, text, keys[0]) for (tool, text), keys in groups.items()]
+    return sorted(rows, key=lambda row: (-row[0], row[1], row[2]))
+
+
+# --- searching by arguments, selections, tool names -------------------------------------------------
+
+
+def matches_args(rec: Record, wanted: Mapping[str, Any]) -> bool:
+    """Whether the call of ``rec`` had each of ``wanted``'s arguments with that value:
+    ``matches_args(rec, {"order": "ord-17"})``.
+
+    A wanted value matches an argument equal to it, or, given as a string (what a command line or a
+    search box gives), an argument whose JSON text it is: ``"30"`` matches ``30``, ``"true"``
+    matches ``True``, ``'{"a": 1}'`` matches ``{"a": 1}``. A record whose arguments cannot be
+    decoded matches nothing.
+    """
+    try:
+        args = rec.args
+    except Exception:  # a damaged record: found by `show`, not by a search
+        return False
+    for name, value in wanted.items():
+        if name not in args:
+            return False
+        have = args[name]
+        if have == value and type(have) is type(value):
+            continue
+        if isinstance(value, str) and not isinstance(have, str) and _json_equal(value, have):
+            continue
+        return False
+    return True
+
+
+def _json_equal(text: str, value: Any) -> bool:
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return False
+    return bool(parsed == value and type(parsed) is type(value))
+
+
+def records(
+    ledger: Ledger,
+    *,
+    states: Sequence[State] | None = None,
+    tool: str | None = None,
+    scope: str | None = None,
+    since: float | None = None,
+    args: Mapping[str, Any] | None = None,
+) -> Iterator[Record]:
+    """Every record matching the filters (those of ``page``), in key order, read in pages: what a
+    bulk ``onceonly resolve`` settles."""
+    yield from _walk(ledger, Query(states=states, tool=tool, scope=scope), _keep(since, args))
+
+
+def tool_names(ledger: Ledger) -> set[str]:
+    """The tools the ledger holds records of. Reads every record: for telling a mistyped ``--tool``
+    from a tool without records, once a filter found nothing."""
+    return {rec.tool for rec in _walk(ledger, Query(), lambda r: True)}
+
+
+def oldest_unsettled(ledger: Ledger, *, scope: str | None = None) -> Record | None:
+    """The unsettled record (pending, in flight, unknown, in review) made longest ago, or ``None``.
+    Reads only the unsettled records (an index on Redis and PostgreSQL)."""
+    unsettled = sorted(st.UNSETTLED, key=list(State).index)
+    oldest: Record | None = None
+    for rec in _walk(ledger, Query(states=unsettled, scope=scope), lambda r: True):
+        if oldest is None or rec.created_at < oldest.created_at:
+            oldest = rec
+    return oldest
+
+
+# --- the shape of a confirmed result ----------------------------------------------------------------
+
+#: How many of a tool's earlier confirmed results ``result_mismatch`` reads.
+_SHAPE_SAMPLE = 50
+
+_JSON_TYPES = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"),
+               (dict, "an object"), (type(None), "null"))  # fmt: skip
+
+
+def json_type(value: Any) -> str:
+    """``value``'s JSON type, with its article: ``"an object"``, ``"a string"``…"""
+    for kind, name in _JSON_TYPES:
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def result_mismatch(ledger: Ledger, tool: str, value: Any) -> str | None:
+    """Why ``value`` does not look like the results ``tool``'s confirmed records hold (up to
+    ``_SHAPE_SAMPLE`` of them), or ``None`` when it does or there are none to compare with.
+
+    A guarded call that replays a record returns its result to the caller as if the tool had
+    returned it, so a result given by hand should have the tool's own shape: the same JSON type,
+    and for an object, the keys every earlier result had and none that no earlier result had.
+    """
+    earlier: list[Any] = []
+    for rec in ledger.store.scan(Query(states=[State.CONFIRMED], tool=tool, limit=_SHAPE_SAMPLE)):
+        if rec.result_json is None or st.holds_secret(rec):
+            continue
+        try:
+            earlier.append(json.loads(rec.result_json))
+        except ValueError:
+            continue
+    if not earlier:
+        return None
+    seen = f"{len(earlier)} earlier confirmed result(s) of {tool!r}"
+    kinds = {json_type(v) for v in earlier}
+    if json_type(value) not in kinds:
+        example = json.dumps(earlier[0], ensure_ascii=False)[:120]
+        return f"it is {json_type(value)}, but the {seen} are {' or '.join(sorted(kinds))} (e.g. {example})"
+    if not isinstance(value, dict):
+        return None
+    objects = [set(v) for v in earlier if isinstance(v, dict)]
+    common = set.intersection(*objects)
+    known = set.union(*objects)
+    missing, unknown = sorted(common - set(value)), sorted(set(value) - known)
+    problems = []
+    if missing:
+        problems.append(f"it lacks {', '.join(map(repr, missing))}, which every one of the {seen} has")
+    if unknown:
+        problems.append(f"it has {', '.join(map(repr, unknown))}, which none of the {seen} has")
+    return "; ".join(problems) or None
+
+
+# --- what needs a person ----------------------------------------------------------------------------
+
+
+def attention(needs_review: int, oldest: Record | None, now: float, max_age: float | None) -> list[str]:
+    """Why a person is needed, one sentence each (none: nothing waits): records in review, and the
+    oldest unsettled record when it is older than ``max_age`` seconds. What ``onceonly stats --check``
+    and ``onceonly reconcile`` exit 3 on."""
+    reasons = []
+    if needs_review:
+        reasons.append(
+            f"{needs_review} record(s) wait for a person in needs_review: "
+            "onceonly ls --state needs_review, then onceonly resolve"
+        )
+    if max_age is not None and oldest is not None and now - oldest.created_at > max_age:
+        reasons.append(
+            f"{oldest.key} is still {oldest.state.value}, {now - oldest.created_at:.0f}s after its call, "
+            f"longer than --max-age {max_age:g}s: onceonly show {shlex.quote(oldest.key)}"
+        )
+    return reasons
+
+
+# --- which arguments identify a call ----------------------------------------------------------------
+
+#: Calls with more arguments than this are not searched for the ones their key was made of.
+_KEY_SEARCH_ARGS = 8
+
+
+def key_arguments(rec: Record) -> list[str]:
+    """The names of the arguments ``rec``'s key was made of (a tool's ``key=`` fields), found by
+    hashing them again as the key was: every argument, one, or two of them. Empty when none of those
+    gives the key (an explicit key, a key function, normalised fields) or the call has many arguments.
+    """
+    digest = rec.key.rsplit(":", 1)[-1].split("#", 1)[0]
+    try:
+        args = rec.args
+    except Exception:  # a damaged record: shown as stored
+        return []
+    if len(digest) != 32 or not args or len(args) > _KEY_SEARCH_ARGS:
+        return []
+
+    def gives(names: Sequence[str]) -> bool:
+        try:
+            text = canonical_json({n: args[n] for n in names}, path="key")
+        except Exception:
+            return False
+        return fingerprint(text)[:32] == digest
+
+    names = sorted(args)
+    if gives(names):
+        return names  # every argument is in the key: none comes first
+    for size in (1, 2):
+        for combo in itertools.combinations(names, size):
+            if gives(combo):
+                return list(combo)
+    return []
 
 
 # --- searching: by an argument's value, conflicts, sorted by age or state (the dashboard) ----------

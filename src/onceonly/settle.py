@@ -201,7 +201,7 @@ def decide(
     if rec.state is not State.UNKNOWN:
         return Leave(Settlement.SKIPPED, f"already {rec.state.value}")
     if policy is None:
-        return Leave(Settlement.NO_TOOL, f"tool {rec.tool!r} is not registered: pass --app module:ledger")
+        return Leave(Settlement.NO_TOOL, f"tool {rec.tool!r} is not among the reconciler's tools")
 
     strategy = policy.on_unknown
     if strategy == "probe" and policy.has_probe:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import click
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from onceonly import ops
 from onceonly._cli import (
     COUNT,
+    INTERRUPTED_EXIT,
     Duration,
     cell,
     dumps,
@@ -20,6 +24,7 @@ from onceonly._cli import (
     printable,
     refuse_missing_ledger,
     until_stopped,
+    working,
 )
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
@@ -31,6 +36,7 @@ from onceonly.settle import (
     reconcile,
     reconcile_forever,
 )
+from onceonly.states import Record, State
 
 __all__ = ["ATTENTION_EXIT", "COMMANDS", "Duration", "parse_duration", "reconcile_command"]
 
@@ -51,7 +57,23 @@ _COLOURS = {
 }
 
 
-def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -> None:
+def _no_tool_hint(missing: list[str], app: str | None, tools: Mapping[str, Any]) -> str:
+    """What to do about records whose tool the reconciler does not know: name the app, or another one."""
+    names = ", ".join(repr(t) for t in missing)
+    if app is None:
+        return f"no tool registered for {names}: pass --app module:ledger, the ledger that registers them"
+    known = ", ".join(repr(t) for t in sorted(tools)) or "none"
+    return f"--app {app!r} registers {known}, not {names}: name the app whose ledger registers them"
+
+
+def _print_report(
+    console: Console,
+    report: ReconcileReport,
+    *,
+    verbose: bool,
+    app: str | None = None,
+    tools: Mapping[str, Any] | None = None,
+) -> None:
     lines = report.lines if verbose else report.acted
     if lines:
         table = Table(title=cell(f"reconcile by {report.by}"), box=box.SIMPLE_HEAD)
@@ -68,6 +90,9 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
                 cell(ln.detail),
             )
         console.print(table)
+    missing = sorted({ln.tool for ln in report.lines if ln.settlement is Settlement.NO_TOOL})
+    if missing:
+        console.print(cell(_no_tool_hint(missing, app, tools or {})), soft_wrap=True)
     counts = ", ".join(f"{n} {name}" for name, n in report.counts.items() if n) or "nothing to settle"
     took = report.finished_at - report.started_at
     when = time.strftime("%H:%M:%S")
@@ -137,6 +162,12 @@ def _print_report(console: Console, report: ReconcileReport, *, verbose: bool) -
     help="SQLite: a run reads the in-flight records only when a holder of their leases died or stalled, "
     "and at least once in this long.",
 )
+@click.option(
+    "--max-age",
+    type=Duration(positive=True, example="1h"),
+    default=None,
+    help="A single run also exits 3 when the oldest unsettled record is older than this (30m, 1h).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
 def reconcile_command(
@@ -153,6 +184,7 @@ def reconcile_command(
     purge: bool,
     purge_every: float,
     full_every: float,
+    max_age: float | None,
     as_json: bool,
     verbose: bool,
 ) -> None:
@@ -163,7 +195,8 @@ def reconcile_command(
     reconcilers may run at once: each record is settled once.
 
     Exit status of a single run: 0 when nothing needs a person, 3 when records stay unsettled (the
-    probe raised), have no tool registered, or were parked for review; 1 on an error, 2 on bad usage.
+    probe raised), have no tool registered, were parked for review, or wait in needs_review from
+    before, or (--max-age) an unsettled record is older than that; 1 on an error, 2 on bad usage.
     With --every it runs until SIGTERM or Ctrl-C, then exits 0.
 
     \b
@@ -189,7 +222,12 @@ def reconcile_command(
     if not tools:
         console.print(
             "[yellow]no tools registered[/yellow]: expired leases are still settled, but unknown records "
-            "need their tools' probes: pass --app module:ledger"
+            "need their tools' probes: "
+            + (
+                escape(printable(f"--app {app!r} registers none; name the ledger its tools are registered on"))
+                if app
+                else "pass --app module:ledger"
+            )
         )
     kwargs: dict[str, Any] = {
         "tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch,
@@ -198,8 +236,14 @@ def reconcile_command(
 
     purged_at: list[float] = []  # when this process last purged
 
+    waiting: list[str] = []  # a single run: why a person is needed beyond what the run itself reports
+
     def show(report: ReconcileReport) -> None:
         data = report.to_dict()
+        if every is None:
+            in_review, oldest = _waiting(ledger, scope, max_age)
+            data["needs_review"] = in_review
+            waiting.extend(ops.attention(in_review, oldest, ledger.clock(), max_age))
         # Not after every run: a run every few seconds reads only the open records, a purge every record.
         if purge and (not purged_at or ledger.clock() - purged_at[-1] >= purge_every):
             purged_at.append(ledger.clock())
@@ -207,15 +251,24 @@ def reconcile_command(
         if as_json:
             click.echo(dumps(data))
         else:
-            _print_report(console, report, verbose=verbose)
+            _print_report(console, report, verbose=verbose, app=app, tools=tools)
             if "purged" in data:
                 console.print(f"purged {data['purged']} expired record(s)")
+        for reason in waiting:
+            click.echo(printable(f"attention: {reason}"), err=True)
 
     try:
         if every is None:
-            report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+            try:
+                with working("reconcile: settling", enabled=not as_json):
+                    report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+            except KeyboardInterrupt:
+                click.echo(
+                    "interrupted (Ctrl-C): the records settled so far stay settled; run again for the rest", err=True
+                )
+                raise SystemExit(INTERRUPTED_EXIT) from None
             show(report)
-            if any(report.counts.get(s.value) for s in ATTENTION):
+            if waiting or any(report.counts.get(s.value) for s in ATTENTION):
                 raise SystemExit(ATTENTION_EXIT)
             return
         with until_stopped() as stopping:
@@ -226,6 +279,16 @@ def reconcile_command(
         ledger.close()
         if source is not None and source is not ledger:
             source.close()
+
+
+def _waiting(ledger: Ledger, scope: str | None, max_age: float | None) -> tuple[int, Record | None]:
+    """The records in review (of ``scope``), and with ``max_age`` the oldest unsettled record."""
+    if scope is None:
+        in_review = ledger.stats()[State.NEEDS_REVIEW.value]  # the store's counters: no record is read
+    else:
+        in_review = sum(1 for _ in ops.records(ledger, states=[State.NEEDS_REVIEW], scope=scope))
+    oldest = ops.oldest_unsettled(ledger, scope=scope) if max_age is not None else None
+    return in_review, oldest
 
 
 COMMANDS = [reconcile_command]

@@ -94,7 +94,10 @@ def _run(records: Any, url: str, in_flight: transfer.InFlight, what: str) -> tra
             return transfer.copy_records(records, store, in_flight=in_flight, progress=progress)
     except OnceOnlyError as exc:
         raise click.ClickException(
-            printable(f"{exc}. The records before it are in the target: run the same command again to carry on")
+            printable(
+                f"{str(exc).rstrip('. ')}. The records before it are in the target: run the same command again to "
+                "carry on"
+            )
         ) from exc
     finally:
         progress.done()

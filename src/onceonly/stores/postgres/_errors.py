@@ -12,15 +12,27 @@ from onceonly.stores.postgres._url import PostgresOptions
 
 
 def translate(
-    exc: BaseException, where: str, options: PostgresOptions, closed: bool, cursor: bool = False
+    exc: BaseException,
+    where: str,
+    options: PostgresOptions,
+    closed: bool,
+    cursor: bool = False,
+    writing: bool = True,
 ) -> StoreError:
     """The store error for a driver error: connection trouble → unavailable, anything else → corrupt.
 
     ``where`` names the ledger in the message; ``closed``: the store was closed (whatever the error,
     that is what the caller hears). ``cursor``: it came from a statement sent through psycopg's cursor
-    (the store's ``_run``), not a hot one.
+    (the store's ``_run``), not a hot one. ``writing``: the statement writes, so whether it landed is
+    unknown; a read or an open changed nothing, and the message does not say otherwise.
     """
-    text = str(exc).strip() or type(exc).__name__
+    # The driver's text may end with its own full stop; the message adds sentences after it.
+    text = str(exc).strip().rstrip(".").strip() or type(exc).__name__
+    landed = (
+        "Whether the last write landed is unknown; the ledger reads the record again before it decides"
+        if writing
+        else "It was a read or an open, which changes nothing: try again once the server answers"
+    )
     if isinstance(exc, PoolClosed) or closed:
         return StoreUnavailable(f"{where} was closed")
     if isinstance(exc, PoolTimeout):
@@ -32,16 +44,12 @@ def translate(
     if sqlstate == "57014" and options.statement_timeout is not None and "statement timeout" in text:
         return StoreUnavailable(
             f"{where}: a statement ran longer than statement_timeout={options.statement_timeout} "
-            f"and the server cancelled it ({text}). Whether the last write landed is unknown; the ledger "
-            "reads the record again before it decides. If the server is only slow (a lock held long, a "
+            f"and the server cancelled it ({text}). {landed}. If the server is only slow (a lock held long, a "
             "busy disk), raise statement_timeout in the URL"
         )
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or sqlstate == "25006":
         # 25006: read-only transaction, e.g. connected to a standby after a failover.
-        return StoreUnavailable(
-            f"{where} failed: {text}. Whether the last write landed is unknown; the ledger reads "
-            "the record again before it decides"
-        )
+        return StoreUnavailable(f"{where} failed: {text}. {landed}")
     if sqlstate == wire.NOT_PREPARED and cursor:
         # The store's connections never prepare these (prepare_threshold=None): not ours to prepare again.
         return StoreUnavailable(

@@ -166,7 +166,7 @@ class _Opening:
                     f"{self._where}: not allowed to create the ledger's tables ({str(exc).strip()}). Create them "
                     f"as an owner once (open the ledger as that user), or grant CREATE on schema {self.schema}"
                 ) from exc
-            raise translate(exc, self._where, self.options, closed=False) from exc
+            raise translate(exc, self._where, self.options, closed=False, writing=False) from exc  # opening
 
     def check_server(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse a server that cannot take the ledger's writes, and warn of (or refuse) one that may lose

@@ -84,6 +84,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _reads(sql: str) -> bool:
+    """Whether a statement sent through the cursor only reads (a scan, a count, the clock)."""
+    return sql.lstrip()[:6].upper() == "SELECT"
+
+
 class PostgresStore:
     """An onceonly ledger in a PostgreSQL database.
 
@@ -171,10 +176,10 @@ class PostgresStore:
 
     # --- errors and connections -----------------------------------------------------------------------
 
-    def _translate(self, exc: BaseException, cursor: bool = False) -> StoreError:
+    def _translate(self, exc: BaseException, cursor: bool = False, writing: bool = True) -> StoreError:
         """The store error for a driver error (``_errors.translate``); ``cursor``: it came from a
-        statement sent through psycopg's cursor (``_run``), not a hot one."""
-        return translate(exc, self._where, self.options, self._closed, cursor)
+        statement sent through psycopg's cursor (``_run``), not a hot one; ``writing``: it writes."""
+        return translate(exc, self._where, self.options, self._closed, cursor, writing)
 
     def _getconn(self) -> Connection:
         pool = self._pool
@@ -195,7 +200,7 @@ class PostgresStore:
                 pool.putconn(conn)
             return pool.getconn()
         except psycopg.Error as exc:
-            raise self._translate(exc) from exc
+            raise self._translate(exc, writing=False) from exc  # no statement was sent yet
 
     async def _aconns(self) -> LoopConnections:
         loop = asyncio.get_running_loop()
@@ -209,7 +214,7 @@ class PostgresStore:
             for old in [lp for lp in self._aconnections if lp.is_closed()]:
                 self._aconnections.pop(old).close_now()
             conns = self._aconnections[loop] = LoopConnections(
-                self._conninfo, self.options, self._where, self._translate
+                self._conninfo, self.options, self._where, lambda exc: self._translate(exc, writing=False)
             )
         await conns.start()
         return conns
@@ -248,7 +253,9 @@ class PostgresStore:
 
     # --- the primitives, sync ---------------------------------------------------------------------------
 
-    def _on_connection(self, op: Callable[[Connection], T], rerun: bool = True, cursor: bool = False) -> tuple[T, bool]:
+    def _on_connection(
+        self, op: Callable[[Connection], T], rerun: bool = True, cursor: bool = False, writing: bool = True
+    ) -> tuple[T, bool]:
         """Run ``op`` on a pooled connection: (its answer, whether it ran a second time).
 
         A statement whose connection was lost (the backend terminated, the network cut, a pooler's
@@ -265,7 +272,7 @@ class PostgresStore:
                 return op(conn), runs > 0
             except psycopg.Error as exc:
                 if not rerun or not conn.closed or runs >= len(_RERUN_PAUSES):  # closed: the connection was lost
-                    raise self._translate(exc, cursor) from exc
+                    raise self._translate(exc, cursor, writing) from exc
                 self.reruns += 1
             finally:
                 self._pool.putconn(conn)
@@ -291,7 +298,7 @@ class PostgresStore:
                     cur.execute(sql, params)
             return cur.fetchall() if fetch == _ALL else cur.rowcount
 
-        return self._on_connection(op, rerun, cursor=True)
+        return self._on_connection(op, rerun, cursor=True, writing=not _reads(sql))
 
     def _exec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """One of the hot statements, prepared and binary (stores/_pgwire.py): its result."""
@@ -302,7 +309,7 @@ class PostgresStore:
             def unnamed(conn: Connection) -> pq.abc.PGresult:
                 return conn.wait(wire.run_unnamed(conn.pgconn, stmt, params, timeout))
 
-            return self._on_connection(unnamed)
+            return self._on_connection(unnamed, writing=stmt is not self._stmt_get)
 
         def op(conn: Connection) -> pq.abc.PGresult:
             prepared = conn.ledger_prepared
@@ -310,7 +317,7 @@ class PostgresStore:
                 prepared = conn.ledger_prepared = set()
             return conn.wait(wire.run(conn.pgconn, prepared, stmt, params))
 
-        return self._on_connection(op)
+        return self._on_connection(op, writing=stmt is not self._stmt_get)
 
     def get(self, key: str) -> Record | None:
         res, _ = self._exec(self._stmt_get, [key.encode()])
@@ -459,7 +466,11 @@ class PostgresStore:
     # --- the primitives, async --------------------------------------------------------------------------
 
     async def _aon_connection(
-        self, op: Callable[[AsyncConnection], Awaitable[T]], rerun: bool = True, cursor: bool = False
+        self,
+        op: Callable[[AsyncConnection], Awaitable[T]],
+        rerun: bool = True,
+        cursor: bool = False,
+        writing: bool = True,
     ) -> tuple[T, bool]:
         """``_on_connection``, awaited: the same bounded reruns after a lost connection."""
         runs = 0
@@ -470,7 +481,7 @@ class PostgresStore:
                 return await op(conn), runs > 0
             except psycopg.Error as exc:
                 if not rerun or not conn.closed or runs >= len(_RERUN_PAUSES):  # closed: the connection was lost
-                    raise self._translate(exc, cursor) from exc
+                    raise self._translate(exc, cursor, writing) from exc
                 self.reruns += 1
             finally:
                 await conns.put(conn)
@@ -495,7 +506,7 @@ class PostgresStore:
                     await acur.execute(sql, params)
             return await acur.fetchall() if fetch == _ALL else acur.rowcount
 
-        return await self._aon_connection(op, rerun, cursor=True)
+        return await self._aon_connection(op, rerun, cursor=True, writing=not _reads(sql))
 
     async def _aexec(self, stmt: wire.Statement, params: list[bytes | None]) -> tuple[pq.abc.PGresult, bool]:
         """``_exec``, awaited: the same generator, driven by the async connection."""
@@ -506,7 +517,7 @@ class PostgresStore:
             async def unnamed(conn: AsyncConnection) -> pq.abc.PGresult:
                 return await conn.wait(wire.run_unnamed(conn.pgconn, stmt, params, timeout))
 
-            return await self._aon_connection(unnamed)
+            return await self._aon_connection(unnamed, writing=stmt is not self._stmt_get)
 
         async def op(conn: AsyncConnection) -> pq.abc.PGresult:
             prepared = conn.ledger_prepared
@@ -514,7 +525,7 @@ class PostgresStore:
                 prepared = conn.ledger_prepared = set()
             return await conn.wait(wire.run(conn.pgconn, prepared, stmt, params))
 
-        return await self._aon_connection(op)
+        return await self._aon_connection(op, writing=stmt is not self._stmt_get)
 
     async def aget(self, key: str) -> Record | None:
         res, _ = await self._aexec(self._stmt_get, [key.encode()])

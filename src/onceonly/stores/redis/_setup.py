@@ -44,7 +44,7 @@ class Opening:
         _swap_again: Any
         _delete: Any
 
-        def _unavailable(self, exc: BaseException, what: str) -> Exception: ...
+        def _unavailable(self, exc: BaseException, what: str, writing: bool = False) -> Exception: ...
 
     def _open(self, *, warn: bool, allow_eviction: bool) -> None:
         meta = self._meta_key
@@ -287,7 +287,8 @@ class Opening:
             "onceonly: the Redis server at %s persists nothing (appendonly no, no save points): a restart "
             "would lose the ledger, and calls that already ran would run again. Turn on the append-only "
             "file (CONFIG SET appendonly yes; appendfsync everysec, or always for no loss at all) and set "
-            "it in redis.conf, or open the ledger with warn_persistence=false if this is intended",
+            "it in redis.conf; if this is intended, add warn_persistence=false to the ledger's URL "
+            "(redis://host:6379/0?warn_persistence=false)",
             where,
         )
 

@@ -157,7 +157,9 @@ class RedisStore(Opening, SimilarCalls, AsyncPrimitives):
 
     # --- errors -----------------------------------------------------------------------------------
 
-    def _unavailable(self, exc: BaseException, what: str) -> Exception:
+    def _unavailable(self, exc: BaseException, what: str, writing: bool = False) -> Exception:
+        """The store error for a driver error while ``what``; ``writing``: a write was sent, so
+        whether it landed is unknown (a read or an open changed nothing, and says so)."""
         if isinstance(exc, AskError) and not self.cluster:  # MOVED or ASK: the key's slot is on another node
             return StoreError(
                 f"the Redis server at {self._where} is a node of a Redis Cluster that does not serve every slot "
@@ -182,9 +184,15 @@ class RedisStore(Opening, SimilarCalls, AsyncPrimitives):
                 "it survives a failover is unknown, so it counts as not made: nothing runs on it. A replica is down "
                 "or lagging, or a failover is under way: call again once the master has its replicas in sync"
             )
+        # The driver's text may end with its own full stop; the sentences after it add theirs.
+        text = str(exc).strip().rstrip(".").strip()
+        landed = (
+            "Whether the write landed is unknown; the ledger re-reads the record before it decides anything"
+            if writing
+            else "It was a read or an open, which changes nothing: try again once the server answers"
+        )
         return StoreUnavailable(
-            f"the Redis ledger at {self._where} failed while {what}: {type(exc).__name__}: {exc}. Whether "
-            "the last write landed is unknown; the ledger re-reads the record before it decides anything"
+            f"the Redis ledger at {self._where} failed while {what}: {type(exc).__name__}: {text}. {landed}"
         )
 
     def _check_open(self) -> None:
@@ -392,7 +400,7 @@ class RedisStore(Opening, SimilarCalls, AsyncPrimitives):
         the guard then re-reads the record to learn whether the write landed.
         """
         if not isinstance(exc, RedisConnectionError) or reruns == RERUNS:
-            raise self._unavailable(exc, what) from exc
+            raise self._unavailable(exc, what, writing=True) from exc
         self.reruns += 1
 
     def _write(self, script: Any, again: Any, keys: list[str], args: tuple[Any, ...], what: str) -> Any:
@@ -427,7 +435,7 @@ class RedisStore(Opening, SimilarCalls, AsyncPrimitives):
         try:
             return bool(self._script(self._delete, self._keys(key), args) == 1)
         except FAILURES as exc:
-            raise self._unavailable(exc, f"deleting {key!r}") from exc
+            raise self._unavailable(exc, f"deleting {key!r}", writing=True) from exc
 
     def _run(self, gen: Generator[list[tuple[Any, ...]], list[Any], T], what: str) -> T:
         """Drive a read plan: each batch of commands it yields is one pipeline, one round trip."""
