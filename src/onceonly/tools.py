@@ -373,7 +373,7 @@ class ToolSpec:
         counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self) as seen:
+        with counted(self, call) as seen:
             seen.outcome = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
         return self.finish(seen.outcome, call)
 
@@ -385,7 +385,7 @@ class ToolSpec:
         counted = self.runtime.count_call
         if counted is None:
             return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self) as seen:
+        with counted(self, call) as seen:
             seen.outcome = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
         return self.finish(seen.outcome, call)
 
