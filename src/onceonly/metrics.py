@@ -201,14 +201,17 @@ class Metrics:
             "onceonly_build_info", "The onceonly version of this process (always 1).", ["version"], registry=r
         )
         self.build_info.labels(__version__).set(1)
+        # Labelled by store, so that a process that runs no reconciler exports no series (absent()).
         self.reconciled_at = Gauge(
             "onceonly_reconcile_last_pass_timestamp_seconds",
             "When this process's reconciler last finished a pass over the ledger (Unix time).",
+            ["store"],
             registry=r,
         )
         self.reconcile_passes = Counter(
-            "onceonly_reconcile_passes", "Reconciler passes this process finished, by result.", ["result"], registry=r
-        )
+            "onceonly_reconcile_passes", "Reconciler passes this process ran, by result (ok, failed).",
+            ["store", "result"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[Any, ...], Any] = {}
         self._tools: dict[str, _ToolMetrics] = {}
 
@@ -255,9 +258,9 @@ class Metrics:
             return  # a claim of a new record: nothing counted
         self.on_transition(events.event_of(record))
 
-    def count_pass(self, scope: str | None) -> _Pass:
-        """The context manager around one reconciler pass (``Runtime.observe_passes``)."""
-        return _Pass(self)
+    def pass_counter(self, store: str) -> Callable[[str | None], _Pass]:
+        """The ``Runtime.observe_passes`` observer of a ledger on ``store`` (a ``store_kind``)."""
+        return lambda scope: _Pass(self, store)
 
     def tool(self, name: str) -> _ToolMetrics:
         """The children of one tool's per-call series, made once."""
@@ -283,10 +286,10 @@ def _maybe_takeover(record: Record) -> bool:
 class _Pass:
     """One reconciler pass: its end is the last pass's time; a store error ends it as ``failed``."""
 
-    __slots__ = ("metrics", "report")
+    __slots__ = ("metrics", "report", "store")
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics, store: str) -> None:
+        self.metrics, self.store = metrics, store
         self.report: Any = None
 
     def __enter__(self) -> _Pass:
@@ -295,8 +298,8 @@ class _Pass:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         m = self.metrics
         if exc is None:
-            m.reconciled_at.set(time.time())
-        m.child(m.reconcile_passes, "ok" if exc is None else "failed").inc()
+            m.child(m.reconciled_at, self.store).set(time.time())
+        m.child(m.reconcile_passes, self.store, "ok" if exc is None else "failed").inc()
 
 
 class _ToolMetrics:
@@ -402,7 +405,7 @@ def instrument(ledger: Ledger, *, registry: CollectorRegistry | None = None) -> 
     _instrumented[ledger] = m
     ledger.runtime.watch(m.on_record)
     ledger.runtime.observe_calls(m.count_call)
-    ledger.runtime.observe_passes(m.count_pass)
+    ledger.runtime.observe_passes(m.pass_counter(store_kind(ledger.store)))
     ledger.runtime.write_through(cast(Store, _TimedStore(ledger.store, m)))  # calls and heartbeats alike
     return m
 
