@@ -34,16 +34,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.metrics needs prometheus-client: {install_hint('metrics')}") from exc
 
 from onceonly import __version__, events, ops
-from onceonly.errors import (
-    AttemptsExhausted,
-    InProgress,
-    KeyConflict,
-    OnceOnlyError,
-    OutcomeUnknown,
-    RetryScheduled,
-    SimilarCall,
-    StoreError,
-)
+from onceonly.errors import StoreError, outcome_label
 from onceonly.events import TransitionEvent
 from onceonly.states import UNSETTLED, Record, State
 from onceonly.stores.base import Query, Store
@@ -76,33 +67,16 @@ _TIMED = ("get", "claim", "insert", "swap", "delete", "scan", "count_by_state")
 
 # --- decisions: pure, on events and outcomes --------------------------------------------------------
 
-# What a guarded call raised, as its outcome: the first type that matches (a subclass before its base:
-# RetryScheduled is an InProgress); anything else is the tool's own error, a failure.
-_RAISED: tuple[tuple[type[BaseException], str], ...] = (
-    (KeyConflict, "conflict"),
-    (SimilarCall, "similar"),
-    (RetryScheduled, "scheduled"),
-    (InProgress, "in_progress"),
-    (AttemptsExhausted, "abandoned"),
-    (StoreError, "store_error"),
-    (OnceOnlyError, "error"),
-)
-
 
 def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
     or what it raised: ``failed`` (the tool's own error), ``unknown``, ``needs_review``, ``in_progress``,
     ``scheduled`` (its retry is due later), ``conflict``, ``similar`` (refused as a near-duplicate,
-    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error``.
+    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error`` (``errors.outcome_label``).
 
     .. versionadded:: 0.1
     """
-    if out is not None:
-        return out.state.value
-    if isinstance(exc, OutcomeUnknown):
-        rec = exc.record
-        return "needs_review" if rec is not None and rec.state is State.NEEDS_REVIEW else "unknown"
-    return next((label for kind, label in _RAISED if isinstance(exc, kind)), "failed")
+    return outcome_label(out, exc)
 
 
 def settle_path(event: TransitionEvent) -> str | None:
