@@ -276,7 +276,7 @@ def test_the_exporter_serves_the_ledgers_counts(
             for state, n in t.states.items()
             if n
         }
-        assert _get(samples, "onceonly_build_info", version=onceonly.__version__) is None  # no Metrics there
+        assert _get(samples, "onceonly_build_info", version=onceonly.__version__) == 1
         assert _get(samples, "onceonly_ledger_up") == 1
         assert (_get(samples, "onceonly_unsettled_oldest_age_seconds") or 0) >= 0
         assert not _series(samples, "onceonly_calls_total")  # the exporter makes no calls: it reads

@@ -48,6 +48,7 @@ __all__ = [
     "LedgerCollector",
     "Metrics",
     "asgi_app",
+    "build_info",
     "call_outcome",
     "enable",
     "instrument",
@@ -120,6 +121,18 @@ def store_kind(store: object) -> str:
     return known.get(name, name.removesuffix("Store").lower() or name.lower())
 
 
+def build_info(registry: CollectorRegistry) -> Gauge:
+    """``onceonly_build_info{version}`` (always 1) in ``registry``: which onceonly each process runs.
+    ``enable`` makes it; the exporter (``onceonly metrics``) too.
+
+    .. versionadded:: 0.1
+    """
+    help_text = "The onceonly version of this process (always 1)."
+    gauge = Gauge("onceonly_build_info", help_text, ["version"], registry=registry)
+    gauge.labels(__version__).set(1)
+    return gauge
+
+
 # --- the metrics of one registry -----------------------------------------------------------------------
 
 
@@ -171,10 +184,7 @@ class Metrics:
         self.store_errors = Counter(
             "onceonly_store_errors", "Store operations that failed.", ["store", "operation"], registry=r
         )
-        self.build_info = Gauge(
-            "onceonly_build_info", "The onceonly version of this process (always 1).", ["version"], registry=r
-        )
-        self.build_info.labels(__version__).set(1)
+        self.build_info = build_info(r)
         # Labelled by store, so that a process that runs no reconciler exports no series (absent()).
         self.reconciled_at = Gauge(
             "onceonly_reconcile_last_pass_timestamp_seconds",
