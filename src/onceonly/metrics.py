@@ -434,12 +434,14 @@ def _timed(fn: Callable[..., Any], observe: Callable[[float], None], failed: Cal
     def call(*args: Any) -> Any:
         started = clock()
         try:
-            return fn(*args)
-        except StoreError:
-            failed()
-            raise
-        finally:
+            done = fn(*args)
+        except BaseException as exc:
             observe(clock() - started)
+            if isinstance(exc, StoreError):
+                failed()
+            raise
+        observe(clock() - started)
+        return done
 
     return call
 
@@ -450,12 +452,14 @@ def _timed_async(fn: Callable[..., Any], observe: Callable[[float], None], faile
     async def call(*args: Any) -> Any:
         started = clock()
         try:
-            return await fn(*args)
-        except StoreError:
-            failed()
-            raise
-        finally:
+            done = await fn(*args)
+        except BaseException as exc:
             observe(clock() - started)
+            if isinstance(exc, StoreError):
+                failed()
+            raise
+        observe(clock() - started)
+        return done
 
     return call
 
