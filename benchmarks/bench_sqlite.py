@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import statistics
 import sys
 import time
 import uuid
@@ -66,9 +67,14 @@ def bench(rounds: int, batch: int, workdir: Path) -> list[dict[str, object]]:
         ]
     interleave(contenders, rounds, batch)
     ledger.close()
+    rows = report("sqlite", contenders)
     if counted is not None:
         counted.close()
-    return report("sqlite", contenders)
+        # The cost of the metrics alone: per-round ratios of the same calls with and without them.
+        for off, on in ((first, contenders[4]), (replay, contenders[5])):
+            ratio = statistics.median(a / b for a, b in zip(on.per_call, off.per_call, strict=True))
+            print(f"sqlite: {on.name} / metrics off = {ratio:.3f}")
+    return rows
 
 
 def _with_metrics(path: Path) -> onceonly.Ledger | None:

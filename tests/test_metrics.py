@@ -21,10 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
+import onceonly
 from onceonly import NOT_FOUND, KeyConflict, Ledger, OutcomeUnknown, Retry, State, ops
 from onceonly import states as st
 from onceonly.errors import AttemptsExhausted, InProgress, OnceOnlyError, RetryScheduled, SimilarCall, StoreUnavailable
-from onceonly.metrics import LedgerCollector, asgi_app, call_outcome, instrument
+from onceonly.metrics import LedgerCollector, Metrics, asgi_app, call_outcome, instrument
 from onceonly.stores.sqlite import SQLiteStore
 from onceonly.tickets import serve_in_thread
 from tests._clock import FakeClock
@@ -46,6 +47,10 @@ def _scrape(url: str) -> Samples:
         for family in text_string_to_metric_families(answer.text)
         for s in family.samples
     }
+
+
+def _samples(registry: CollectorRegistry) -> Samples:
+    return {(s.name, frozenset(s.labels.items())): s.value for family in registry.collect() for s in family.samples}
 
 
 def _get(samples: Samples, name: str, **labels: str) -> float | None:
@@ -137,6 +142,10 @@ def test_scraped_counters_and_gauges_are_the_ledgers_own(store_url: str, clock: 
         instrument(ledger, registry=registry)
         assert instrument(ledger, registry=registry) is instrument(ledger, registry=registry)
         registry.register(LedgerCollector(ledger))
+        # The same transitions decoded as events (Ledger.subscribe): the counts the watcher's fast path
+        # must equal.
+        decoded = CollectorRegistry()
+        ledger.subscribe(Metrics(decoded).on_transition)
         _make_calls(ledger, clock)
         other.tool(name="quiet")(lambda x: x)(1)
 
@@ -178,6 +187,8 @@ def test_scraped_counters_and_gauges_are_the_ledgers_own(store_url: str, clock: 
         )
     }
     assert _series(samples, "onceonly_lease_takeovers_total") == {frozenset({("tool", "deliver")}): 1}
+    for name in ("onceonly_unknowns_total", "onceonly_settles_total", "onceonly_lease_takeovers_total"):
+        assert _series(samples, name) == _series(_samples(decoded), name), name
     assert _series(samples, "onceonly_conflicts_total") == {frozenset({("source", "guard"), ("tool", "charge")}): 1}
     assert _get(samples, "onceonly_alerts_total", event="ParkedForReview") == 2
 
@@ -189,12 +200,24 @@ def test_scraped_counters_and_gauges_are_the_ledgers_own(store_url: str, clock: 
     assert (_get(samples, "onceonly_store_operation_duration_seconds_sum", store=kind, operation="claim") or 0) > 0
     assert (_get(samples, "onceonly_store_operation_duration_seconds_count", store=kind, operation="swap") or 0) > 0
 
-    # The gauges, read at the scrape, are the ledger's own counts.
-    assert {s: _get(samples, "onceonly_records", state=s) for s in counts} == {s: float(n) for s, n in counts.items()}
+    # The gauges, read at the scrape, are the ledger's own counts: each tool's records by state (the
+    # store's GROUP BY on SQL, every record read on Redis), summing to the counts by state.
+    by_tool = {
+        frozenset({("tool", t.tool), ("state", state)}): float(n)
+        for t in figures.tools.values()
+        for state, n in t.states.items()
+        if n
+    }
+    assert _series(samples, "onceonly_records") == by_tool
+    assert {("tool", "charge"), ("state", "confirmed")} in [set(labels) for labels in by_tool]
+    for state, n in counts.items():
+        assert sum(v for labels, v in by_tool.items() if ("state", state) in labels) == n, state
+    assert _get(samples, "onceonly_build_info", version=onceonly.__version__) == 1
     assert counts == figures.states and counts["needs_review"] == 1 and counts["failed"] == 1
     assert _get(samples, "onceonly_unsettled_oldest_age_seconds") == pytest.approx(clock() - parked.created_at)
     assert _get(samples, "onceonly_ledger_up") == 1
-    assert not any(("tool", "quiet") in labels for _, labels in samples)
+    # The other ledger's call is not counted (its record is in the store, so in the gauge).
+    assert not any(("tool", "quiet") in labels for name, labels in samples if name != "onceonly_records")
 
 
 def test_an_uninstrumented_ledger_keeps_its_store_and_pays_nothing(sqlite_url: str) -> None:
@@ -244,12 +267,16 @@ def test_the_exporter_serves_the_ledgers_counts(
     unsettled age of the ledger that another process wrote, as the ledger counts them."""
     with Ledger.open(store_url, clock=clock, sleep=clock.sleep) as ledger:
         _make_calls(ledger, clock)
-        counts = ledger.stats()
+        figures = ops.stats(ledger)
         url = request.getfixturevalue("exporter")
         samples = _scrape(url)
-        assert {s: _get(samples, "onceonly_records", state=s) for s in counts} == {
-            s: float(n) for s, n in counts.items()
+        assert _series(samples, "onceonly_records") == {
+            frozenset({("tool", t.tool), ("state", state)}): float(n)
+            for t in figures.tools.values()
+            for state, n in t.states.items()
+            if n
         }
+        assert _get(samples, "onceonly_build_info", version=onceonly.__version__) == 1
         assert _get(samples, "onceonly_ledger_up") == 1
         assert (_get(samples, "onceonly_unsettled_oldest_age_seconds") or 0) >= 0
         assert not _series(samples, "onceonly_calls_total")  # the exporter makes no calls: it reads
@@ -317,6 +344,10 @@ def test_late_outcomes_and_the_reconciler_are_counted_as_settles(sqlite_url: str
     assert value("onceonly_settles_total", tool="maybe", via="reconcile-probe", state="failed") == 1
     assert value("onceonly_calls_total", tool="slow", outcome="needs_review") == 1
     assert value("onceonly_calls_total", tool="maybe", outcome="unknown") == 1
+    # The pass is counted and timed (wall clock: Prometheus compares it with time()).
+    assert value("onceonly_reconcile_passes_total", store="sqlite", result="ok") == 1
+    passed = value("onceonly_reconcile_last_pass_timestamp_seconds", store="sqlite") or 0
+    assert time.time() - 60 < passed <= time.time()
 
 
 def test_what_a_call_raised_names_its_outcome() -> None:
@@ -352,4 +383,4 @@ def test_a_store_that_fails_is_counted_and_the_gauges_say_down(sqlite_url: str) 
     assert registry.get_sample_value("onceonly_store_errors_total", labels) == 1
     assert registry.get_sample_value("onceonly_store_operation_duration_seconds_count", labels) == 1
     assert registry.get_sample_value("onceonly_ledger_up") == 0
-    assert registry.get_sample_value("onceonly_records", {"state": "confirmed"}) is None
+    assert registry.get_sample_value("onceonly_records", {"tool": "t", "state": "confirmed"}) is None

@@ -868,7 +868,7 @@ if _MISSING_CLI is None:
         stopped. The counters of guarded calls live in the processes that make them: see
         docs/operations.md, "Metrics"."""
         try:  # onceonly.metrics first: without prometheus-client it says which extra to install
-            from onceonly.metrics import LedgerCollector, start_http_server
+            from onceonly.metrics import LedgerCollector, build_info, start_http_server
         except ImportError as exc:
             raise _fail(exc) from exc
         from prometheus_client import CollectorRegistry
@@ -876,6 +876,7 @@ if _MISSING_CLI is None:
         with _ledger(url) as ledger:
             registry = CollectorRegistry()
             registry.register(LedgerCollector(ledger))
+            build_info(registry)
             try:
                 server, thread = start_http_server(port, addr, registry=registry)
             except OSError as exc:

@@ -39,6 +39,7 @@ __all__ = [
     "StoreCorrupt",
     "StoreError",
     "StoreUnavailable",
+    "outcome_label",
 ]
 
 
@@ -224,3 +225,32 @@ class StoreCorrupt(StoreError):
 
     .. versionadded:: 0.1
     """
+
+
+# What a guarded call raised, as its outcome: the first type that matches (a subclass before its base:
+# RetryScheduled is an InProgress); anything else is the tool's own error, a failure.
+_RAISED: tuple[tuple[type[BaseException], str], ...] = (
+    (KeyConflict, "conflict"),
+    (SimilarCall, "similar"),
+    (RetryScheduled, "scheduled"),
+    (InProgress, "in_progress"),
+    (AttemptsExhausted, "abandoned"),
+    (StoreError, "store_error"),
+    (OnceOnlyError, "error"),
+)
+
+
+def outcome_label(out: Any, exc: BaseException | None) -> str:
+    """How a guarded call ended, as one word (the metrics' ``outcome`` label, the traces'
+    ``onceonly.outcome``): the state of its ``Outcome`` ``out``, or what it raised: ``failed`` (the tool's
+    own error), ``unknown``, ``needs_review``, ``in_progress``, ``scheduled``, ``conflict``, ``similar``,
+    ``abandoned``, ``store_error``, ``error``.
+
+    .. versionadded:: 0.1
+    """
+    if out is not None:
+        return str(out.state.value)
+    if isinstance(exc, OutcomeUnknown):
+        rec = exc.record
+        return "needs_review" if rec is not None and rec.state.value == "needs_review" else "unknown"
+    return next((label for kind, label in _RAISED if isinstance(exc, kind)), "failed")

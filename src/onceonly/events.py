@@ -21,7 +21,7 @@ from typing import Any
 
 from onceonly.states import Record, State
 
-__all__ = ["ALERTS", "TransitionEvent", "alert", "event_of", "key_conflict", "listen_alerts", "short_key"]
+__all__ = ["ALERTS", "TransitionEvent", "alert", "event_of", "key_conflict", "listen_alerts", "moved_from", "short_key"]
 
 log = logging.getLogger("onceonly.transitions")
 #: The logger of alerts: each record carries ``extra={"onceonly": {"event": NAME, ...}}``.
@@ -148,6 +148,18 @@ def event_of(record: Record) -> TransitionEvent:
         at=last["at"],
         via=record.via,
     )
+
+
+def moved_from(record: Record) -> str | None:
+    """The state the transition that produced ``record`` came from (``None``: it was made), read from
+    its last history entry's fixed prefix (``{"at":T,"from":S,``, written by ``states``) without
+    decoding it: the cheap part of ``event_of`` for a watcher on the hot path."""
+    h = record.history_json
+    start = h.rfind('{"at":')
+    at = h.find(',"from":', start) + 8
+    if h.startswith("null", at):
+        return None
+    return h[at + 1 : h.index('"', at + 1)]
 
 
 def emit(record: Record, listeners: list[Listener]) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 try:
     import prometheus_client
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - the extra is missing
@@ -33,30 +33,22 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
     raise ImportError(f"onceonly.metrics needs prometheus-client: {install_hint('metrics')}") from exc
 
-from onceonly import events, ops
-from onceonly.errors import (
-    AttemptsExhausted,
-    InProgress,
-    KeyConflict,
-    OnceOnlyError,
-    OutcomeUnknown,
-    RetryScheduled,
-    SimilarCall,
-    StoreError,
-)
+from onceonly import __version__, events, ops
+from onceonly.errors import StoreError, outcome_label
 from onceonly.events import TransitionEvent
-from onceonly.states import UNSETTLED, State
+from onceonly.states import UNSETTLED, Record, State
 from onceonly.stores.base import Query, Store
 
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
-    from onceonly.plan import Outcome
+    from onceonly.plan import Call, Outcome
     from onceonly.tools import ToolSpec
 
 __all__ = [
     "LedgerCollector",
     "Metrics",
     "asgi_app",
+    "build_info",
     "call_outcome",
     "enable",
     "instrument",
@@ -76,33 +68,16 @@ _TIMED = ("get", "claim", "insert", "swap", "delete", "scan", "count_by_state")
 
 # --- decisions: pure, on events and outcomes --------------------------------------------------------
 
-# What a guarded call raised, as its outcome: the first type that matches (a subclass before its base:
-# RetryScheduled is an InProgress); anything else is the tool's own error, a failure.
-_RAISED: tuple[tuple[type[BaseException], str], ...] = (
-    (KeyConflict, "conflict"),
-    (SimilarCall, "similar"),
-    (RetryScheduled, "scheduled"),
-    (InProgress, "in_progress"),
-    (AttemptsExhausted, "abandoned"),
-    (StoreError, "store_error"),
-    (OnceOnlyError, "error"),
-)
-
 
 def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
     or what it raised: ``failed`` (the tool's own error), ``unknown``, ``needs_review``, ``in_progress``,
     ``scheduled`` (its retry is due later), ``conflict``, ``similar`` (refused as a near-duplicate,
-    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error``.
+    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error`` (``errors.outcome_label``).
 
     .. versionadded:: 0.1
     """
-    if out is not None:
-        return out.state.value
-    if isinstance(exc, OutcomeUnknown):
-        rec = exc.record
-        return "needs_review" if rec is not None and rec.state is State.NEEDS_REVIEW else "unknown"
-    return next((label for kind, label in _RAISED if isinstance(exc, kind)), "failed")
+    return outcome_label(out, exc)
 
 
 def settle_path(event: TransitionEvent) -> str | None:
@@ -144,6 +119,18 @@ def store_kind(store: object) -> str:
     name = type(store).__name__
     known = {"SQLiteStore": "sqlite", "RedisStore": "redis", "PostgresStore": "postgres"}
     return known.get(name, name.removesuffix("Store").lower() or name.lower())
+
+
+def build_info(registry: CollectorRegistry) -> Gauge:
+    """``onceonly_build_info{version}`` (always 1) in ``registry``: which onceonly each process runs.
+    ``enable`` makes it; the exporter (``onceonly metrics``) too.
+
+    .. versionadded:: 0.1
+    """
+    help_text = "The onceonly version of this process (always 1)."
+    gauge = Gauge("onceonly_build_info", help_text, ["version"], registry=registry)
+    gauge.labels(__version__).set(1)
+    return gauge
 
 
 # --- the metrics of one registry -----------------------------------------------------------------------
@@ -197,7 +184,20 @@ class Metrics:
         self.store_errors = Counter(
             "onceonly_store_errors", "Store operations that failed.", ["store", "operation"], registry=r
         )
+        self.build_info = build_info(r)
+        # Labelled by store, so that a process that runs no reconciler exports no series (absent()).
+        self.reconciled_at = Gauge(
+            "onceonly_reconcile_last_pass_timestamp_seconds",
+            "When this process's reconciler last finished a pass over the ledger (Unix time).",
+            ["store"],
+            registry=r,
+        )
+        self.reconcile_passes = Counter(
+            "onceonly_reconcile_passes", "Reconciler passes this process ran, by result (ok, failed).",
+            ["store", "result"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._tools: dict[str, _ToolMetrics] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, kept: ``labels()`` validates and locks on every call, and a guarded
@@ -227,18 +227,91 @@ class Metrics:
         if _is_takeover(event):
             self.child(self.takeovers, event.tool).inc()
 
-    def count_call(self, spec: ToolSpec) -> _Call:
-        """The context manager around one guarded call of ``spec`` (``Runtime.count_call``)."""
-        return _Call(self, spec.name, spec.is_control_flow)
+    def on_record(self, record: Record) -> None:
+        """Count the transition that produced ``record`` (a ``Runtime.watch`` watcher): as
+        ``on_transition``, with the two transitions of every first call told apart from the rest
+        without decoding an event (a claim counts nothing; a run's confirm is one settle)."""
+        state = record.state
+        if state is _CONFIRMED:
+            if record.via == "run":
+                frm = events.moved_from(record)
+                if frm is not None and frm != "confirmed" and not _maybe_takeover(record):
+                    self.tool(record.tool).settled_run.inc()
+                    return
+        elif (state is _PENDING or state is _IN_FLIGHT) and events.moved_from(record) is None:
+            return  # a claim of a new record: nothing counted
+        self.on_transition(events.event_of(record))
+
+    def pass_counter(self, store: str) -> Callable[[str | None], _Pass]:
+        """The ``Runtime.observe_passes`` observer of a ledger on ``store`` (a ``store_kind``)."""
+        return lambda scope: _Pass(self, store)
+
+    def tool(self, name: str) -> _ToolMetrics:
+        """The children of one tool's per-call series, made once."""
+        found = self._tools.get(name)
+        if found is None:
+            found = self._tools[name] = _ToolMetrics(self, name)
+        return found
+
+    def count_call(self, spec: ToolSpec, call: Call | None = None) -> _Call:
+        """The context manager around one guarded call of ``spec`` (``Runtime.observe_calls``)."""
+        return _Call(self.tool(spec.name), spec.is_control_flow)
+
+
+_CONFIRMED, _PENDING, _IN_FLIGHT = State.CONFIRMED, State.PENDING, State.IN_FLIGHT
+
+
+def _maybe_takeover(record: Record) -> bool:
+    """Whether the last entry's reason may name an expired lease (then the full event decides)."""
+    h = record.history_json
+    return h.find("lease of ", h.rfind('{"at":')) >= 0
+
+
+class _Pass:
+    """One reconciler pass: its end is the last pass's time; a store error ends it as ``failed``."""
+
+    __slots__ = ("metrics", "report", "store")
+
+    def __init__(self, metrics: Metrics, store: str) -> None:
+        self.metrics, self.store = metrics, store
+        self.report: Any = None
+
+    def __enter__(self) -> _Pass:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        m = self.metrics
+        if exc is None:
+            m.child(m.reconciled_at, self.store).set(time.time())
+        m.child(m.reconcile_passes, self.store, "ok" if exc is None else "failed").inc()
+
+
+class _ToolMetrics:
+    """One tool's children of the per-call series, bound once: a call then pays no label lookup."""
+
+    __slots__ = ("by_outcome", "metrics", "name", "replays", "seconds", "settled_run")
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self.metrics, self.name = metrics, name
+        self.seconds = metrics.call_seconds.labels(name)
+        self.replays = metrics.replays.labels(name)
+        self.settled_run = metrics.settles.labels(name, "run", "confirmed")
+        self.by_outcome: dict[str, Any] = {}
+
+    def outcome(self, label: str) -> Any:
+        found = self.by_outcome.get(label)
+        if found is None:
+            found = self.by_outcome[label] = self.metrics.calls.labels(self.name, label)
+        return found
 
 
 class _Call:
     """One guarded call being counted: its outcome, or what it raised, and how long it took."""
 
-    __slots__ = ("control_flow", "metrics", "outcome", "started", "tool")
+    __slots__ = ("control_flow", "outcome", "started", "tool")
 
-    def __init__(self, metrics: Metrics, tool: str, control_flow: Callable[[BaseException], bool]) -> None:
-        self.metrics, self.tool, self.control_flow = metrics, tool, control_flow
+    def __init__(self, tool: _ToolMetrics, control_flow: Callable[[BaseException], bool]) -> None:
+        self.tool, self.control_flow = tool, control_flow
         self.outcome: Any = None
 
     def __enter__(self) -> _Call:
@@ -246,17 +319,21 @@ class _Call:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        m = self.metrics
-        m.child(m.call_seconds, self.tool).observe(time.perf_counter() - self.started)
-        if exc is not None and self.control_flow(exc):
+        t = self.tool
+        t.seconds.observe(time.perf_counter() - self.started)
+        if exc is None:
+            out = self.outcome
+            t.outcome(out.state.value).inc()
+            if out.replayed:
+                t.replays.inc()
+            return
+        if self.control_flow(exc):
             label = "passthrough"  # an interrupt is not an outcome
-        elif exc is not None and not isinstance(exc, Exception):
+        elif not isinstance(exc, Exception):
             label = "interrupted"  # cancelled, KeyboardInterrupt: the record settles later
         else:
-            label = call_outcome(self.outcome, exc)
-        m.child(m.calls, self.tool, label).inc()
-        if exc is None and self.outcome.replayed:
-            m.child(m.replays, self.tool).inc()
+            label = call_outcome(None, exc)
+        t.outcome(label).inc()
 
 
 # Every Metrics made, by its registry (held weakly: a test's registry goes away with its metrics).
@@ -310,8 +387,9 @@ def instrument(ledger: Ledger, *, registry: CollectorRegistry | None = None) -> 
             raise ValueError(f"{ledger!r} is already counted in another registry: instrument it once")
         return m
     _instrumented[ledger] = m
-    ledger.subscribe(m.on_transition)
-    ledger.runtime.count_calls(m.count_call)
+    ledger.runtime.watch(m.on_record)
+    ledger.runtime.observe_calls(m.count_call)
+    ledger.runtime.observe_passes(m.pass_counter(store_kind(ledger.store)))
     ledger.runtime.write_through(cast(Store, _TimedStore(ledger.store, m)))  # calls and heartbeats alike
     return m
 
@@ -350,36 +428,38 @@ class _TimedStore:
         return f"<timed {self._inner!r}>"
 
 
-class _Timing:
-    """One store operation being timed; a ``StoreError`` out of it is counted too."""
-
-    __slots__ = ("failed", "observe", "started")
-
-    def __init__(self, observe: Callable[[float], None], failed: Callable[[], None]) -> None:
-        self.observe, self.failed = observe, failed
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.observe(time.perf_counter() - self.started)
-        if kind is not None and issubclass(kind, StoreError):
-            self.failed()
-
-
 def _timed(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
+    clock = time.perf_counter
+
     def call(*args: Any) -> Any:
-        with _Timing(observe, failed):
-            return fn(*args)
+        started = clock()
+        try:
+            done = fn(*args)
+        except BaseException as exc:
+            observe(clock() - started)
+            if isinstance(exc, StoreError):
+                failed()
+            raise
+        observe(clock() - started)
+        return done
 
     return call
 
 
 def _timed_async(fn: Callable[..., Any], observe: Callable[[float], None], failed: Callable[[], None]) -> Any:
+    clock = time.perf_counter
+
     async def call(*args: Any) -> Any:
-        with _Timing(observe, failed):
-            return await fn(*args)
+        started = clock()
+        try:
+            done = await fn(*args)
+        except BaseException as exc:
+            observe(clock() - started)
+            if isinstance(exc, StoreError):
+                failed()
+            raise
+        observe(clock() - started)
+        return done
 
     return call
 
@@ -389,9 +469,12 @@ def _timed_async(fn: Callable[..., Any], observe: Callable[[float], None], faile
 
 class LedgerCollector(Collector):
     """Gauges of what ``ledger`` holds, read from the store at each scrape (reads only):
-    ``onceonly_records{state}`` (the store's counts), ``onceonly_unsettled_oldest_age_seconds`` (the
-    oldest pending, in-flight, unknown or parked record; 0 when there is none) and ``onceonly_ledger_up``
+    ``onceonly_records{tool,state}`` (the records of each tool by state), ``onceonly_unsettled_oldest_age_seconds``
+    (the oldest pending, in-flight, unknown or parked record; 0 when there is none) and ``onceonly_ledger_up``
     (0 when the store could not be read, and then no other gauge).
+
+    SQLite and PostgreSQL count records per tool in one query; another store (Redis) is read record by
+    record at each scrape, in pages: on a large ledger there, scrape the exporter less often.
 
     Register one per ledger, in one process only (the exporter, ``onceonly metrics``): the figures are
     the ledger's, the same from every process.
@@ -404,14 +487,14 @@ class LedgerCollector(Collector):
 
     def describe(self) -> Iterator[Any]:
         # Named without reading the store, so that registering never waits for it.
-        yield GaugeMetricFamily("onceonly_ledger_up", "1 when the ledger's store answered the scrape.")
-        yield GaugeMetricFamily("onceonly_records", "Records in the ledger, by state.", labels=["state"])
-        yield GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", "Age of the oldest unsettled record.")
+        yield GaugeMetricFamily("onceonly_ledger_up", _UP_HELP)
+        yield GaugeMetricFamily("onceonly_records", _RECORDS_HELP, labels=["tool", "state"])
+        yield GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", _OLDEST_HELP)
 
     def collect(self) -> Iterator[Any]:
-        up = GaugeMetricFamily("onceonly_ledger_up", "1 when the ledger's store answered the scrape.")
+        up = GaugeMetricFamily("onceonly_ledger_up", _UP_HELP)
         try:
-            counts = self.ledger.stats()
+            counts = self._counts()
             age = self._oldest_unsettled_age()
         except StoreError:
             up.add_metric([], 0)
@@ -419,13 +502,24 @@ class LedgerCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        records = GaugeMetricFamily("onceonly_records", "Records in the ledger, by state.", labels=["state"])
-        for state, n in counts.items():
-            records.add_metric([state], n)
+        records = GaugeMetricFamily("onceonly_records", _RECORDS_HELP, labels=["tool", "state"])
+        for (tool, state), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+            records.add_metric([tool, state.value], n)
         yield records
-        oldest = GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", "Age of the oldest unsettled record.")
+        oldest = GaugeMetricFamily("onceonly_unsettled_oldest_age_seconds", _OLDEST_HELP)
         oldest.add_metric([], age)
         yield oldest
+
+    def _counts(self) -> dict[tuple[str, State], int]:
+        """Records per (tool, state): the store's own count where it has one, else every record read."""
+        count = getattr(self.ledger.store, "count_by_tool", None)
+        if count is not None:
+            found: dict[tuple[str, State], int] = count()
+            return found
+        counts: dict[tuple[str, State], int] = {}
+        for rec in ops._walk(self.ledger, Query(), lambda r: True):
+            counts[rec.tool, rec.state] = counts.get((rec.tool, rec.state), 0) + 1
+        return counts
 
     def _oldest_unsettled_age(self) -> float:
         """Seconds since the oldest unsettled record was made (as ``onceonly stats`` reads it): only the
@@ -433,6 +527,11 @@ class LedgerCollector(Collector):
         states = sorted(UNSETTLED, key=list(State).index)
         first = min((r.created_at for r in ops._walk(self.ledger, Query(states=states), lambda r: True)), default=None)
         return 0.0 if first is None else max(0.0, self.ledger.clock() - first)
+
+
+_UP_HELP = "1 when the ledger's store answered the scrape."
+_RECORDS_HELP = "Records in the ledger, by tool and state."
+_OLDEST_HELP = "Age of the oldest unsettled record."
 
 
 # --- serving /metrics --------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Store
 
 if TYPE_CHECKING:
+    from onceonly.plan import Call
     from onceonly.tools import ToolSpec
 
 __all__ = [
@@ -63,7 +64,11 @@ class Runtime:
         listeners: ``Ledger.subscribe``'s listeners, told of every transition this process writes.
         beats: the heartbeats that extend the leases of running tools.
         late_tasks: async late outcomes being recorded (kept so that they are not collected).
-        count_call: ``spec -> context manager`` around each guarded call (``count_calls``), or ``None``.
+        count_call: ``(spec, call) -> context manager`` around each guarded call (``observe_calls``), or
+            ``None`` when nobody observes calls. The context manager's ``outcome`` is set to the call's
+            ``Outcome`` before it exits without an error.
+        watchers: told of each record this process writes, as the record itself (``watch``), before
+            any event is decoded from it.
 
     .. versionadded:: 0.1
     """
@@ -85,7 +90,11 @@ class Runtime:
         self.rng = rng
         self.store_clock = store_clock
         self.listeners: list[Listener] = []
-        self.count_call: Callable[[ToolSpec], contextlib.AbstractContextManager[Any]] | None = None
+        self.watchers: list[Callable[[Record], None]] = []
+        self.count_call: CallObserver | None = None
+        self._call_observers: list[CallObserver] = []
+        #: ``observe_passes``' observers, entered around each reconciler pass.
+        self.pass_observers: list[Callable[[str | None], contextlib.AbstractContextManager[Any]]] = []
         on_tick = None if store_clock is None else store_clock.sync_if_due
         self.beats = Heartbeats(store, clock, on_tick)
         self.late_tasks: set[asyncio.Task[Any]] = set()
@@ -96,11 +105,22 @@ class Runtime:
 
     def observed(self) -> bool:
         """Whether anyone hears of transitions (a listener, or the transitions log at INFO)."""
-        return bool(self.listeners) or _transitions_log.isEnabledFor(logging.INFO)
+        return bool(self.listeners) or bool(self.watchers) or _transitions_log.isEnabledFor(logging.INFO)
 
     def announce(self, record: Record) -> None:
-        """Tell the listeners (and the transitions log) of a transition this process wrote."""
+        """Tell the watchers, the listeners (and the transitions log) of a transition this process wrote."""
+        for watcher in self.watchers:
+            try:
+                watcher(record)
+            except Exception:  # a broken watcher must not break the ledger
+                _transitions_log.exception("onceonly: a record watcher failed")
         emit(record, self.listeners)
+
+    def watch(self, watcher: Callable[[Record], None]) -> None:
+        """``watcher(record)`` for each record this process writes from now on: the raw record, for an
+        observer that decides cheaply what it needs (``onceonly.metrics``), where ``Ledger.subscribe``'s
+        listeners get a decoded ``TransitionEvent``."""
+        self.watchers.append(watcher)
 
     def new_owner(self) -> str:
         """A lease owner unique to one call (``new_owner``)."""
@@ -118,9 +138,27 @@ class Runtime:
         self.store = store
         self.beats.store = store
 
-    def count_calls(self, counter: Callable[[ToolSpec], contextlib.AbstractContextManager[Any]] | None) -> None:
-        """``counter(spec)`` is entered around each guarded call from now on (``None``: no longer)."""
-        self.count_call = counter
+    def observe_calls(self, observer: CallObserver) -> None:
+        """``observer(spec, call)`` is entered around each guarded call from now on (``onceonly.metrics``,
+        ``onceonly.otel``); several are entered in the order given."""
+        self._call_observers.append(observer)
+        self._compose()
+
+    def unobserve_calls(self, observer: CallObserver) -> None:
+        """No longer enter ``observer`` around calls."""
+        self._call_observers = [o for o in self._call_observers if o != observer]
+        self._compose()
+
+    def observe_passes(self, observer: Callable[[str | None], contextlib.AbstractContextManager[Any]]) -> None:
+        """``observer(scope)`` is entered around each reconciler pass over this ledger from now on; its
+        context manager's ``report`` is set to the pass's ``ReconcileReport`` before it exits without
+        an error (``onceonly.metrics``: the last pass's time; ``onceonly.otel``: a span per pass)."""
+        self.pass_observers.append(observer)
+
+    def _compose(self) -> None:
+        # One observer is entered as it is (the hot path pays for nothing else); several through _Each.
+        found = list(self._call_observers)
+        self.count_call = None if not found else found[0] if len(found) == 1 else _Each.maker(found)
 
     @contextlib.contextmanager
     def writing_late(self) -> Iterator[None]:
@@ -139,6 +177,40 @@ class Runtime:
         self.beats.close()
         with self._written:
             self._written.wait_for(lambda: self._writing == 0, timeout=wait)
+
+
+#: Made around one guarded call: ``observer(spec, call)``; its context manager gets ``outcome`` set.
+CallObserver = Callable[["ToolSpec", "Call"], contextlib.AbstractContextManager[Any]]
+
+
+class _Each:
+    """Several call observers entered as one: each one's ``outcome`` is set with this one's."""
+
+    __slots__ = ("entered", "makers", "outcome")
+
+    def __init__(self, makers: list[CallObserver], spec: ToolSpec, call: Call) -> None:
+        self.entered = [make(spec, call) for make in makers]
+        self.outcome: Any = None
+
+    @classmethod
+    def maker(cls, makers: list[CallObserver]) -> CallObserver:
+        return lambda spec, call: cls(makers, spec, call)
+
+    def __enter__(self) -> _Each:
+        for n, cm in enumerate(self.entered):
+            try:
+                cm.__enter__()
+            except BaseException as exc:
+                for done in reversed(self.entered[:n]):
+                    done.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        for cm in reversed(self.entered):
+            if exc is None:
+                cm.outcome = self.outcome  # type: ignore[attr-defined]
+            cm.__exit__(kind, exc, tb)
 
 
 _HOST = socket.gethostname()[:40]

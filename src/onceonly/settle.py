@@ -31,6 +31,7 @@ or by review. A record that cannot be rebuilt is parked for review instead, with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import inspect
@@ -611,6 +612,30 @@ def reconcile(
     if full_every is not None and not full_every > 0:
         raise ValueError(f"full_every={full_every}: give a positive number of seconds, or None")
     ledger.runtime.sync_clock()  # a reconciler that runs no tool has no heartbeat to do it
+    observers = ledger.runtime.pass_observers
+    if not observers:
+        return _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every)
+    with contextlib.ExitStack() as stack:
+        seen = [observe(scope) for observe in observers]
+        for cm in seen:
+            stack.enter_context(cm)
+        report = _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every)
+        for cm in seen:
+            cm.report = report  # type: ignore[attr-defined]
+    return report
+
+
+def _reconcile(
+    ledger: Ledger,
+    tools: Mapping[str, Any] | None,
+    scope: str | None,
+    review_after: float,
+    wait: float,
+    batch: int,
+    by: str | None,
+    sleep: Callable[[float], None] | None,
+    full_every: float | None,
+) -> ReconcileReport:
     clock = ledger.clock
     do_sleep = sleep or ledger.sleep
     who = by or default_owner()

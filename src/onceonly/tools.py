@@ -377,9 +377,9 @@ class ToolSpec:
         counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self) as seen:
-            seen.outcome = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
-        return self.finish(seen.outcome, call)
+        with counted(self, call) as seen:
+            seen.outcome = out = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
+        return self.finish(out, call)
 
     async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
         """Run (or replay) one call of an async tool."""
@@ -389,9 +389,9 @@ class ToolSpec:
         counted = self.runtime.count_call
         if counted is None:
             return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self) as seen:
-            seen.outcome = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
-        return self.finish(seen.outcome, call)
+        with counted(self, call) as seen:
+            seen.outcome = out = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
+        return self.finish(out, call)
 
     def __repr__(self) -> str:
         return f"<onceonly tool {self.name!r} on {self.ledger.url}>"

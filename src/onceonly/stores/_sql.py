@@ -66,6 +66,14 @@ def counts_by_state(rows: Sequence[Sequence[Any]]) -> dict[State, int]:
         raise bad_state(None, exc.args[0]) from None
 
 
+def counts_by_tool(rows: Sequence[Sequence[Any]]) -> dict[tuple[str, State], int]:
+    """``SELECT tool, state, COUNT(*) … GROUP BY tool, state`` as counts per (tool, State)."""
+    try:
+        return {(str(t), STATES[s]): int(n) for t, s, n in rows}
+    except KeyError as exc:
+        raise bad_state(None, exc.args[0]) from None
+
+
 def state_literals(states: Sequence[State]) -> str:
     """States inlined as SQL literals (our own constants, never user input), so a planner can match a
     partial index's predicate: it cannot prove that a parameter lies in the index's state list."""

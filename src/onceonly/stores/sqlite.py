@@ -37,6 +37,7 @@ from onceonly.stores._sql import (
     COLUMNS,
     SWAP_FIELDS,
     counts_by_state,
+    counts_by_tool,
     row_to_record,
     scan_sql,
     swap_fields,
@@ -538,6 +539,13 @@ class SQLiteStore:
         with self._errors():
             rows = self._conn().execute("SELECT state, COUNT(*) FROM onceonly_records GROUP BY state").fetchall()
         return counts_by_state(rows)
+
+    def count_by_tool(self) -> dict[tuple[str, State], int]:
+        """Records per (tool, state): the ``onceonly_records`` gauge's series, in one query."""
+        sql = "SELECT tool, state, COUNT(*) FROM onceonly_records GROUP BY tool, state"
+        with self._errors():
+            rows = self._conn().execute(sql).fetchall()
+        return counts_by_tool(rows)
 
     def wait_for_change(self, key: str, version: int, timeout: float) -> None:
         # SQLite has no notifications across processes: the caller polls with a growing interval.

@@ -29,6 +29,7 @@ from onceonly.stores._sql import (
     COLUMNS,
     SWAP_FIELDS,
     counts_by_state,
+    counts_by_tool,
     row_to_record,
     scan_sql,
     swap_fields,
@@ -129,6 +130,7 @@ class PostgresStore:
         self._sql_delete_at = f"DELETE FROM {t} WHERE key = %s AND version = %s AND created_at = %s"
         self._sql_watch = f"UPDATE {t} SET watched = true WHERE key = %s AND version = %s"
         self._sql_count = f"SELECT state, count(*) FROM {t} GROUP BY state"
+        self._sql_count_tools = f"SELECT tool, state, count(*) FROM {t} GROUP BY tool, state"
         # clock_timestamp(), not now(): now() is the start of the transaction, and a pooled connection
         # may sit in one.
         self._sql_time = "SELECT extract(epoch FROM clock_timestamp())::float8"
@@ -370,6 +372,11 @@ class PostgresStore:
     def count_by_state(self) -> dict[State, int]:
         rows, _ = self._run(self._sql_count, (), _ALL)
         return counts_by_state(rows)
+
+    def count_by_tool(self) -> dict[tuple[str, State], int]:
+        """Records per (tool, state): the ``onceonly_records`` gauge's series, in one query."""
+        rows, _ = self._run(self._sql_count_tools, (), _ALL)
+        return counts_by_tool(rows)
 
     def time(self) -> float:
         """The server's clock (``clock_timestamp()``), in seconds since the epoch: the ledger's time for
