@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Generic, Literal, TypeVar, Unpack
 
 import httpx
 
@@ -21,6 +21,8 @@ from onceonly.http._rules import (
     Lookup,
     Options,
     Rules,
+    ServerSays,
+    Told,
     aclose_response,
     arun,
     close_response,
@@ -30,10 +32,12 @@ from onceonly.http._rules import (
     maybe_await,
     needs_mark_sent,
     new_key,
+    read_status,
     request_identity,
     route_of,
     run,
 )
+from onceonly.keystatus import STATUS_PATH
 from onceonly.policy import ConflictMeaning, Retry
 
 __all__ = ["AsyncClient", "AsyncTransport", "Client", "Transport"]
@@ -48,6 +52,15 @@ def _json_response(found: Any, request: httpx.Request) -> httpx.Response:
     """The answer made of a result a ``lookup=`` function found: 200, JSON, marked a replay."""
     response: httpx.Response = _library(request).Response(200, json=found, headers={REPLAYED: "true"}, request=request)
     return response
+
+
+def _said(answer: httpx.Response) -> ServerSays:
+    """What a read answer of the key status endpoint says."""
+    return read_status(answer.status_code, answer.headers, answer.content)
+
+
+def _unasked(exc: Exception) -> ServerSays:
+    return ServerSays(Told.NO_ANSWER, detail=f"the server could not be asked ({type(exc).__name__})")
 
 
 # --- the clients -------------------------------------------------------------------------------------
@@ -80,6 +93,8 @@ class _BaseClient(Rules, Generic[_H]):
         hash_secret: str | bytes | None = None,
         conflict_means: ConflictMeaning = "in_progress",
         lookup: Lookup | None = None,
+        probe: Literal["server"] | None = None,
+        status_path: str = STATUS_PATH,
         sleep: Callable[[float], Any] | None = None,
         rng: random.Random | None = None,
         key_factory: Callable[[], str] = new_key,
@@ -100,13 +115,15 @@ class _BaseClient(Rules, Generic[_H]):
         ``resend_unknown`` (safe methods without a key are re-sent either way), ``key_methods`` (others
         are sent without a key: retried when not sent or not executed, and re-sent on an unknown
         outcome only if they are safe methods), ``hash_keys``, ``hash_secret``, ``conflict_means``,
-        ``lookup`` (a function must be async for ``AsyncClient``, or return the result), ``sleep``, ``rng``.
+        ``lookup`` (a function must be async for ``AsyncClient``, or return the result), ``probe``
+        (``"server"``: ask the server's key status endpoint about an unknown outcome), ``status_path``,
+        ``sleep``, ``rng``.
         """
         super().__init__(
             raise_for_status=raise_for_status, retry=retry, wait=wait, max_retry_after=max_retry_after,
             header=header, quoted=quoted, resend_unknown=resend_unknown, key_methods=key_methods,
             hash_keys=hash_keys, hash_secret=hash_secret, conflict_means=conflict_means, lookup=lookup,
-            sleep=sleep, rng=rng,
+            probe=probe, status_path=status_path, sleep=sleep, rng=rng,
         )  # fmt: skip
         self.key_factory = key_factory
         self._owns = client is None
@@ -159,6 +176,14 @@ class _BaseClient(Rules, Generic[_H]):
         url = self._lookup_url(call, str(request.url))
         return self.httpx.build_request("GET", url, headers=lookup_headers(request.headers, self.header))
 
+    def _status_request(self, call: Attempts, method: str, url: Any, headers: httpx.Headers) -> httpx.Request:
+        """The GET of the key status endpoint (``probe="server"``), built by this client (its base URL,
+        auth, cookies) with the request's other headers: the server scopes the key by them."""
+        target = str(self.httpx.build_request(method, url).url)
+        return self.httpx.build_request(
+            "GET", self._status_url(call, target), headers=lookup_headers(headers, self.header)
+        )
+
 
 class Client(_BaseClient[httpx.Client]):
     """A sync httpx client that sends one idempotency key per logical call and retries with it.
@@ -205,7 +230,13 @@ class Client(_BaseClient[httpx.Client]):
                 return answer
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (httpx.HTTPError,))
+        def probe() -> ServerSays:
+            try:
+                return _said(self.httpx.send(self._status_request(call, method, url, headers)))
+            except httpx.HTTPError as exc:
+                return _unasked(exc)
+
+        return run(self, call, send, close_response, lookup, (httpx.HTTPError,), probe)
 
     def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return self.request("GET", url, **kwargs)
@@ -264,7 +295,13 @@ class AsyncClient(_BaseClient[httpx.AsyncClient]):
                 return answer
             raise self._not_found(call, answer)
 
-        return await arun(self, call, send, aclose_response, lookup, (httpx.HTTPError,))
+        async def probe() -> ServerSays:
+            try:
+                return _said(await self.httpx.send(self._status_request(call, method, url, headers)))
+            except httpx.HTTPError as exc:
+                return _unasked(exc)
+
+        return await arun(self, call, send, aclose_response, lookup, (httpx.HTTPError,), probe)
 
     async def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return await self.request("GET", url, **kwargs)
@@ -328,6 +365,14 @@ class _BaseTransport(Rules):
         headers = lookup_headers(request.headers, self.header)
         return type(request)("GET", url, headers=headers, extensions=request.extensions)
 
+    def _status_request(self, call: Attempts, request: httpx.Request) -> httpx.Request:
+        """The GET of the key status endpoint (``probe="server"``): the request's library, other
+        headers (the server scopes the key by them) and timeouts."""
+        headers = lookup_headers(request.headers, self.header)
+        return type(request)(
+            "GET", self._status_url(call, str(request.url)), headers=headers, extensions=request.extensions
+        )
+
 
 class Transport(_BaseTransport, httpx.BaseTransport):
     """An httpx transport that carries the guarded call's key: ``httpx.Client(transport=Transport())``.
@@ -377,7 +422,18 @@ class Transport(_BaseTransport, httpx.BaseTransport):
             answer.close()
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (Exception,))
+        def probe() -> ServerSays:
+            try:
+                answer: httpx.Response = inner.handle_request(self._status_request(call, request))
+                try:
+                    answer.read()
+                    return _said(answer)
+                finally:
+                    answer.close()
+            except Exception as exc:  # the inner transport's own errors: httpx's, httpx2's
+                return _unasked(exc)
+
+        return run(self, call, send, close_response, lookup, (Exception,), probe)
 
     def close(self) -> None:
         if self.inner is not None:
@@ -423,7 +479,18 @@ class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
             await answer.aclose()
             raise self._not_found(call, answer)
 
-        return await arun(self, call, send, aclose_response, lookup, (Exception,))
+        async def probe() -> ServerSays:
+            try:
+                answer: httpx.Response = await inner.handle_async_request(self._status_request(call, request))
+                try:
+                    await answer.aread()
+                    return _said(answer)
+                finally:
+                    await answer.aclose()
+            except Exception as exc:
+                return _unasked(exc)
+
+        return await arun(self, call, send, aclose_response, lookup, (Exception,), probe)
 
     async def aclose(self) -> None:
         if self.inner is not None:

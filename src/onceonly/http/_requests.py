@@ -20,7 +20,18 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
 from onceonly import runtime as _runtime
-from onceonly.http._rules import REPLAYED, Options, Rules, close_response, lookup_headers, needs_mark_sent, run
+from onceonly.http._rules import (
+    REPLAYED,
+    Options,
+    Rules,
+    ServerSays,
+    Told,
+    close_response,
+    lookup_headers,
+    needs_mark_sent,
+    read_status,
+    run,
+)
 
 __all__ = ["RequestsAdapter"]
 
@@ -100,7 +111,19 @@ class RequestsAdapter(Rules, HTTPAdapter):
             answer.close()
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (Exception,))
+        def probe() -> ServerSays:
+            headers = lookup_headers(request.headers, self.header)
+            asking = requests.Request("GET", self._status_url(call, url), headers).prepare()
+            try:
+                answer = HTTPAdapter.send(self, asking, timeout=timeout, verify=verify, cert=cert, proxies=proxies)
+                try:
+                    return read_status(answer.status_code, answer.headers, answer.content)
+                finally:
+                    answer.close()
+            except Exception as exc:
+                return ServerSays(Told.NO_ANSWER, detail=f"the server could not be asked ({type(exc).__name__})")
+
+        return run(self, call, send, close_response, lookup, (Exception,), probe)
 
 
 def _bytes(body: object) -> bytes | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from onceonly.keys import is_wire_key
+from onceonly.keystatus import STATUS_PATH
 
 from ._answers import Problems
 from ._http import BadKey, Message
@@ -24,7 +25,7 @@ from ._http import BadKey, Message
 __all__ = ["DEFAULT_STATUS_PATH", "KeyStatus", "check_status_path", "key_of", "status_messages"]
 
 #: The path the client side (``onceonly.http``'s ``probe="server"``) asks by default.
-DEFAULT_STATUS_PATH = "/idempotency-keys"
+DEFAULT_STATUS_PATH = STATUS_PATH
 
 Found = Literal["processing", "completed", "unknown"]
 Missing = Literal["no-record", "expired"]
