@@ -12,6 +12,10 @@ without the probe the same call stays unknown.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -27,17 +31,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import onceonly
+from onceonly import Ledger
 from onceonly import states as st
 from onceonly.errors import InProgress, OutcomeUnknown
 from onceonly.http import AsyncTransport, Client, RequestsAdapter, Transport, is_replayed
 from onceonly.keystatus import STATUS_PATH, Told, read_status
 from onceonly.policy import Retry
 from onceonly.server import IdempotencyMiddleware, client_hash, store_key
-from onceonly.states import State
+from onceonly.states import Record, State
 from onceonly.tickets import RunningServer, serve_in_thread
 from onceonly.tickets.app import create_app
 from onceonly.tickets.faults import ABORT_KEY
 
+SRC = Path(onceonly.__file__).resolve().parent.parent
 TICKET = {"session_id": "s-1", "title": "printer broken", "body": "on floor 2"}
 AUTH = {"Authorization": "Bearer alice"}
 FACES = ["transport", "async_transport", "client", "requests"]
@@ -293,3 +300,197 @@ def test_server_that_stopped_mid_request_leaves_it_unknown(tmp_path: Path) -> No
         assert runs["n"] == 0
     finally:
         server.stop()
+
+
+# --- the reconciler: a caller killed mid-request, a tool on the default on_unknown ------------------
+
+CALLER = '''
+"""A caller whose tool posts a ticket through Transport(probe="server"); imported by the reconciler
+(--app caller:ledger) for its tools, run by the test, and killed mid-request."""
+import os
+import sys
+
+import httpx
+
+import onceonly
+from onceonly.http import Transport
+
+ledger = onceonly.Ledger.open(os.environ["CALLER_LEDGER"])
+PROBE = os.environ.get("CALLER_PROBE") == "server"
+
+
+@ledger.tool(name="open_ticket", reports_dispatch=True, lease=0.5)  # on_unknown: the default, review
+def open_ticket(url: str, title: str) -> int:
+    transport = Transport(probe="server", resend_unknown=False) if PROBE else Transport(resend_unknown=False)
+    with httpx.Client(transport=transport, timeout=30) as c:
+        r = c.post(url, json={"session_id": "s-1", "title": title, "body": "b"},
+                   headers={"Authorization": "Bearer alice"})
+        return r.status_code
+
+
+if __name__ == "__main__":
+    print("status", open_ticket(sys.argv[1], sys.argv[2]), flush=True)
+'''
+
+
+class Hang:
+    """In front of a service: the next POST is held for ever, after the service ran it (``after``) or
+    before it reached it (``before``); ``seen`` is set once it is held."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.mode: str | None = None
+        self.seen = threading.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        mode = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            mode, self.mode = self.mode, None
+        if mode is None:
+            await self.app(scope, receive, send)
+            return
+        if mode == "after":
+
+            async def hold(message: Any) -> None:
+                pass
+
+            await self.app(scope, receive, hold)
+        self.seen.set()
+        while (await receive())["type"] != "http.disconnect":  # no answer: the caller is killed waiting
+            pass
+
+
+def _caller(tmp_path: Path, ledger_url: str, probe: bool) -> dict[str, str]:
+    (tmp_path / "caller.py").write_text(CALLER)
+    env = {**os.environ, "CALLER_LEDGER": ledger_url, "PYTHONPATH": os.pathsep.join([str(SRC), str(tmp_path)])}
+    if probe:
+        env["CALLER_PROBE"] = "server"
+    return env
+
+
+def _run_killed(env: dict[str, str], tmp_path: Path, url: str, hang: Hang) -> None:
+    """Run the caller until its request is held by ``hang``, then SIGKILL it: no settle, no cleanup."""
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "caller.py"), url, "printer broken"], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert hang.seen.wait(30), f"the request never came (the caller exited {proc.poll()})"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    time.sleep(0.6)  # its lease (0.5 s) runs out
+
+
+def _reconcile(env: dict[str, str], tmp_path: Path, *extra: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "onceonly", "reconcile", "--app", "caller:ledger", "--app-dir", str(tmp_path),
+         "--once", "--wait", "0", "--json", "--server-header", "Authorization: env:CALLER_TOKEN", *extra],
+        env={**env, "CALLER_TOKEN": "Bearer alice"}, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode in (0, 3), proc.stderr
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    report["counts"] = {k: n for k, n in report["counts"].items() if n}
+    return report
+
+
+@pytest.fixture(name="hung_tickets")
+def fixture_hung_tickets(tmp_path: Path) -> Iterator[tuple[Hang, str, Callable[[], int]]]:
+    app = create_app(tmp_path / "tickets.db")
+    hang = Hang(app)
+    server = serve_in_thread(hang)
+    yield hang, f"{server.url}/tickets", app.state.db.count
+    server.stop()
+    app.state.db.close()
+
+
+def _record(ledger_url: str) -> Record:
+    with Ledger.open(ledger_url) as ledger:
+        (rec,) = ledger.list()
+        return rec
+
+
+def test_reconcile_confirms_a_request_the_server_completed(tmp_path: Path, hung_tickets: Any) -> None:
+    """The caller died after the service committed its ticket: `onceonly reconcile` asks the server
+    (with --server-header credentials), which says completed: confirmed with the stored status, not
+    parked, though the tool is on the default on_unknown (review), even with --review-after 0."""
+    hang, url, count = hung_tickets
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _caller(tmp_path, ledger_url, probe=True)
+    hang.mode = "after"
+    _run_killed(env, tmp_path, url, hang)
+    assert _record(ledger_url).state is State.IN_FLIGHT
+    report = _reconcile(env, tmp_path, "--review-after", "0")
+    assert report["counts"] == {"confirmed": 1}, report
+    rec = _record(ledger_url)
+    assert rec.state is State.CONFIRMED and rec.via == "reconcile-server"
+    target = st.dispatch_target(rec)
+    assert target is not None and target["method"] == "POST" and target["url"] == url
+    assert rec.result == {"status": 201, "key": target["key"], "settled_by": "server"}
+    assert "Bearer" not in rec.history_json  # credentials never reach the record
+    assert count() == 1
+
+
+def test_reconcile_fails_a_request_that_never_reached_the_server_and_it_is_sent_once(
+    tmp_path: Path, hung_tickets: Any
+) -> None:
+    """The caller died while its request had not reached the service: the server has no record, so
+    the reconciler marks it failed (nothing ran) and the next call sends it, once."""
+    hang, url, count = hung_tickets
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _caller(tmp_path, ledger_url, probe=True)
+    hang.mode = "before"
+    _run_killed(env, tmp_path, url, hang)
+    report = _reconcile(env, tmp_path, "--review-after", "0")
+    assert report["counts"] == {"failed": 1}, report
+    assert count() == 0
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "caller.py"), url, "printer broken"], env=env, capture_output=True,
+        text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "status 201" in proc.stdout, proc.stderr
+    assert count() == 1 and _record(ledger_url).state is State.CONFIRMED
+
+
+def test_without_the_probe_the_dead_callers_record_goes_to_review(tmp_path: Path, hung_tickets: Any) -> None:
+    """The same death with a transport without probe="server": no target was recorded, so the tool's
+    on_unknown (review) applies and a person must settle it."""
+    hang, url, count = hung_tickets
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _caller(tmp_path, ledger_url, probe=False)
+    hang.mode = "after"
+    _run_killed(env, tmp_path, url, hang)
+    report = _reconcile(env, tmp_path, "--review-after", "0")
+    assert report["counts"] == {"parked": 1}, report
+    assert _record(ledger_url).state is State.NEEDS_REVIEW and count() == 1
+
+
+def test_reconcile_waits_while_the_server_processes_then_confirms(tmp_path: Path, slow: Any) -> None:
+    """The caller died while the handler still ran: the server says processing, the record waits;
+    once the handler answered, the next run confirms it. One run of the handler."""
+    url, runs, gate, entered = slow
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _caller(tmp_path, ledger_url, probe=True)
+    (tmp_path / "caller.py").write_text(CALLER)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "caller.py"), f"{url}/slow", "t"], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert entered.wait(30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    time.sleep(0.6)
+    first = _reconcile(env, tmp_path, "--review-after", "0")
+    assert first["counts"] == {"waiting": 1}, first
+    assert "runs now" in first["records"][0]["detail"]
+    gate.set()
+    deadline = time.monotonic() + 10
+    while True:
+        again = _reconcile(env, tmp_path, "--review-after", "0")
+        if again["counts"] != {"waiting": 1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert again["counts"] == {"confirmed": 1}, again
+    assert runs["slow"] == 1

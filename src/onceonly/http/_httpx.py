@@ -176,6 +176,12 @@ class _BaseClient(Rules, Generic[_H]):
         url = self._lookup_url(call, str(request.url))
         return self.httpx.build_request("GET", url, headers=lookup_headers(request.headers, self.header))
 
+    def _client_target(self, call: Attempts, method: str, url: Any) -> dict[str, str] | None:
+        """``_target`` with the URL as this client resolves it (its base URL), built only when probing."""
+        if self.probe is None or call.key is None:
+            return None
+        return self._target(call, method, str(self.httpx.build_request(method, url).url))
+
     def _status_request(self, call: Attempts, method: str, url: Any, headers: httpx.Headers) -> httpx.Request:
         """The GET of the key status endpoint (``probe="server"``), built by this client (its base URL,
         auth, cookies) with the request's other headers: the server scopes the key by them."""
@@ -217,7 +223,8 @@ class Client(_BaseClient[httpx.Client]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if needs_mark_sent(call):
-            _runtime.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
+            # pending → in_flight (with where it goes, for the reconciler), or InProgress when our lease was lost
+            _runtime.mark_sent(target=self._client_target(call, method, url))
 
         def send() -> httpx.Response:
             return self.httpx.request(method, url, headers=headers, **kwargs)
@@ -281,7 +288,7 @@ class AsyncClient(_BaseClient[httpx.AsyncClient]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if needs_mark_sent(call):
-            await _runtime.amark_sent()
+            await _runtime.amark_sent(target=self._client_target(call, method, url))
 
         async def send() -> httpx.Response:
             return await self.httpx.request(method, url, headers=headers, **kwargs)
@@ -401,7 +408,7 @@ class Transport(_BaseTransport, httpx.BaseTransport):
             request.read()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if needs_mark_sent(call):
-            _runtime.mark_sent()
+            _runtime.mark_sent(target=self._target(call, request.method, str(request.url)))
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = inner.handle_request(request)
@@ -457,7 +464,7 @@ class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
             await request.aread()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if needs_mark_sent(call):
-            await _runtime.amark_sent()
+            await _runtime.amark_sent(target=self._target(call, request.method, str(request.url)))
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = await inner.handle_async_request(request)

@@ -94,7 +94,7 @@ class RequestsAdapter(Rules, HTTPAdapter):
         call = self._begin(request.method or "GET", url, request.headers, lambda: _bytes(body))
         call.repeatable = body is None or isinstance(body, bytes | str)
         if needs_mark_sent(call):
-            _runtime.mark_sent()
+            _runtime.mark_sent(target=self._target(call, request.method or "GET", url))
         if call.key is None:
             return HTTPAdapter.send(self, request, **options)
 

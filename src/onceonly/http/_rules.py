@@ -552,6 +552,16 @@ class Rules:
         probing face, and fewer asks than attempts (a replay lost again and again must end)."""
         return self.probe == "server" and call.key is not None and call.probes < self.retry.attempts
 
+    def _target(self, call: Attempts, method: str, request_url: str) -> dict[str, str] | None:
+        """What a dispatch reports of a keyed request under ``probe="server"`` (``runtime.mark_sent``):
+        the method, the URL without query or fragment (they may hold secrets), the key and where the
+        server tells its status; ``None`` otherwise. Never a header: credentials stay out of records."""
+        if self.probe != "server" or call.key is None:
+            return None
+        parts = urlsplit(request_url)
+        url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+        return {"method": method.upper(), "url": url, "key": call.key, "status": self._status_url(call, url)}
+
     def _status_url(self, call: Attempts, request_url: str) -> str:
         assert call.key is not None
         return status_url(request_url, call.key, self.status_path)
