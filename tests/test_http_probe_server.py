@@ -494,3 +494,27 @@ def test_reconcile_waits_while_the_server_processes_then_confirms(tmp_path: Path
         time.sleep(0.2)
     assert again["counts"] == {"confirmed": 1}, again
     assert runs["slow"] == 1
+
+
+@pytest.mark.parametrize("mode", ["transactional", "store"])
+def test_the_ticket_service_serves_the_status_path_in_both_modes(mode: str, tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'keys.db'}" if mode == "store" else None
+    with (
+        serve_in_thread(db_path=tmp_path / "tickets.db", store=store) as server,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=5) as c,
+    ):
+        assert c.post("/tickets", json=TICKET, headers={"Idempotency-Key": "t-1"}).status_code == 201
+        doc = c.get(f"{STATUS_PATH}/t-1").json()
+        assert doc["state"] == "completed" and doc["status"] == 201 and doc["replay"] is True
+        assert c.get(f"{STATUS_PATH}/t-2").status_code == 404
+
+
+def test_reconcile_refuses_a_server_header_it_cannot_send(tmp_path: Path) -> None:
+    """--server-header takes 'NAME: VALUE' (env:VAR for a secret); anything else is bad usage, said."""
+    for bad, said in [("Authorization", "NAME: VALUE"), ("Authorization: env:NOT_SET_HERE_1", "is not set")]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "onceonly", "reconcile", "--url", f"sqlite:///{tmp_path / 'l.db'}", "--once",
+             "--server-header", bad],
+            capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(SRC)},
+        )  # fmt: skip
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
