@@ -479,7 +479,8 @@ class Rules:
     # --- each answer --------------------------------------------------------------------------
 
     def _on_response(self, call: Attempts, response: _Answer) -> float | _Next | None:
-        """``None``: return ``response``. Seconds: try again after them. ``LOOKUP``: fetch the result of
+        """``None``: return ``response``. Seconds: try again after them. ``PROBE``: ask the server about
+        the key (``probe="server"``, an unknown outcome). ``LOOKUP``: fetch the result of
         the used key. Raises for the rest."""
         status = response.status_code
         if status < 400:
@@ -537,7 +538,8 @@ class Rules:
         return seconds
 
     def _on_error(self, call: Attempts, exc: Exception) -> float | _Next:
-        """Seconds to wait before trying again, or raises ``exc`` when it is final."""
+        """Seconds to wait before trying again, ``PROBE`` (an unknown outcome the server is asked about),
+        or raises ``exc`` when it is final."""
         got = classify(exc)
         if got.verdict is Verdict.UNKNOWN and self._probes(call):
             return _Next.PROBE
