@@ -5,6 +5,8 @@ transactional mode; hostile keys and headers get a clear 4xx and store nothing."
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import sqlite3
 import threading
 from collections import Counter
@@ -315,3 +317,51 @@ def test_transactional_status_path_needs_a_lookup() -> None:
         IdempotencyMiddleware(
             _nothing, store="sqlite:///:memory:", status_lookup=lambda k: KeyStatus("no-record", "runs")
         )
+
+
+def _raw(url: str, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send ``request`` as bytes to the server at ``url`` (``Connection: close``); its status, headers, body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines[1:] if b": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def test_hostile_status_requests_on_the_wire_get_a_clear_4xx_and_store_nothing(serve: Any) -> None:
+    """The same through a real uvicorn server: raw request lines with percent-encoded bytes of every
+    kind, key headers and Authorization values a server may or may not pass on. Every answer is the
+    server's own 400 or the endpoint's 400, 404 or 405 problem, and the store stays empty."""
+    s = serve(status_path=DEFAULT_STATUS_PATH)
+
+    @hostile("redis", scale=0.5)  # a server round trip per request: few examples on every store
+    @given(
+        raw_key=hst.binary(max_size=300),
+        method=hst.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]),
+        auth=hst.binary(max_size=40),
+        key_header=hst.one_of(hst.none(), hst.binary(max_size=40)),
+    )
+    @example(raw_key=b"key-1", method=b"GET", auth=b"Bearer alice", key_header=None)
+    @example(raw_key=b"\xff\xfe", method=b"GET", auth=b"", key_header=None)
+    @example(raw_key=b"k" * 300, method=b"GET", auth=b"", key_header=b"k")
+    @example(raw_key=b"%00", method=b"GET", auth=b"\r\n", key_header=None)
+    def check(raw_key: bytes, method: bytes, auth: bytes, key_header: bytes | None) -> None:
+        target = DEFAULT_STATUS_PATH.encode() + b"/" + quote(raw_key, safe="").encode()
+        head = method + b" " + target + b" HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        head += b"Authorization: " + auth.replace(b"\r", b"").replace(b"\n", b"") + b"\r\n"
+        if key_header is not None:
+            head += b"Idempotency-Key: " + key_header.replace(b"\r", b"").replace(b"\n", b"") + b"\r\n"
+        status, headers, answer = _raw(s.url, head + b"Content-Length: 0\r\n\r\n")
+        assert status in (400, 404, 405), (status, answer[:300])
+        if headers.get(b"content-type") == b"application/problem+json":
+            assert json.loads(answer)["status"] == status
+        else:
+            assert status == 400  # the server's own refusal of what it cannot parse
+        assert s.store.count_by_state() == {}
+
+    check()
