@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -518,3 +520,78 @@ def test_reconcile_refuses_a_server_header_it_cannot_send(tmp_path: Path) -> Non
             capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(SRC)},
         )  # fmt: skip
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
+# --- a server that dies mid-request: its claim reads processing, then unknown ------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _tickets_process(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """`onceonly tickets` in store mode (keys in keys.db, claims of 2 s), in a process of its own."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", "tickets", "--port", str(port), "--db", str(tmp_path / "tickets.db"),
+         "--idempotency-store", f"sqlite:///{tmp_path / 'keys.db'}", "--processing-timeout", "2", "--no-admin",
+         "--log-level", "error", *extra],
+        env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the ticket service did not start")
+
+
+def test_server_killed_after_its_commit_reads_processing_then_unknown_and_nothing_runs_twice(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """The ticket service dies (os._exit) after committing the ticket, before storing its answer. The
+    caller cannot ask it then (it is down), so the tool's on_unknown (review) parks the record. Once
+    the service is back, its key reads processing while the dead claim's lease lasts, then unknown:
+    neither says "send it again", so nothing does; the reconciler leaves the parked record to its
+    person. One ticket, never a second."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    dying = _tickets_process(tmp_path, port, "--fault", "crash_after_commit=1")
+    ledger = Ledger.open(sqlite_url)
+
+    @ledger.tool(name="open_ticket", reports_dispatch=True)
+    def open_ticket(title: str) -> int:
+        with httpx.Client(transport=Transport(probe="server", resend_unknown=False), timeout=10) as c:
+            return c.post(f"{url}/tickets", json={**TICKET, "title": title}, headers=AUTH).status_code
+
+    try:
+        with pytest.raises(OutcomeUnknown):
+            open_ticket("printer broken")
+        assert dying.wait(10) != 0  # the service died mid-request
+        (rec,) = ledger.list()
+        target = st.dispatch_target(rec)
+        assert rec.state is State.NEEDS_REVIEW and target is not None
+        back = _tickets_process(tmp_path, port)
+        try:
+            told = []
+            for _ in range(2):
+                answer = httpx.get(target["status"], headers=AUTH, timeout=5)
+                told.append(read_status(answer.status_code, answer.headers, answer.content).told)
+                time.sleep(2.2)  # the dead claim's lease (2 s) runs out
+            assert told[-1] is Told.UNKNOWN and set(told) <= {Told.PROCESSING, Told.UNKNOWN}, told
+            assert ledger.reconcile(review_after=0, server_headers=AUTH).lines == []
+            with pytest.raises(OutcomeUnknown):  # the parked call is not run again either
+                open_ticket("printer broken")
+            with sqlite3.connect(tmp_path / "tickets.db") as conn:
+                assert conn.execute("SELECT COUNT(*) FROM tickets").fetchone() == (1,)
+        finally:
+            back.kill()
+            back.wait(10)
+    finally:
+        dying.kill()
+        ledger.close()
