@@ -20,7 +20,7 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -418,22 +418,27 @@ def current_call() -> CallInfo | None:
     return None if cur is None else _info(cur)
 
 
-def mark_sent() -> None:
+def mark_sent(*, target: Mapping[str, str] | None = None) -> None:
     """Tell the ledger the request is about to leave (``pending`` → ``in_flight``).
 
     Call it just before the side effect in a tool declared with ``reports_dispatch=True``. Until
     then a crash is safe to retry without a probe. Raises ``InProgress`` if this attempt lost its
     lease (another caller took over): then do not send.
 
+    ``target``: where the request goes, kept in the record's history (``states.dispatch_target``):
+    ``onceonly.http``'s ``probe="server"`` faces give the method, the URL without its query, the key
+    and the server's key status URL, so that the reconciler can ask the server about a caller that
+    died mid-request. Never credentials.
+
     .. versionadded:: 0.1
     """
     cur = CURRENT.get()
     if cur is None:
         raise OnceOnlyError("mark_sent() is called from inside a guarded tool, and this code is not in one")
-    _mark_sent(cur.runtime, cur)
+    _mark_sent(cur.runtime, cur, target)
 
 
-async def amark_sent() -> None:
+async def amark_sent(*, target: Mapping[str, str] | None = None) -> None:
     """``mark_sent()`` for async tools.
 
     .. versionadded:: 0.1
@@ -441,17 +446,17 @@ async def amark_sent() -> None:
     cur = CURRENT.get()
     if cur is None:
         raise OnceOnlyError("amark_sent() is called from inside a guarded tool, and this code is not in one")
-    await asyncio.to_thread(_mark_sent, cur.runtime, cur)
+    await asyncio.to_thread(_mark_sent, cur.runtime, cur, target)
 
 
-def _mark_sent(runtime: Runtime, lease: Lease) -> None:
+def _mark_sent(runtime: Runtime, lease: Lease, target: Mapping[str, str] | None = None) -> None:
     with lease.lock:
         rec = lease.record
         if rec.state is not State.PENDING:
             return
         new = st.transition(
             rec, State.IN_FLIGHT, now=runtime.clock(), reason="dispatched", by=rec.lease_owner,
-            lease_until=runtime.clock() + lease.seconds,
+            lease_until=runtime.clock() + lease.seconds, target=target,
         )  # fmt: skip
         try:
             ok, cur = swap_now(runtime.store, new, rec)

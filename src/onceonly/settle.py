@@ -8,6 +8,9 @@ Per record, ``decide`` says what to do; ``reconcile`` does it and reports:
 
     pending, lease expired ─────────────▶ failed        nothing was sent: a new call may run it
     in_flight, lease expired ───────────▶ unknown ──┐   it may have been sent (as a waiting caller does)
+    unknown, dispatched to a server with a key status endpoint (``probe="server"``) ─▶ ask it first:
+             completed ─▶ confirmed (via reconcile-server)   404 ─▶ failed, nothing ran (a new call sends it)
+             processing ─▶ waiting                            unknown / cannot ask ─▶ the tool's on_unknown:
     unknown ─┬─ probe tool ── settle waited ─▶ probe ─┬─ found ──────▶ confirmed (via reconcile-probe)
              │                                        ├─ NOT_FOUND ──▶ failed (a new call may run it)
              │                                        └─ raised ─────▶ stays unknown, reported
@@ -35,10 +38,13 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import json
 import logging
 import math
 import os
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from onceonly import states as st
 from onceonly.drivers import adrive, aprobe, drive, probe
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
+from onceonly.keystatus import ServerSays, Told, read_status
 from onceonly.plan import (
     NOT_FOUND,
     Action,
@@ -71,6 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_REVIEW_AFTER",
+    "AskServer",
     "Leave",
     "ReconcileLine",
     "ReconcileReport",
@@ -153,7 +161,15 @@ class Resend:
     """Run the tool again with the same key and the stored arguments (the guard's plan drives it)."""
 
 
-Decision = Write | Wait | Leave | RunProbe | Resend
+@dataclass(frozen=True, slots=True)
+class AskServer:
+    """Ask the server the record's request went to what happened to its key (``target``: the
+    dispatch's ``states.dispatch_target``); then ``decide`` again with its answer."""
+
+    target: dict[str, str]
+
+
+Decision = Write | Wait | Leave | RunProbe | Resend | AskServer
 
 
 def decide(
@@ -164,6 +180,7 @@ def decide(
     review_after: float,
     by: str,
     rerun_blocked: str | None = None,
+    server: ServerSays | None = None,
 ) -> Decision:
     """What the reconciler does with ``rec`` now. Pure.
 
@@ -175,6 +192,9 @@ def decide(
             last attempt (``attempt_started``), before it is parked.
         by: who decides (written in the history).
         rerun_blocked: why the stored arguments cannot rebuild the call (``rerun_problem``), if so.
+        server: what the server of the record's request said of its key (after ``AskServer``). Its
+            word settles the record before the tool's ``on_unknown`` is consulted; that applies only
+            when the server cannot tell (it says unknown, has no such endpoint, or cannot be asked).
 
     .. versionadded:: 0.1
     """
@@ -201,6 +221,13 @@ def decide(
 
     if rec.state is not State.UNKNOWN:
         return Leave(Settlement.SKIPPED, f"already {rec.state.value}")
+    target = st.dispatch_target(rec)
+    if target is not None:
+        if server is None:
+            return AskServer(target)
+        told = _after_server(rec, policy, server, target, now=now, by=by)
+        if told is not None:
+            return told
     if policy is None:
         return Leave(Settlement.NO_TOOL, f"tool {rec.tool!r} is not among the reconciler's tools")
 
@@ -233,6 +260,38 @@ def decide(
         Settlement.PARKED,
         f"waiting for a person ({why}): onceonly resolve KEY --confirmed JSON | --failed REASON",
     )
+
+
+def _after_server(
+    rec: Record, policy: Policy | None, said: ServerSays, target: Mapping[str, str], *, now: float, by: str
+) -> Write | Wait | None:
+    """Settle ``rec`` on its server's word on the key; ``None`` when the server could not tell."""
+    ttl = DEFAULT_TTL if policy is None else policy.ttl
+    where = f"{target.get('method', '')} {target.get('url', '')}".strip()
+    if said.told is Told.COMPLETED:
+        result = {"status": said.status, "key": target.get("key"), "settled_by": "server"}
+        return Write(
+            st.confirm(rec, result_json=json.dumps(result), now=now, ttl=ttl, via="reconcile-server", by=by),
+            Settlement.CONFIRMED,
+            f"{where}: {said.detail}; a request with the key gets the stored response, replayed",
+        )
+    if said.told is Told.NOT_RUN:
+        return Write(
+            st.fail(
+                rec,
+                error=f"reconcile: {where}: {said.detail} (it did not run; a new call sends it with the same key)",
+                now=now,
+                retry_at=None,
+                ttl=ttl,
+                by=by,
+                effect=False,
+            ),
+            Settlement.FAILED,
+            f"{where}: {said.detail}: it did not run; a new call may send it",
+        )
+    if said.told is Told.PROCESSING:
+        return Wait(now + (said.retry_after or 1.0), f"{where}: {said.detail}")
+    return None
 
 
 def after_probe(
@@ -399,7 +458,11 @@ class _Reconciler:
         review_after: float,
         by: str,
         sleep_budget: Callable[[], float],
+        server_headers: Mapping[str, str] | None = None,
+        server_timeout: float = 10.0,
     ) -> None:
+        self.server_headers = dict(server_headers or {})
+        self.server_timeout = server_timeout
         self.ledger = ledger
         self.store = ledger.store
         self.tools = {name: _spec_of(t) for name, t in tools.items()}
@@ -429,9 +492,15 @@ class _Reconciler:
             )
 
         # Bounded: each round follows a write that landed (held → unknown), at most one of them.
-        for _ in range(3):
+        said: ServerSays | None = None
+        for _ in range(4):
             now = self.ledger.clock()
-            decision = decide(rec, policy, now=now, review_after=self.review_after, by=self.by, rerun_blocked=blocked)
+            decision = decide(
+                rec, policy, now=now, review_after=self.review_after, by=self.by, rerun_blocked=blocked, server=said
+            )
+            if isinstance(decision, AskServer):
+                said = self._ask_server(decision.target)
+                continue
             if isinstance(decision, Leave):
                 return line(decision.settlement, decision.detail, rec)
             if isinstance(decision, Wait):
@@ -455,7 +524,23 @@ class _Reconciler:
             if decision.settlement is not None:
                 return line(decision.settlement, decision.detail, decision.new)
             rec = decision.new
-        return line(Settlement.UNSETTLED, "no decision after three rounds", rec)  # pragma: no cover
+        return line(Settlement.UNSETTLED, "no decision after four rounds", rec)  # pragma: no cover
+
+    def _ask_server(self, target: Mapping[str, str]) -> ServerSays:
+        """``GET`` the key status URL the dispatch recorded, with the reconciler's ``server_headers``
+        (the server scopes keys by the client's credentials, which records never hold)."""
+        url = target.get("status", "")
+        if not url.startswith(("http://", "https://")):
+            return ServerSays(Told.NO_ANSWER, detail=f"no http(s) key status URL ({url[:80]!r})")
+        request = urllib.request.Request(url, headers=dict(self.server_headers), method="GET")
+        try:
+            with urllib.request.urlopen(request, timeout=self.server_timeout) as answer:
+                return read_status(answer.status, _lower(answer.headers.items()), answer.read(1 << 16))
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return read_status(exc.code, _lower(exc.headers.items()), exc.read(1 << 16))
+        except (OSError, ValueError) as exc:  # refused, timed out, a bad URL
+            return ServerSays(Told.NO_ANSWER, detail=f"the server could not be asked ({type(exc).__name__})")
 
     def _probe(self, tool: ToolSpec, rec: Record) -> Probed:
         """The ledger's own probe step; an async tool's probe runs on an event loop of its own."""
@@ -511,6 +596,10 @@ class _Reconciler:
         if out.replayed:
             return line(Settlement.SKIPPED, f"someone else settled it first (via {out.via})")
         return line(Settlement.CONFIRMED, f"re-sent with the same key: {encode_result(out.result, rec.key)[:200]}")
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {str(name).lower(): str(value) for name, value in headers}
 
 
 def _as_reconciler(gen: Plan, version: int, sleep_budget: Callable[[], float], clock: Callable[[], float]) -> Plan:
@@ -576,6 +665,7 @@ def reconcile(
     by: str | None = None,
     sleep: Callable[[float], None] | None = None,
     full_every: float | None = DEFAULT_FULL_EVERY,
+    server_headers: Mapping[str, str] | None = None,
 ) -> ReconcileReport:
     """Settle what the guarded calls left unsettled, once. Safe to run in several processes at once.
 
@@ -596,6 +686,10 @@ def reconcile(
         full_every: on SQLite, a pass reads the held records only when a lease may have run out (a
             holder died or stalled: see docs/sqlite.md), and at least once in this many seconds;
             ``None``: only then. Other stores find expired leases through an index on every pass.
+        server_headers: headers sent when asking a server about a key its record was dispatched to
+            (``onceonly.http``'s ``probe="server"``): the credentials the calls were made with (such as
+            ``{"Authorization": "Bearer …"}``), since the server answers each client about its own keys
+            and records never keep credentials.
 
     Returns:
         a ``ReconcileReport``: one line per record looked at, and counts per ``Settlement``.
@@ -648,6 +742,7 @@ def _reconcile(
         review_after=review_after,
         by=who,
         sleep_budget=lambda: max(0.0, deadline - clock()),
+        server_headers=server_headers,
     )
     lines = _first_pass(ledger, worker, report, scope=scope, batch=batch, full_every=full_every)
     _settle_due(ledger, worker, lines, deadline=deadline, sleep=do_sleep)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -168,6 +169,15 @@ def _print_report(
     default=None,
     help="A single run also exits 3 when the oldest unsettled record is older than this (30m, 1h).",
 )
+@click.option(
+    "--server-header",
+    "server_header",
+    multiple=True,
+    metavar="'NAME: VALUE'",
+    help='A header sent when asking a server about a key its request was sent with (probe="server" '
+    "records): the calls' credentials, since a server answers each client about its own keys. "
+    "'Authorization: env:API_TOKEN' reads the value from $API_TOKEN, off the command line. Repeatable.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
 @click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
 def reconcile_command(
@@ -185,6 +195,7 @@ def reconcile_command(
     purge_every: float,
     full_every: float,
     max_age: float | None,
+    server_header: tuple[str, ...],
     as_json: bool,
     verbose: bool,
 ) -> None:
@@ -206,6 +217,7 @@ def reconcile_command(
     """
     if once and every is not None:
         raise click.UsageError("give --once or --every DURATION, not both")
+    server_headers = _server_headers(server_header)
     if url or not app:
         refuse_missing_ledger(url)  # the store this command settles, unless it is the app's own
     source = load_app(app, app_dir) if app else None
@@ -231,7 +243,7 @@ def reconcile_command(
         )
     kwargs: dict[str, Any] = {
         "tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch,
-        "full_every": full_every,
+        "full_every": full_every, "server_headers": server_headers,
     }  # fmt: skip
 
     purged_at: list[float] = []  # when this process last purged
@@ -289,6 +301,28 @@ def _waiting(ledger: Ledger, scope: str | None, max_age: float | None) -> tuple[
         in_review = sum(1 for _ in ops.records(ledger, states=[State.NEEDS_REVIEW], scope=scope))
     oldest = ops.oldest_unsettled(ledger, scope=scope) if max_age is not None else None
     return in_review, oldest
+
+
+def _server_headers(given: tuple[str, ...]) -> dict[str, str]:
+    """``--server-header 'NAME: VALUE'`` (``env:VAR`` reads $VAR) as a dict; bad usage says which."""
+    headers: dict[str, str] = {}
+    for item in given:
+        name, sep, value = item.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not name.isascii() or any(c in name for c in " \t\r\n"):
+            raise click.BadParameter(f"{item[:40]!r}: give 'NAME: VALUE', such as 'Authorization: env:API_TOKEN'",
+                                     param_hint="'--server-header'")  # fmt: skip
+        if value.startswith("env:"):
+            var = value[4:]
+            if var not in os.environ:
+                raise click.BadParameter(
+                    f"${var} is not set (named by the {name} header)", param_hint="'--server-header'"
+                )
+            value = os.environ[var]
+        if any(c in value for c in "\r\n"):
+            raise click.BadParameter(f"the {name} header's value holds a line break", param_hint="'--server-header'")
+        headers[name] = value
+    return headers
 
 
 COMMANDS = [reconcile_command]

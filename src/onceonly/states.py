@@ -456,6 +456,21 @@ def new_record(
     )  # fmt: skip
 
 
+def dispatch_target(rec: Record) -> dict[str, str] | None:
+    """What the current attempt of ``rec`` was dispatched to (``transition(target=...)``), if it said:
+    ``{"method", "url", "key", "status"}`` of an HTTP request whose server serves key statuses.
+
+    .. versionadded:: 0.1
+    """
+    if '"target"' not in rec.history_json:
+        return None
+    for entry in reversed(rec.history):
+        found = entry.get("target")
+        if entry.get("fence") == rec.fence and isinstance(found, dict) and isinstance(found.get("status"), str):
+            return {str(k): str(v) for k, v in found.items()}
+    return None
+
+
 def transition(
     rec: Record,
     to: State,
@@ -465,9 +480,13 @@ def transition(
     by: str | None = None,
     effect: bool | None = None,
     similar_to: str | None = None,
+    target: Mapping[str, str] | None = None,
     **changes: Any,
 ) -> Record:
     """Move ``rec`` to ``to``: checks the table, bumps ``version``, appends one history entry.
+
+    ``target`` puts what a dispatch was sent to in the entry (``dispatch_target``): an HTTP request's
+    method, URL without its query, key and key status URL, so that a reconciler can ask that server.
 
     ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…). ``effect=False`` marks
     the entry as the end of an attempt that cannot have had an effect (``may_have_happened``); ``None``
@@ -491,6 +510,8 @@ def transition(
     mark = _NO_EFFECT if effect is False else ""
     if similar_to is not None:
         mark += f',"similar_to":{_quote(_storable(similar_to))}'
+    if target is not None:
+        mark += ',"target":' + json.dumps({str(k): str(v) for k, v in target.items()}, ensure_ascii=True)
     if changes.get("error") is not None:
         changes["error"] = _storable(changes["error"])
     return replace(

@@ -28,6 +28,11 @@ sent again, under its one key:
        ├─connect error / timeout───▶ not sent: backoff, same key, again
        └─read timeout, reset───────▶ unknown: re-send with the same key
 
+With ``probe="server"`` an unknown outcome of a keyed request is settled by asking the server what
+happened to the key (``GET /idempotency-keys/{key}``, ``onceonly.server``'s ``status_path=``):
+completed → sent again and replayed, processing → waited, 404 → sent again, unknown → ``OutcomeUnknown``;
+a server that cannot tell gets the rule above.
+
 ``Client`` sends requests without a key by the same rules, except on an unknown outcome: only the
 safe methods (``SAFE_METHODS``: GET, HEAD, OPTIONS, TRACE) are sent again then.
 
@@ -52,6 +57,7 @@ from onceonly.http._rules import (
     SAFE_METHODS,
     KeyAlreadyUsed,
     Lookup,
+    NotRun,
     Options,
     hash_key,
     header_key,
@@ -70,6 +76,7 @@ __all__ = [
     "Client",
     "KeyAlreadyUsed",
     "Lookup",
+    "NotRun",
     "Options",
     "RequestsAdapter",
     "Transport",
@@ -85,6 +92,7 @@ for _public in (
     AsyncTransport,
     Client,
     KeyAlreadyUsed,
+    NotRun,
     Options,
     Transport,
     hash_key,

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Generic, Literal, TypeVar, Unpack
 
 import httpx
 
@@ -21,6 +21,8 @@ from onceonly.http._rules import (
     Lookup,
     Options,
     Rules,
+    ServerSays,
+    Told,
     aclose_response,
     arun,
     close_response,
@@ -30,10 +32,12 @@ from onceonly.http._rules import (
     maybe_await,
     needs_mark_sent,
     new_key,
+    read_status,
     request_identity,
     route_of,
     run,
 )
+from onceonly.keystatus import STATUS_PATH
 from onceonly.policy import ConflictMeaning, Retry
 
 __all__ = ["AsyncClient", "AsyncTransport", "Client", "Transport"]
@@ -48,6 +52,15 @@ def _json_response(found: Any, request: httpx.Request) -> httpx.Response:
     """The answer made of a result a ``lookup=`` function found: 200, JSON, marked a replay."""
     response: httpx.Response = _library(request).Response(200, json=found, headers={REPLAYED: "true"}, request=request)
     return response
+
+
+def _said(answer: httpx.Response) -> ServerSays:
+    """What a read answer of the key status endpoint says."""
+    return read_status(answer.status_code, answer.headers, answer.content)
+
+
+def _unasked(exc: Exception) -> ServerSays:
+    return ServerSays(Told.NO_ANSWER, detail=f"the server could not be asked ({type(exc).__name__})")
 
 
 # --- the clients -------------------------------------------------------------------------------------
@@ -80,6 +93,8 @@ class _BaseClient(Rules, Generic[_H]):
         hash_secret: str | bytes | None = None,
         conflict_means: ConflictMeaning = "in_progress",
         lookup: Lookup | None = None,
+        probe: Literal["server"] | None = None,
+        status_path: str = STATUS_PATH,
         sleep: Callable[[float], Any] | None = None,
         rng: random.Random | None = None,
         key_factory: Callable[[], str] = new_key,
@@ -100,13 +115,15 @@ class _BaseClient(Rules, Generic[_H]):
         ``resend_unknown`` (safe methods without a key are re-sent either way), ``key_methods`` (others
         are sent without a key: retried when not sent or not executed, and re-sent on an unknown
         outcome only if they are safe methods), ``hash_keys``, ``hash_secret``, ``conflict_means``,
-        ``lookup`` (a function must be async for ``AsyncClient``, or return the result), ``sleep``, ``rng``.
+        ``lookup`` (a function must be async for ``AsyncClient``, or return the result), ``probe``
+        (``"server"``: ask the server's key status endpoint about an unknown outcome), ``status_path``,
+        ``sleep``, ``rng``.
         """
         super().__init__(
             raise_for_status=raise_for_status, retry=retry, wait=wait, max_retry_after=max_retry_after,
             header=header, quoted=quoted, resend_unknown=resend_unknown, key_methods=key_methods,
             hash_keys=hash_keys, hash_secret=hash_secret, conflict_means=conflict_means, lookup=lookup,
-            sleep=sleep, rng=rng,
+            probe=probe, status_path=status_path, sleep=sleep, rng=rng,
         )  # fmt: skip
         self.key_factory = key_factory
         self._owns = client is None
@@ -159,6 +176,20 @@ class _BaseClient(Rules, Generic[_H]):
         url = self._lookup_url(call, str(request.url))
         return self.httpx.build_request("GET", url, headers=lookup_headers(request.headers, self.header))
 
+    def _client_target(self, call: Attempts, method: str, url: Any) -> dict[str, str] | None:
+        """``_target`` with the URL as this client resolves it (its base URL), built only when probing."""
+        if self.probe is None or call.key is None:
+            return None
+        return self._target(call, method, str(self.httpx.build_request(method, url).url))
+
+    def _status_request(self, call: Attempts, method: str, url: Any, headers: httpx.Headers) -> httpx.Request:
+        """The GET of the key status endpoint (``probe="server"``), built by this client (its base URL,
+        auth, cookies) with the request's other headers: the server scopes the key by them."""
+        target = str(self.httpx.build_request(method, url).url)
+        return self.httpx.build_request(
+            "GET", self._status_url(call, target), headers=lookup_headers(headers, self.header)
+        )
+
 
 class Client(_BaseClient[httpx.Client]):
     """A sync httpx client that sends one idempotency key per logical call and retries with it.
@@ -192,7 +223,8 @@ class Client(_BaseClient[httpx.Client]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if needs_mark_sent(call):
-            _runtime.mark_sent()  # pending → in_flight, or InProgress when our lease was lost
+            # pending → in_flight (with where it goes, for the reconciler), or InProgress when our lease was lost
+            _runtime.mark_sent(target=self._client_target(call, method, url))
 
         def send() -> httpx.Response:
             return self.httpx.request(method, url, headers=headers, **kwargs)
@@ -205,7 +237,13 @@ class Client(_BaseClient[httpx.Client]):
                 return answer
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (httpx.HTTPError,))
+        def probe() -> ServerSays:
+            try:
+                return _said(self.httpx.send(self._status_request(call, method, url, headers)))
+            except httpx.HTTPError as exc:
+                return _unasked(exc)
+
+        return run(self, call, send, close_response, lookup, (httpx.HTTPError,), probe)
 
     def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return self.request("GET", url, **kwargs)
@@ -250,7 +288,7 @@ class AsyncClient(_BaseClient[httpx.AsyncClient]):
         headers = httpx.Headers(kwargs.pop("headers", None))
         call = self._start(method, url, idempotency_key, headers, kwargs)
         if needs_mark_sent(call):
-            await _runtime.amark_sent()
+            await _runtime.amark_sent(target=self._client_target(call, method, url))
 
         async def send() -> httpx.Response:
             return await self.httpx.request(method, url, headers=headers, **kwargs)
@@ -264,7 +302,13 @@ class AsyncClient(_BaseClient[httpx.AsyncClient]):
                 return answer
             raise self._not_found(call, answer)
 
-        return await arun(self, call, send, aclose_response, lookup, (httpx.HTTPError,))
+        async def probe() -> ServerSays:
+            try:
+                return _said(await self.httpx.send(self._status_request(call, method, url, headers)))
+            except httpx.HTTPError as exc:
+                return _unasked(exc)
+
+        return await arun(self, call, send, aclose_response, lookup, (httpx.HTTPError,), probe)
 
     async def get(self, url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         return await self.request("GET", url, **kwargs)
@@ -328,6 +372,14 @@ class _BaseTransport(Rules):
         headers = lookup_headers(request.headers, self.header)
         return type(request)("GET", url, headers=headers, extensions=request.extensions)
 
+    def _status_request(self, call: Attempts, request: httpx.Request) -> httpx.Request:
+        """The GET of the key status endpoint (``probe="server"``): the request's library, other
+        headers (the server scopes the key by them) and timeouts."""
+        headers = lookup_headers(request.headers, self.header)
+        return type(request)(
+            "GET", self._status_url(call, str(request.url)), headers=headers, extensions=request.extensions
+        )
+
 
 class Transport(_BaseTransport, httpx.BaseTransport):
     """An httpx transport that carries the guarded call's key: ``httpx.Client(transport=Transport())``.
@@ -356,7 +408,7 @@ class Transport(_BaseTransport, httpx.BaseTransport):
             request.read()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if needs_mark_sent(call):
-            _runtime.mark_sent()
+            _runtime.mark_sent(target=self._target(call, request.method, str(request.url)))
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = inner.handle_request(request)
@@ -377,7 +429,18 @@ class Transport(_BaseTransport, httpx.BaseTransport):
             answer.close()
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (Exception,))
+        def probe() -> ServerSays:
+            try:
+                answer: httpx.Response = inner.handle_request(self._status_request(call, request))
+                try:
+                    answer.read()
+                    return _said(answer)
+                finally:
+                    answer.close()
+            except Exception as exc:  # the inner transport's own errors: httpx's, httpx2's
+                return _unasked(exc)
+
+        return run(self, call, send, close_response, lookup, (Exception,), probe)
 
     def close(self) -> None:
         if self.inner is not None:
@@ -401,7 +464,7 @@ class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
             await request.aread()  # a streamed body becomes bytes: it is sent again, and its hash names it
         call = self._begin_request(request)
         if needs_mark_sent(call):
-            await _runtime.amark_sent()
+            await _runtime.amark_sent(target=self._target(call, request.method, str(request.url)))
         inner = self._inner_for(request)
         if call.key is None:
             response: httpx.Response = await inner.handle_async_request(request)
@@ -423,7 +486,18 @@ class AsyncTransport(_BaseTransport, httpx.AsyncBaseTransport):
             await answer.aclose()
             raise self._not_found(call, answer)
 
-        return await arun(self, call, send, aclose_response, lookup, (Exception,))
+        async def probe() -> ServerSays:
+            try:
+                answer: httpx.Response = await inner.handle_async_request(self._status_request(call, request))
+                try:
+                    await answer.aread()
+                    return _said(answer)
+                finally:
+                    await answer.aclose()
+            except Exception as exc:
+                return _unasked(exc)
+
+        return await arun(self, call, send, aclose_response, lookup, (Exception,), probe)
 
     async def aclose(self) -> None:
         if self.inner is not None:

@@ -20,7 +20,18 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise ImportError(f"onceonly.http.RequestsAdapter needs requests: {install_hint('requests')}") from exc
 
 from onceonly import runtime as _runtime
-from onceonly.http._rules import REPLAYED, Options, Rules, close_response, lookup_headers, needs_mark_sent, run
+from onceonly.http._rules import (
+    REPLAYED,
+    Options,
+    Rules,
+    ServerSays,
+    Told,
+    close_response,
+    lookup_headers,
+    needs_mark_sent,
+    read_status,
+    run,
+)
 
 __all__ = ["RequestsAdapter"]
 
@@ -83,7 +94,7 @@ class RequestsAdapter(Rules, HTTPAdapter):
         call = self._begin(request.method or "GET", url, request.headers, lambda: _bytes(body))
         call.repeatable = body is None or isinstance(body, bytes | str)
         if needs_mark_sent(call):
-            _runtime.mark_sent()
+            _runtime.mark_sent(target=self._target(call, request.method or "GET", url))
         if call.key is None:
             return HTTPAdapter.send(self, request, **options)
 
@@ -100,7 +111,19 @@ class RequestsAdapter(Rules, HTTPAdapter):
             answer.close()
             raise self._not_found(call, answer)
 
-        return run(self, call, send, close_response, lookup, (Exception,))
+        def probe() -> ServerSays:
+            headers = lookup_headers(request.headers, self.header)
+            asking = requests.Request("GET", self._status_url(call, url), headers).prepare()
+            try:
+                answer = HTTPAdapter.send(self, asking, timeout=timeout, verify=verify, cert=cert, proxies=proxies)
+                try:
+                    return read_status(answer.status_code, answer.headers, answer.content)
+                finally:
+                    answer.close()
+            except Exception as exc:
+                return ServerSays(Told.NO_ANSWER, detail=f"the server could not be asked ({type(exc).__name__})")
+
+        return run(self, call, send, close_response, lookup, (Exception,), probe)
 
 
 def _bytes(body: object) -> bytes | None:

@@ -18,13 +18,14 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from typing import Any, Protocol, TypedDict, TypeVar, Unpack
+from typing import Any, Literal, Protocol, TypedDict, TypeVar, Unpack
 from urllib.parse import quote, urljoin, urlsplit
 
 from onceonly import runtime as _runtime
-from onceonly.errors import InProgress, KeyConflict, NotSerializable, OutcomeUnknown
+from onceonly.errors import InProgress, KeyConflict, NotSerializable, OnceOnlyError, OutcomeUnknown
 from onceonly.events import key_conflict, short_key
 from onceonly.keys import canonical_json, is_wire_key
+from onceonly.keystatus import STATUS_PATH, ServerSays, Told, read_status, status_url
 from onceonly.policy import (
     ConflictMeaning,
     Retry,
@@ -45,8 +46,11 @@ __all__ = [
     "Attempts",
     "KeyAlreadyUsed",
     "Lookup",
+    "NotRun",
     "Options",
     "Rules",
+    "ServerSays",
+    "Told",
     "aclose_response",
     "arun",
     "close_response",
@@ -58,9 +62,11 @@ __all__ = [
     "maybe_await",
     "needs_mark_sent",
     "new_key",
+    "read_status",
     "request_identity",
     "route_of",
     "run",
+    "status_url",
 ]
 
 #: Four attempts, backoff ceilings 0.5, 1, 2 s (full jitter).
@@ -150,6 +156,21 @@ class KeyAlreadyUsed(OutcomeUnknown):
     onceonly_verdict = Verdict.UNKNOWN
 
 
+class NotRun(OnceOnlyError):
+    """The server says a request with this key never ran (``probe="server"``: its key status is 404),
+    and no attempt is left to send it again. Classified as not executed: a retry with the same key is
+    safe, and the ledger's retry of a guarded tool sends it.
+
+    .. versionadded:: 0.1
+    """
+
+    onceonly_verdict = Verdict.NOT_EXECUTED
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 #: ``lookup=``: a URL template with ``{key}`` (relative to the request's URL), or a function of the key
 #: that returns the existing result (JSON data) or ``None`` (an async function for the async faces).
 Lookup = str | Callable[[str], Any]
@@ -179,6 +200,17 @@ class Options(TypedDict, total=False):
             ``"/tickets/by-idempotency-key/{key}"`` (resolved against the request's URL, asked with
             a GET that carries the request's other headers, and its 2xx answer returned marked as a
             replay), or a function of the key returning the result as JSON data or ``None``.
+        probe: ``"server"``: settle an unknown outcome of a keyed request (timeout, reset, 500/502/504)
+            by asking the server what happened to the key (``GET {status_path}/{key}``, served by
+            ``onceonly.server.IdempotencyMiddleware(status_path=...)``) with the request's other
+            headers (its credentials: the server scopes keys per client). Completed: the request is
+            sent again with its key and the server replays the stored response. Processing: ask again
+            after ``Retry-After`` for up to ``wait`` seconds, then ``InProgress``. 404: it never ran, or
+            was released: sent again with its key. Unknown (the server stopped mid-request):
+            ``OutcomeUnknown``, never sent again. A server that cannot tell (no such endpoint, down):
+            the rule without a probe (``resend_unknown``). Default ``None``: no asking.
+        status_path: where the server answers it: an absolute path on the request's origin, or a full
+            URL (default ``onceonly.keystatus.STATUS_PATH``, ``"/idempotency-keys"``).
         sleep: the sleep between attempts (injectable for tests); default ``time.sleep``, or
             ``asyncio.sleep`` for the async faces.
         rng: the random source of the jitter.
@@ -198,6 +230,8 @@ class Options(TypedDict, total=False):
     hash_secret: str | bytes | None
     conflict_means: ConflictMeaning
     lookup: Lookup | None
+    probe: Literal["server"] | None
+    status_path: str
     sleep: Callable[[float], Any] | None
     rng: random.Random | None
 
@@ -222,7 +256,10 @@ _A = TypeVar("_A", bound=_Answer)
 class Attempts:
     """The state of one logical call: its key, which attempt, how long it waited on 409s."""
 
-    __slots__ = ("attempt", "busy", "busy_since", "key", "repeatable", "resendable", "route", "safe", "waited")
+    __slots__ = (
+        "attempt", "busy", "busy_since", "key", "pause", "probes", "repeatable", "resendable", "route", "safe",
+        "waited",
+    )  # fmt: skip
 
     def __init__(
         self, key: str | None, *, safe: bool, resendable: bool, repeatable: bool = True, route: str = ""
@@ -241,10 +278,15 @@ class Attempts:
         self.waited = 0.0
         self.busy = 0
         self.busy_since = 0.0
+        #: Status asks made (``probe="server"``), and the pause before the next one (processing).
+        self.probes = 0
+        self.pause = 0.0
 
 
 class _Next(enum.Enum):
     LOOKUP = "lookup"  # the 409 says the key was used already: fetch the existing result
+    PROBE = "probe"  # unknown: ask the server what happened to the key (probe="server")
+    FALLBACK = "fallback"  # the server could not tell: the rule without a probe
 
 
 def _digest(parts: list[str]) -> str:
@@ -349,6 +391,18 @@ class Rules:
         self.conflict_means = check_conflict_means(options.get("conflict_means", "in_progress"))
         self.lookup = options.get("lookup")
         self._check_lookup()
+        self.probe = options.get("probe")
+        if self.probe not in (None, "server"):
+            raise ValueError(
+                f"probe={self.probe!r}: give 'server' (ask the server's key status endpoint about an unknown "
+                "outcome) or None"
+            )
+        self.status_path = options.get("status_path", STATUS_PATH)
+        if not isinstance(self.status_path, str) or not self.status_path.startswith(("/", "http://", "https://")):
+            raise ValueError(
+                f"status_path={self.status_path!r}: give an absolute path such as {STATUS_PATH!r} or a full "
+                "http(s) URL, where the server answers GET {status_path}/{key}"
+            )
 
     @property
     def hash_keys(self) -> bool:
@@ -425,7 +479,8 @@ class Rules:
     # --- each answer --------------------------------------------------------------------------
 
     def _on_response(self, call: Attempts, response: _Answer) -> float | _Next | None:
-        """``None``: return ``response``. Seconds: try again after them. ``LOOKUP``: fetch the result of
+        """``None``: return ``response``. Seconds: try again after them. ``PROBE``: ask the server about
+        the key (``probe="server"``, an unknown outcome). ``LOOKUP``: fetch the result of
         the used key. Raises for the rest."""
         status = response.status_code
         if status < 400:
@@ -448,6 +503,8 @@ class Rules:
             _alert_conflict(conflict, call.route)
             raise conflict
         verdict = classify_status(status, response.headers.get("retry-after")).verdict
+        if verdict is Verdict.UNKNOWN and self._probes(call):
+            return _Next.PROBE
         if self._again(call, verdict, retry_after):
             return self.retry.backoff(call.attempt, self.rng, floor=retry_after)
         if self.raise_for_status:
@@ -480,12 +537,81 @@ class Rules:
         call.attempt -= 1  # nothing ran: a 409 is a wait, not a spent attempt
         return seconds
 
-    def _on_error(self, call: Attempts, exc: Exception) -> float:
-        """Seconds to wait before trying again, or raises ``exc`` when it is final."""
+    def _on_error(self, call: Attempts, exc: Exception) -> float | _Next:
+        """Seconds to wait before trying again, ``PROBE`` (an unknown outcome the server is asked about),
+        or raises ``exc`` when it is final."""
         got = classify(exc)
+        if got.verdict is Verdict.UNKNOWN and self._probes(call):
+            return _Next.PROBE
         if self._again(call, got.verdict, got.retry_after):
             return self.retry.backoff(call.attempt, self.rng, floor=got.retry_after)
         raise exc
+
+    # --- asking the server (probe="server") ----------------------------------------------------
+
+    def _probes(self, call: Attempts) -> bool:
+        """Whether an unknown outcome of ``call`` is settled by asking the server: a keyed request, a
+        probing face, and fewer asks than attempts (a replay lost again and again must end)."""
+        return self.probe == "server" and call.key is not None and call.probes < self.retry.attempts
+
+    def _target(self, call: Attempts, method: str, request_url: str) -> dict[str, str] | None:
+        """What a dispatch reports of a keyed request under ``probe="server"`` (``runtime.mark_sent``):
+        the method, the URL without query or fragment (they may hold secrets), the key and where the
+        server tells its status; ``None`` otherwise. Never a header: credentials stay out of records."""
+        if self.probe != "server" or call.key is None:
+            return None
+        parts = urlsplit(request_url)
+        url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+        return {"method": method.upper(), "url": url, "key": call.key, "status": self._status_url(call, url)}
+
+    def _status_url(self, call: Attempts, request_url: str) -> str:
+        assert call.key is not None
+        return status_url(request_url, call.key, self.status_path)
+
+    def _on_probe(self, call: Attempts, says: ServerSays) -> float | _Next:
+        """What the server's word on the key means: seconds before sending again (completed: to get
+        the replay; not run), ``PROBE`` (ask again after ``call.pause``), ``FALLBACK``; or raises."""
+        call.probes += 1
+        call.pause = 0.0
+        told = says.told
+        if told is Told.NO_ANSWER or not call.repeatable:
+            return _Next.FALLBACK
+        if told is Told.COMPLETED:
+            call.attempt -= 1  # the replay is what the lost answer was: it costs no attempt
+            return 0.0
+        if told is Told.NOT_RUN:
+            if call.attempt < self.retry.attempts:
+                return self.retry.backoff(call.attempt, self.rng)
+            raise NotRun(
+                f"{says.detail}: the request with key {call.key!r} did not run, and no attempt is left; "
+                "send it again with the same key",
+                key=call.key or "",
+            )
+        if told is Told.PROCESSING:
+            call.probes -= 1  # waiting costs no ask, only time (bounded by wait=)
+            call.pause = self._busy(call, says.retry_after)
+            return _Next.PROBE
+        raise OutcomeUnknown(
+            f"{says.detail}: whether the request with key {call.key!r} took effect is not known, and sending "
+            "it again would run it again. Inside a guarded tool the ledger settles it (on_unknown); outside "
+            "one, check the effect on the server before sending a new request",
+            key=call.key or "",
+        )
+
+    def _fallback(self, call: Attempts) -> float | None:
+        """The rule without a probe for an unknown outcome: seconds before resending, or ``None`` (final)."""
+        if self._again(call, Verdict.UNKNOWN, None):
+            return self.retry.backoff(call.attempt, self.rng)
+        return None
+
+    def _final(self, last: Any) -> Any:
+        """The last answer of a call the server could not settle: raised (an error, or a status with
+        ``raise_for_status``), else returned."""
+        if isinstance(last, BaseException):
+            raise last
+        if self.raise_for_status:
+            last.raise_for_status()
+        return last
 
     def _again(self, call: Attempts, verdict: Verdict, retry_after: float | None) -> bool:
         if call.attempt >= self.retry.attempts or not call.repeatable:
@@ -604,15 +730,20 @@ def run(
     close: Callable[[_A], object],
     lookup: Callable[[_A], _A],
     errors: tuple[type[Exception], ...],
+    probe: Callable[[], ServerSays] | None = None,
 ) -> _A:
     """Send one keyed call until ``rules`` say it is done: its response, or raises. ``lookup`` gets the
-    (closed) 409 that says the key was used already, and returns the existing result's answer."""
+    (closed) 409 that says the key was used already, and returns the existing result's answer;
+    ``probe`` asks the server's key status endpoint (``probe="server"``)."""
     while True:
         call.attempt += 1
+        last: Any
+        got: float | _Next | None
         try:
             response = send()
         except errors as exc:
-            seconds = rules._on_error(call, exc)
+            got = rules._on_error(call, exc)
+            last = exc
         else:
             try:
                 got = rules._on_response(call, response)
@@ -621,11 +752,33 @@ def run(
                 raise
             if got is None:
                 return response
-            close(response)
+            if got is not _Next.PROBE:
+                close(response)
             if got is _Next.LOOKUP:
                 return lookup(response)
-            seconds = got
-        rules.sleep(seconds)
+            last = response
+        if got is _Next.PROBE:
+            assert probe is not None
+            try:
+                while got is _Next.PROBE:
+                    if call.pause:
+                        rules.sleep(call.pause)
+                    got = rules._on_probe(call, probe())
+                if got is _Next.FALLBACK:
+                    got = rules._fallback(call)
+                    if got is None:
+                        result: _A = rules._final(last)  # the answer the server could not settle
+                        last = None
+                        return result
+            except BaseException as exc:
+                if isinstance(last, BaseException) and exc is not last:
+                    raise exc from last
+                raise
+            finally:
+                if last is not None and not isinstance(last, BaseException):
+                    close(last)
+        assert isinstance(got, float | int)
+        rules.sleep(got)
 
 
 async def arun(
@@ -635,14 +788,18 @@ async def arun(
     close: Callable[[_A], Awaitable[object]],
     lookup: Callable[[_A], Awaitable[_A]],
     errors: tuple[type[Exception], ...],
+    probe: Callable[[], Awaitable[ServerSays]] | None = None,
 ) -> _A:
     """``run``, awaited."""
     while True:
         call.attempt += 1
+        last: Any
+        got: float | _Next | None
         try:
             response = await send()
         except errors as exc:
-            seconds = rules._on_error(call, exc)
+            got = rules._on_error(call, exc)
+            last = exc
         else:
             try:
                 got = rules._on_response(call, response)
@@ -651,11 +808,33 @@ async def arun(
                 raise
             if got is None:
                 return response
-            await close(response)
+            if got is not _Next.PROBE:
+                await close(response)
             if got is _Next.LOOKUP:
                 return await lookup(response)
-            seconds = got
-        await rules.sleep(seconds)
+            last = response
+        if got is _Next.PROBE:
+            assert probe is not None
+            try:
+                while got is _Next.PROBE:
+                    if call.pause:
+                        await rules.sleep(call.pause)
+                    got = rules._on_probe(call, await probe())
+                if got is _Next.FALLBACK:
+                    got = rules._fallback(call)
+                    if got is None:
+                        result: _A = rules._final(last)
+                        last = None
+                        return result
+            except BaseException as exc:
+                if isinstance(last, BaseException) and exc is not last:
+                    raise exc from last
+                raise
+            finally:
+                if last is not None and not isinstance(last, BaseException):
+                    await close(last)
+        assert isinstance(got, float | int)
+        await rules.sleep(got)
 
 
 def close_response(response: Any) -> None:

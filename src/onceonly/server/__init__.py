@@ -25,6 +25,7 @@ from onceonly.server._http import (
     parse_key,
     store_key,
 )
+from onceonly.server._status import DEFAULT_STATUS_PATH, KeyStatus
 from onceonly.server.middleware import DEFAULT_RELEASE_STATUSES, IdempotencyMiddleware
 from onceonly.server.transactional import IdempotencyTable, Slot
 
@@ -33,10 +34,12 @@ __all__ = [
     "DEFAULT_PROBLEM_DOCS",
     "DEFAULT_RELEASE_STATUSES",
     "DEFAULT_REPLAY_HEADERS",
+    "DEFAULT_STATUS_PATH",
     "BadKey",
     "IdempotencyContext",
     "IdempotencyMiddleware",
     "IdempotencyTable",
+    "KeyStatus",
     "Replay",
     "Slot",
     "StoredResponse",

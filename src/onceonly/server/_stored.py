@@ -34,6 +34,7 @@ from ._http import (
     StoredResponse,
     check_client_secret,
 )
+from ._status import KeyStatus
 
 __all__ = ["Held", "StoredMode"]
 
@@ -207,14 +208,27 @@ class StoredMode:
             via="made", by=owner,
         )  # fmt: skip
         kept = await self.calls.call("claim", made) or made
+        return self._hasher_of(kept)
+
+    async def kept_client_hasher(self) -> ClientHasher | None:
+        """The client secret kept in the store, or ``None`` when none was made yet (then no key was
+        ever stored): a read only, for the status endpoint, which must write nothing."""
+        kept = await self.calls.call("get", self.secret_key)
+        return None if kept is None else self._hasher_of(kept)
+
+    def _hasher_of(self, kept: Record) -> ClientHasher:
         try:
             secret = check_client_secret(bytes.fromhex(json.loads(kept.result_json or "")["client_secret"]))
         except (ValueError, TypeError, KeyError) as exc:
             raise StoreCorrupt(
-                f"{key} holds no client secret of IdempotencyMiddleware ({exc}): it was written by something "
+                f"{kept.key} holds no client secret of IdempotencyMiddleware ({exc}): it was written by something "
                 "else. Nothing was changed: delete that record (a new secret is then made) or pass client_secret="
             ) from exc
         return ClientHasher(secret)
+
+    async def status(self, store_key: str) -> KeyStatus:
+        """What a retry of ``store_key`` (``http:CLIENT:k:KEY``) meets, read from its record; writes nothing."""
+        return key_status(await self.calls.call("get", store_key), self.clock())
 
     async def complete(self, held: Held, stored: StoredResponse) -> None:
         """Store the response of the claim ``held`` (it is then replayed), retrying a failed write briefly."""
@@ -342,3 +356,26 @@ def is_ours(current: Record | None, held: Record) -> bool:
         and current.lease_owner == held.lease_owner
         and current.fence == held.fence
     )
+
+
+def key_status(rec: Record | None, now: float) -> KeyStatus:
+    """The ``KeyStatus`` of the middleware's record of a key (``None``: no record), at ``now``."""
+    if rec is None:
+        return KeyStatus("no-record", "runs")
+    if rec.state is State.CONFIRMED:
+        if rec.is_expired(now):
+            return KeyStatus("expired", "runs", expires_at=rec.expires_at)
+        try:
+            status: int | None = StoredResponse.from_json(rec.result_json or "").status
+        except ValueError:
+            return KeyStatus("unknown", "refused", stored_at=rec.updated_at)
+        return KeyStatus("completed", "replays", status, stored_at=rec.updated_at, expires_at=rec.expires_at)
+    if rec.state in HELD:
+        if rec.lease_expired(now):
+            # The server that held it stopped mid-request: whether its effects landed is not known,
+            # and a retry runs the request again.
+            return KeyStatus("unknown", "runs")
+        return KeyStatus("processing", "waits", expires_at=rec.lease_until)
+    if rec.state in (State.FAILED, State.UNKNOWN):
+        return KeyStatus("unknown", "runs")
+    return KeyStatus("unknown", "waits")  # needs_review / abandoned: a person holds it (see _against)

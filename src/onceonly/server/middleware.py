@@ -25,6 +25,7 @@ one of the two: ``_stored.py`` (claim, replay, capture, store or release, renewa
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -56,9 +57,10 @@ from ._http import (
     request_key,
     store_key,
 )
+from ._status import DEFAULT_STATUS_PATH, KeyStatus, check_status_path, key_of, status_messages
 from ._stored import StoredMode
 
-__all__ = ["DEFAULT_RELEASE_STATUSES", "IdempotencyMiddleware"]
+__all__ = ["DEFAULT_RELEASE_STATUSES", "DEFAULT_STATUS_PATH", "IdempotencyMiddleware"]
 
 #: Statuses after which the key is released instead of stored, so a retry runs again: every 5xx
 #: (the handler failed), 408 and 429 (the request was refused before it ran).
@@ -121,6 +123,15 @@ class IdempotencyMiddleware:
             for the round trip). ``"auto"``: inline for SQLite (async with ``synchronous=full``,
             whose fsync per commit would hold the loop), else async if the store has an async face,
             else thread.
+        status_path: serve ``GET {status_path}/{key}`` (``DEFAULT_STATUS_PATH`` is
+            ``"/idempotency-keys"``): what the server knows of one key of the calling client, scoped
+            like the guarded requests (another client's key is not found), without the stored body:
+            ``state`` (``processing``, ``completed``, ``unknown``), the stored ``status``, ``stored_at``,
+            ``expires_at`` and whether a retry is replayed; 404 problem+json when there is no record
+            (a retry runs). Default ``None``: no endpoint. See docs/server.md, "The key status endpoint".
+        status_lookup: transactional mode with ``status_path``: ``store_key -> KeyStatus``, a function
+            (called in a worker thread) that opens a connection to the application's database and
+            returns ``IdempotencyTable.status(conn, store_key)``.
         clock: seconds since the epoch (injectable for tests).
 
     .. versionadded:: 0.1
@@ -146,6 +157,8 @@ class IdempotencyMiddleware:
         key_prefix: str = "http",
         problem_docs: str | None = DEFAULT_PROBLEM_DOCS,
         store_calls: Literal["auto", "async", "thread", "inline"] = "auto",
+        status_path: str | None = None,
+        status_lookup: Callable[[str], KeyStatus] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if transactional == (store is not None):
@@ -163,6 +176,18 @@ class IdempotencyMiddleware:
                 "client_secret=IdempotencyTable.client_secret(conn), or give one from your configuration "
                 "(16 bytes or more, such as secrets.token_hex(32))"
             )
+        self.status_path = check_status_path(status_path)
+        if transactional and self.status_path is not None and not callable(status_lookup):
+            raise ValueError(
+                "IdempotencyMiddleware(transactional=True, status_path=...) needs status_lookup=: a function "
+                "store_key -> KeyStatus that opens a connection to your database and returns "
+                "IdempotencyTable.status(conn, store_key) (see docs/server.md)"
+            )
+        if status_lookup is not None and not transactional:
+            raise ValueError("status_lookup= is for transactional=True; the store mode reads its own store")
+        self.status_lookup = status_lookup
+        # The one test a request pays when the endpoint is off: ``_status_prefix is not None``.
+        self._status_prefix = None if self.status_path is None else self.status_path + "/"
         self.app = app
         opened = open_store(store) if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
@@ -203,6 +228,10 @@ class IdempotencyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan" and self.store is not None:
             await self.app(scope, self._closing_at_shutdown(receive), send)
+            return
+        prefix = self._status_prefix
+        if prefix is not None and scope["type"] == "http" and scope["path"].startswith(prefix):
+            await self._answer_status(scope, receive, send, prefix)
             return
         # Without case: a server may pass "post", and an app may take it as POST (Django does).
         if scope["type"] != "http" or scope["method"].upper() not in self.methods:
@@ -260,6 +289,51 @@ class IdempotencyMiddleware:
             await transactional.serve(self.app, scope, replaying(body, receive), send, ctx, self._problems)
         else:
             await stored.run(scope, body, receive, send, ctx)
+
+    async def _answer_status(self, scope: Scope, receive: Receive, send: Send, prefix: str) -> None:
+        """``GET {status_path}/{key}``: the status of the calling client's key. Reads, never writes."""
+        problem = self._problems.problem
+        if scope["method"].upper() != "GET":
+            await send_all(
+                send,
+                problem(
+                    405,
+                    "Method not allowed",
+                    f"{prefix}{{key}} answers GET only: it tells what the server knows of a key",
+                    slug="status-method",
+                    headers=[(b"allow", b"GET")],
+                ),
+            )
+            return
+        try:
+            key = key_of(scope["path"], prefix)
+        except BadKey as exc:
+            await send_all(send, problem(400, "Invalid Idempotency-Key", str(exc), slug="invalid-key"))
+            return
+        stored = self._stored
+        hasher = self._hasher
+        try:
+            if hasher is None:
+                assert stored is not None  # transactional mode always has a client secret
+                hasher = self._hasher = await stored.kept_client_hasher()
+        except StoreError as exc:
+            assert stored is not None
+            await send_all(send, self._problems.store_failed(exc, stored.secret_key, key))
+            return
+        if hasher is None:  # no secret made yet: no key was ever stored
+            await send_all(send, status_messages(key, KeyStatus("no-record", "runs"), self._problems))
+            return
+        where = store_key(self.key_prefix, hasher(self.client_identity(scope)), key)
+        try:
+            if stored is not None:
+                found = await stored.status(where)
+            else:
+                assert self.status_lookup is not None
+                found = await asyncio.to_thread(self.status_lookup, where)
+        except StoreError as exc:
+            await send_all(send, self._problems.store_failed(exc, where, key))
+            return
+        await send_all(send, status_messages(key, found, self._problems))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, str]:
         digest = fingerprint_start(

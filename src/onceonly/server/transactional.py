@@ -44,6 +44,7 @@ from ._http import (
     StoredResponse,
     idempotency_context,
 )
+from ._status import KeyStatus
 
 __all__ = ["IdempotencyTable", "Slot"]
 
@@ -91,6 +92,9 @@ class IdempotencyTable:
                 "ON CONFLICT (key) DO NOTHING"
             ),
             "select": f"SELECT fingerprint, status, response, expires_at FROM {t} WHERE key = :key",
+            "select_status": (
+                f"SELECT fingerprint, status, response, created_at, expires_at FROM {t} WHERE key = :key"
+            ),
             "drop_expired": (f"DELETE FROM {t} WHERE key = :key AND expires_at IS NOT NULL AND expires_at <= :now"),
             "complete": (
                 f"UPDATE {t} SET status = 'completed', response = :response, expires_at = :expires "
@@ -215,6 +219,29 @@ class IdempotencyTable:
         if status != "completed" or response is None or (expires_at is not None and expires_at <= self.clock()):
             return None
         return StoredResponse.from_json(response)
+
+    def status(self, tx: Any, key: str) -> KeyStatus:
+        """What a retry of ``key`` (a store key: ``IdempotencyContext.store_key``) meets, for the
+        middleware's status endpoint (``status_lookup=``). Reads only committed rows: a transaction that
+        holds the key now is not seen, and a retry then waits on its lock and replays what it commits.
+
+        .. versionadded:: 0.1
+        """
+        _, rows = _executor(tx)(self._sql["select_status"], {"key": key})
+        if not rows or rows[0][1] == "secret":
+            return KeyStatus("no-record", "runs")
+        _, status, response, created_at, expires_at = rows[0]
+        if expires_at is not None and expires_at <= self.clock():
+            return KeyStatus("expired", "runs", expires_at=expires_at)
+        if status != "completed" or response is None:
+            # Committed without complete(): begin() answers 409 until its ttl passes, and whether the
+            # business write of that transaction happened is not recorded.
+            return KeyStatus("unknown", "waits", expires_at=expires_at)
+        try:
+            code: int | None = StoredResponse.from_json(response).status
+        except ValueError:
+            return KeyStatus("unknown", "refused", stored_at=created_at)
+        return KeyStatus("completed", "replays", code, stored_at=created_at, expires_at=expires_at)
 
     def purge(self, tx: Any, *, before: float | None = None) -> int:
         """Delete rows whose ``ttl`` passed (a row committed without ``complete()`` too); returns how many."""

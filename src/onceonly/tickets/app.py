@@ -34,8 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from onceonly.keys import KEY_PATTERN, MAX_KEY_LENGTH
 from onceonly.server import (
+    DEFAULT_STATUS_PATH,
     IdempotencyMiddleware,
     IdempotencyTable,
+    KeyStatus,
     authorization_identity,
     client_hash,
     idempotency_context,
@@ -201,6 +203,10 @@ class TicketDB:
             with self._lock:
                 self._all.append(conn)
         return conn
+
+    def key_status(self, store_key: str) -> KeyStatus:
+        """What the idempotency table knows of one client's key (the middleware's ``status_lookup``)."""
+        return self.table.status(self.conn(), store_key)
 
     def get(self, ticket_id: int) -> dict[str, Any] | None:
         rows = self.conn().execute(f"SELECT {_COLUMNS} FROM tickets WHERE id = ?", (ticket_id,)).fetchall()
@@ -518,7 +524,11 @@ def create_app(
                 "processing_timeout": processing_timeout,
                 "ttl": ttl,
                 "client_secret": db.client_secret,
+                # GET /idempotency-keys/{key}: a client whose answer was lost asks what happened to its key.
+                "status_path": DEFAULT_STATUS_PATH,
             }
+            if transactional:
+                settings["status_lookup"] = db.key_status
             try:
                 IdempotencyMiddleware(
                     app, **settings
