@@ -87,7 +87,8 @@ class DryRuns:
 
     def log_here(self) -> DryRunLog | None:
         """The log of the dry run this context is in, else ``None`` (the call runs)."""
-        return self.here.get() or self.always
+        got = self.here.get()  # an empty log is falsy: compared with None, not by truth
+        return got if got is not None else self.always
 
 
 def would_do(call: Call, rec: Record | None) -> Would:
