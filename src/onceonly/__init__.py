@@ -13,6 +13,7 @@ idempotency key or by asking the other side, never by guessing.
 
 from __future__ import annotations
 
+from onceonly.dryrun import DryRun, DryRunLog
 from onceonly.errors import (
     AttemptsExhausted,
     InProgress,
@@ -47,6 +48,8 @@ __all__ = [
     "AttemptsExhausted",
     "CallInfo",
     "Classification",
+    "DryRun",
+    "DryRunLog",
     "InProgress",
     "InvalidKey",
     "KeyConflict",

@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar, get_args, overload
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 from onceonly import states as st
 from onceonly.clock import StoreClock
+from onceonly.dryrun import DryRunLog, DryRuns
 from onceonly.edge import entered_task, scope_here
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener
@@ -31,7 +33,17 @@ from onceonly.similar import OnSimilar, Similar
 from onceonly.states import HELD, Record, State
 from onceonly.stores import open_store, redact_url
 from onceonly.stores.base import ClockedStore, Query, SimilarStore, Store
-from onceonly.tools import AsyncTool, Tool, ToolSpec, default_name, make_tool, refuse_framework_object, same_definition
+from onceonly.tools import (
+    EFFECTS,
+    AsyncTool,
+    Effect,
+    Tool,
+    ToolSpec,
+    default_name,
+    make_tool,
+    refuse_framework_object,
+    same_definition,
+)
 
 __all__ = ["AsyncTool", "CallInfo", "Ledger", "Tool", "amark_sent", "current_call", "mark_sent"]
 
@@ -101,6 +113,7 @@ class Ledger:
         )
         #: The guarded tools made on this ledger, by name (the reconciler finds their probes here).
         self.tools: dict[str, Any] = {}
+        self._dry_lock = threading.Lock()
 
     @property
     def store(self) -> Store:
@@ -166,6 +179,9 @@ class Ledger:
         source = "the url given" if url else "$ONCEONLY_URL" if env else "the default URL; set $ONCEONLY_URL to choose"
         url = url or env or DEFAULT_URL
         ledger = cls(open_store(url), **kwargs)
+        if os.environ.get("ONCEONLY_DRY_RUN", "").strip().lower() in ("1", "true", "yes", "on"):
+            ledger.runtime.dry = DryRuns(always=DryRunLog())
+            _log.warning("onceonly: ONCEONLY_DRY_RUN is set: guarded calls on %s run nothing", _where_url(url))
         # A relative SQLite path depends on the working directory: say which file this is, so that an
         # agent started from another folder does not silently get an empty ledger.
         _log.info("onceonly: ledger at %s (%s)", _where_url(url), source)
@@ -197,7 +213,7 @@ class Ledger:
         ignore: Sequence[str] = (),
         normalize: Mapping[str, Normalizer] | None = None,
         retry: Retry | None = None,
-        on_unknown: OnUnknown = "review",
+        on_unknown: OnUnknown | None = None,
         on_conflict: OnConflict = "raise",
         probe: Callable[[dict[str, Any], str], Any] | None = None,
         settle: float = 0.0,
@@ -206,6 +222,7 @@ class Ledger:
         wait: float = 10.0,
         timeout: float | None = None,
         readonly: bool = False,
+        effect: Effect | None = None,
         reports_dispatch: bool = False,
         classify: Classifier | None = None,
         decode: Callable[[Any], Any] | None = None,
@@ -225,7 +242,7 @@ class Ledger:
         ignore: Sequence[str] = (),
         normalize: Mapping[str, Normalizer] | None = None,
         retry: Retry | None = None,
-        on_unknown: OnUnknown = "review",
+        on_unknown: OnUnknown | None = None,
         on_conflict: OnConflict = "raise",
         probe: Callable[[dict[str, Any], str], Any] | None = None,
         settle: float = 0.0,
@@ -234,6 +251,7 @@ class Ledger:
         wait: float = 10.0,
         timeout: float | None = None,
         readonly: bool = False,
+        effect: Effect | None = None,
         reports_dispatch: bool = False,
         classify: Classifier | None = None,
         decode: Callable[[Any], Any] | None = None,
@@ -252,9 +270,10 @@ class Ledger:
             ignore: fields left out of the key and the fingerprint.
             normalize: field → function applied before hashing (``onceonly.normalize_text``…).
             retry: persisted attempt limit and backoff; default ``Retry()``: 3 attempts, base 1 s, cap 30 s.
-            on_unknown: how an unknown outcome is settled: ``"review"`` (default), ``"probe"``,
-                ``"resend"`` or ``"retry"``: run again with the same key (one behaviour; ``resend``
-                says the other side honours the key, ``retry`` that the tool is idempotent by nature).
+            on_unknown: how an unknown outcome is settled: ``"review"`` (the default of a ``write``),
+                ``"probe"``, ``"resend"`` or ``"retry"`` (the default of an ``idempotent`` tool): run again
+                with the same key (one behaviour; ``resend`` says the other side honours the key,
+                ``retry`` that the tool is idempotent by nature).
             on_conflict: same key, other arguments: ``"raise"`` ``KeyConflict``, or ``"replay"``.
             probe: ``(args, key) -> result | onceonly.NOT_FOUND``: asks the other side.
             settle: seconds to wait after an unknown before probing; default 0.
@@ -266,7 +285,12 @@ class Ledger:
                 settle time or re-send backoff of an unknown (then ``OutcomeUnknown``, saying when).
             timeout: seconds per attempt; past it the outcome is unknown, the call runs on and its
                 late result still confirms the record.
-            readonly: no side effect: skip the ledger, plain retry.
+            readonly: no side effect: skip the ledger, plain retry; the same as ``effect="read"``.
+            effect: what repeating the call does (docs/guardrails.md): ``"write"`` (the default: it
+                happens again, so the call runs once and an unknown outcome goes to review),
+                ``"idempotent"`` (repeating it is harmless: an unknown outcome is run again with the
+                same key, ``on_unknown="retry"``, unless ``on_unknown=`` says otherwise) or ``"read"``
+                (no side effect: no record, no lease; run as it is, within ``timeout=``).
             reports_dispatch: the tool calls ``onceonly.mark_sent()`` before its side effect, so a
                 crash before that is retried without a probe.
             classify: ``exception -> Classification | None``, asked before the built-in rules.
@@ -294,6 +318,9 @@ class Ledger:
 
         .. versionadded:: 0.1
         """
+        effect = _check_effect(effect, readonly=readonly, on_unknown=on_unknown, probe=probe, similar=similar)
+        readonly = effect == "read"
+        on_unknown = on_unknown or ("retry" if effect == "idempotent" else "review")
         _check_settings(
             self.store, on_unknown=on_unknown, on_conflict=on_conflict, on_similar=on_similar, similar=similar,
             readonly=readonly, probe=probe, retry=retry, lease=lease, wait=wait, settle=settle, timeout=timeout,
@@ -314,8 +341,8 @@ class Ledger:
             named = default_name(f) if name is None else name
             spec = ToolSpec(
                 self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
-                probe=probe, timeout=timeout, readonly=readonly, decode=decode, passthrough=tuple(passthrough),
-                similar=similar, on_similar=on_similar, tell_model=tell_model,
+                probe=probe, timeout=timeout, readonly=readonly, effect=effect, decode=decode,
+                passthrough=tuple(passthrough), similar=similar, on_similar=on_similar, tell_model=tell_model,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)
@@ -350,6 +377,34 @@ class Ledger:
         """
         with entered_task(name):
             yield name
+
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[DryRunLog]:
+        """Inside, guarded calls of this ledger run nothing and write no record: each reads its record
+        once (``store.get``, never a claim) and returns a ``DryRun`` saying what it would have done,
+        also listed in the ``DryRunLog`` this yields. Read tools (``effect="read"``) run as usual. Only
+        this context (thread, asyncio task) is in the dry run; other callers of the ledger run as usual.
+
+        ``ONCEONLY_DRY_RUN=1`` at ``Ledger.open`` puts the whole ledger in one; ``dry_run()`` then lists
+        its block's calls apart.
+
+        .. versionadded:: 0.1
+        """
+        rt = self.runtime
+        log = DryRunLog()
+        with self._dry_lock:
+            dry = rt.dry or DryRuns()
+            rt.dry = dry
+            dry.entered += 1
+        token = dry.here.set(log)
+        try:
+            yield log
+        finally:
+            dry.here.reset(token)
+            with self._dry_lock:
+                dry.entered -= 1
+                if dry.entered == 0 and dry.always is None:
+                    rt.dry = None  # back to the plain call's one attribute read
 
     # --- the operations API (CLI, dashboard) -----------------------------------------------------
 
@@ -519,6 +574,34 @@ class Ledger:
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r}, scope={self.scope!r})"
+
+
+def _check_effect(
+    effect: object,
+    *,
+    readonly: bool,
+    on_unknown: str | None,
+    probe: Callable[..., Any] | None,
+    similar: Similar | None,
+) -> Effect:
+    """The tool's effect class, from ``effect=`` and the older ``readonly=``; a contradiction is refused."""
+    if effect is None:
+        return "read" if readonly else "write"
+    if effect not in EFFECTS:
+        raise ValueError(f"effect={effect!r}: use one of {', '.join(map(repr, EFFECTS))}")
+    if readonly and effect != "read":
+        raise TypeError(
+            f"readonly=True says the tool has no side effect, and effect={effect!r} says it has one: pass "
+            f"effect={effect!r} alone, or effect='read' (readonly=True is the same as effect='read')"
+        )
+    if effect == "read":
+        given = [name for name, value in (("on_unknown", on_unknown), ("probe", probe), ("similar", similar)) if value]
+        if given:
+            raise TypeError(
+                f"effect='read' keeps no record, so {', '.join(f'{n}=' for n in given)} would never be used: "
+                f"drop {' and '.join(given)}, or pass effect='write' (or 'idempotent') if the call has a side effect"
+            )
+    return effect  # type: ignore[return-value]  # checked against EFFECTS above
 
 
 def _check_settings(

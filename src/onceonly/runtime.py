@@ -35,6 +35,7 @@ from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Store
 
 if TYPE_CHECKING:
+    from onceonly.dryrun import DryRuns
     from onceonly.plan import Call
     from onceonly.tools import ToolSpec
 
@@ -95,6 +96,8 @@ class Runtime:
         self._call_observers: list[CallObserver] = []
         #: ``observe_passes``' observers, entered around each reconciler pass.
         self.pass_observers: list[Callable[[str | None], contextlib.AbstractContextManager[Any]]] = []
+        #: The ledger's dry runs while one is on (``Ledger.dry_run``), else ``None``: a call reads only this.
+        self.dry: DryRuns | None = None
         on_tick = None if store_clock is None else store_clock.sync_if_due
         self.beats = Heartbeats(store, clock, on_tick)
         self.late_tasks: set[asyncio.Task[Any]] = set()

@@ -708,12 +708,12 @@ def reconcile(
     ledger.runtime.sync_clock()  # a reconciler that runs no tool has no heartbeat to do it
     observers = ledger.runtime.pass_observers
     if not observers:
-        return _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every)
+        return _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every, server_headers)
     with contextlib.ExitStack() as stack:
         seen = [observe(scope) for observe in observers]
         for cm in seen:
             stack.enter_context(cm)
-        report = _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every)
+        report = _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every, server_headers)
         for cm in seen:
             cm.report = report  # type: ignore[attr-defined]
     return report
@@ -729,6 +729,7 @@ def _reconcile(
     by: str | None,
     sleep: Callable[[float], None] | None,
     full_every: float | None,
+    server_headers: Mapping[str, str] | None,
 ) -> ReconcileReport:
     clock = ledger.clock
     do_sleep = sleep or ledger.sleep

@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 from typing import Any
 
+from onceonly.dryrun import DRY_VIA
 from onceonly.errors import (
     AttemptsExhausted,
     InProgress,
@@ -100,7 +101,7 @@ def tell_model(what: Outcome | BaseException) -> str:
         if what.similar_to is not None and what.replayed:
             return _similar_done(what.settled_at, what.similar_args, result_text(what.result))
         if not what.replayed:
-            return result_text(what.result)
+            return str(what.result) if what.via == DRY_VIA else result_text(what.result)
         if what.conflict:
             return (
                 f"This action was already done {_when(what.settled_at)} with other details, and was not repeated. "

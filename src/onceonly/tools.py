@@ -9,6 +9,8 @@ the key. Its ``spec`` (a ``ToolSpec``) holds how a call becomes a ledger key and
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import inspect
 import itertools
@@ -18,9 +20,10 @@ import types
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, get_args, runtime_checkable
 
 from onceonly import drivers
+from onceonly.dryrun import DRY_VIA, dry_outcome
 from onceonly.edge import KEY_PARAM, envelope, scope_here
 from onceonly.errors import InvalidKey, OnceOnlyError
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
@@ -34,7 +37,11 @@ from onceonly.tell import TOLD
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
 
-__all__ = ["AsyncTool", "Tool", "ToolSpec", "Wrappers", "make_tool"]
+__all__ = ["EFFECTS", "AsyncTool", "Effect", "Tool", "ToolSpec", "Wrappers", "make_tool"]
+
+#: What repeating a tool's call does: ``write`` (it happens again), ``idempotent`` (harmless), ``read`` (nothing).
+Effect = Literal["write", "idempotent", "read"]
+EFFECTS: tuple[str, ...] = get_args(Effect)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -256,6 +263,7 @@ class ToolSpec:
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
+        effect: Effect | None = None,
     ) -> None:
         self.ledger = ledger
         self.runtime = ledger.runtime
@@ -282,7 +290,9 @@ class ToolSpec:
         self.policy = policy
         self.probe = probe
         self.timeout = timeout
-        self.readonly = readonly
+        #: ``write``, ``idempotent`` or ``read`` (``readonly``: the call skips the ledger).
+        self.effect: Effect = effect or ("read" if readonly else "write")
+        self.readonly = self.effect == "read"
         self.decode = decode
         self.passthrough = passthrough
         self.similar = similar
@@ -305,7 +315,7 @@ class ToolSpec:
             self.ledger, fn, name=self.name, key=self.key_fields, ignore=ignore, normalize=self.normalize,
             policy=self.policy, probe=self.probe, timeout=self.timeout, readonly=self.readonly,
             decode=self.decode, passthrough=self.passthrough, similar=self.similar, on_similar=self.on_similar,
-            tell_model=self.tell_model,
+            tell_model=self.tell_model, effect=self.effect,
         )  # fmt: skip
 
     def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
@@ -374,6 +384,10 @@ class ToolSpec:
         if self.readonly:
             return _readonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        if self.runtime.dry is not None:  # a dry run is on somewhere: one read, no claim, nothing run
+            log = self.runtime.dry.log_here()
+            if log is not None:
+                return dry_outcome(call, self.runtime.store.get(call.key), log)
         counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
@@ -386,6 +400,11 @@ class ToolSpec:
         if self.readonly:
             return await _areadonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        if self.runtime.dry is not None:
+            log = self.runtime.dry.log_here()
+            if log is not None:
+                store: Any = self.runtime.store
+                return dry_outcome(call, await store.aget(call.key), log)
         counted = self.runtime.count_call
         if counted is None:
             return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
@@ -498,7 +517,7 @@ def told(spec: ToolSpec, error: OnceOnlyError) -> str:
 
 def answered(out: Outcome) -> Any:
     """What a ``tell_model=True`` tool returns for an outcome: a fresh result as it is, else the text."""
-    return out.result if not out.replayed else envelope(out).text
+    return out.result if not out.replayed and out.via != DRY_VIA else envelope(out).text
 
 
 def _sync_function(spec: ToolSpec) -> Callable[..., Any]:
@@ -621,12 +640,36 @@ def _readonly_outcome(value: Any, attempt: int) -> Outcome:
     return Outcome(result=value, key="", state=State.CONFIRMED, replayed=False, attempts=attempt, via="readonly")
 
 
+def _read_within(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One attempt of a sync read, given up (``TimeoutError``) past ``timeout=``: a read has nothing to
+    record, so the worker thread that runs on is left to finish on its own."""
+    if spec.timeout is None:
+        return spec.fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            box["value"] = context.run(spec.fn, *args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+        done.set()
+
+    threading.Thread(target=run, name=f"onceonly-read-{spec.name}"[:60], daemon=True).start()
+    if not done.wait(spec.timeout):
+        raise TimeoutError(f"the read {spec.name!r} took longer than timeout={spec.timeout!r} seconds")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def _readonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
     """A read has no side effect: plain retry on anything that may be transient, no ledger."""
     retry = spec.policy.retry
     for attempt in itertools.count(1):
         try:
-            return _readonly_outcome(spec.fn(*args, **kwargs), attempt)
+            return _readonly_outcome(_read_within(spec, args, kwargs), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
             pause = retry.backoff(attempt, spec.runtime.rng, floor=verdict.retry_after)
@@ -642,7 +685,7 @@ async def _areadonly(spec: ToolSpec, args: tuple[Any, ...], kwargs: dict[str, An
     fn = cast(Callable[..., Awaitable[Any]], spec.fn)
     for attempt in itertools.count(1):
         try:
-            return _readonly_outcome(await fn(*args, **kwargs), attempt)
+            return _readonly_outcome(await asyncio.wait_for(fn(*args, **kwargs), spec.timeout), attempt)
         except Exception as exc:
             verdict = classify(exc, spec.policy.classify)
             pause = retry.backoff(attempt, spec.runtime.rng, floor=verdict.retry_after)
