@@ -147,11 +147,12 @@ def test_review_tool_is_parked_after_review_after() -> None:
 
 
 def test_unregistered_tool_is_left_unknown() -> None:
-    """Without its tool the reconciler cannot know how to settle it; it says how to register it."""
+    """Without its tool the reconciler cannot know how to settle it; the line names the tool (how to
+    register it is the command's one hint, which knows whether --app was given)."""
     got = decide(unknown_record(updated_at=NOW - 10_000), None, now=NOW, review_after=0, by="r")
     assert isinstance(got, Leave)
     assert got.settlement is Settlement.NO_TOOL
-    assert "--app" in got.detail
+    assert "'t'" in got.detail and "reconciler's tools" in got.detail
 
 
 def test_settled_record_is_skipped() -> None:
