@@ -96,7 +96,7 @@ _WHOLE = "arguments"
 # What the model reads when a guarded tool is served where no caller can be told apart (the SDK's own
 # server, outside ledger.task): it did not run, and calling again will not help.
 _UNSERVED = (
-    "This tool is not available in this session: the call was not run. Do not issue it again; tell the user "
+    "This tool is not available here: the call was not run. Do not issue it again; tell the user "
     "the tool could not be used."
 )
 
