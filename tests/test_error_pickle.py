@@ -57,6 +57,21 @@ def cases(done: Record, running: Record) -> list[errors.OnceOnlyError]:
             f"{key!r}: 3 attempts failed", key=key, record=running, last_exception=TimeoutError("read timed out")
         ),
         errors.ReentrantCall(f"{key!r} was called again inside itself", key=key, record=running),
+        errors.ApprovalPending(f"{key!r} waits for a person's approval", key=key, asked_at=1.7e9),
+        errors.Refused(f"{key!r} was refused", key=key),
+        errors.Paused(
+            f"{key!r}: calls of create_ticket are paused", key=key, reason="incident 7", tool="create_ticket"
+        ),
+        errors.BudgetExceeded(
+            f"{key!r} would exceed budget spend",
+            key=key,
+            budget="spend",
+            limit=1000,
+            used=990,
+            amount=20,
+            resets_at=1.7e9 + 86400,
+        ),  # fmt: skip
+        errors.ApprovalDenied(f"{key!r} was denied by ana", key=key, by="ana", reason="wrong customer"),
         errors.InvalidKey("the key is empty: give a non-empty name such as 'order-42'"),
         errors.NotSerializable("args.order.items[2] is a set: no JSON form", path="args.order.items[2]", value={1}),
         errors.StoreError("the store failed"),

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 from onceonly.dryrun import DryRun, DryRunLog
 from onceonly.errors import (
+    ApprovalDenied,
+    ApprovalPending,
     AttemptsExhausted,
+    BudgetExceeded,
     InProgress,
     InvalidKey,
     KeyConflict,
     NotSerializable,
     OnceOnlyError,
     OutcomeUnknown,
+    Paused,
     ReentrantCall,
+    Refused,
     RetryScheduled,
     SimilarCall,
     StoreCorrupt,
@@ -44,8 +49,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NOT_FOUND",
+    "ApprovalDenied",
+    "ApprovalPending",
     "AsyncTool",
     "AttemptsExhausted",
+    "BudgetExceeded",
     "CallInfo",
     "Classification",
     "DryRun",
@@ -58,9 +66,11 @@ __all__ = [
     "OnceOnlyError",
     "Outcome",
     "OutcomeUnknown",
+    "Paused",
     "Query",
     "Record",
     "ReentrantCall",
+    "Refused",
     "Retry",
     "RetryScheduled",
     "Similar",

@@ -37,11 +37,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from onceonly.errors import (
+    ApprovalPending,
     AttemptsExhausted,
     InProgress,
     KeyConflict,
     OnceOnlyError,
     OutcomeUnknown,
+    Refused,
     RetryScheduled,
     SimilarCall,
 )
@@ -318,10 +320,14 @@ def strip_own_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
 
 # --- what the model reads -----------------------------------------------------------------------------
 
-EnvelopeState = Literal["done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted"]
+EnvelopeState = Literal[
+    "done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted", "awaiting_approval", "refused"
+]  # fmt: skip
 
 #: Every state an envelope can have: ``not_run`` is the one that is safe to call again.
-STATES: tuple[EnvelopeState, ...] = ("done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted")
+STATES: tuple[EnvelopeState, ...] = (
+    "done", "replayed", "unknown", "in_progress", "not_run", "conflict", "exhausted", "awaiting_approval", "refused"
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +339,8 @@ class Envelope:
             happened; being checked: do not issue it again), ``in_progress`` (another call is doing it),
             ``not_run`` (it did not happen: safe to call again, after ``retry_at`` when given),
             ``conflict`` (the same operation was done with other details, or a similar one was),
-            ``exhausted`` (it failed and will not be retried automatically).
+            ``exhausted`` (it failed and will not be retried automatically), ``awaiting_approval`` (it waits
+            for a person's approval), ``refused`` (a guardrail stopped it: a pause, a budget, a denial).
         text: ``tell_model``'s text for the model: never an operator instruction.
         result: the result for ``done``, ``replayed`` and a ``conflict`` replayed by ``on_conflict="replay"``
             or a near-duplicate (``None`` otherwise).
@@ -349,6 +356,10 @@ class Envelope:
 
 
 def _state_of(error: OnceOnlyError) -> EnvelopeState:
+    if isinstance(error, ApprovalPending):
+        return "awaiting_approval"
+    if isinstance(error, Refused):
+        return "refused"
     if isinstance(error, OutcomeUnknown):
         return "unknown"
     if isinstance(error, RetryScheduled):  # before InProgress, its base: nobody is running it

@@ -8,6 +8,11 @@
     ├── SimilarCall            a call much like this one was made earlier (on_similar="raise")
     ├── AttemptsExhausted      the persisted attempt limit was reached
     ├── ReentrantCall          the operation was called again inside its own running call
+    ├── ApprovalPending        the operation waits for a person's approval; it has not run
+    ├── Refused                a guardrail stopped the call before it ran; no attempt was recorded
+    │   ├── Paused             an operator paused calls like this one (onceonly pause)
+    │   ├── BudgetExceeded     its amount would take its budget's window past the limit
+    │   └── ApprovalDenied     a person denied the operation
     ├── InvalidKey             a key, scope or tool name that cannot be stored (also ValueError)
     ├── NotSerializable        an argument or result that has no canonical JSON form (also TypeError)
     └── StoreError             the ledger's store failed (infrastructure, not an outcome)
@@ -26,14 +31,19 @@ if TYPE_CHECKING:
     from onceonly.states import Record
 
 __all__ = [
+    "ApprovalDenied",
+    "ApprovalPending",
     "AttemptsExhausted",
+    "BudgetExceeded",
     "InProgress",
     "InvalidKey",
     "KeyConflict",
     "NotSerializable",
     "OnceOnlyError",
     "OutcomeUnknown",
+    "Paused",
     "ReentrantCall",
+    "Refused",
     "RetryScheduled",
     "SimilarCall",
     "StoreCorrupt",
@@ -184,6 +194,96 @@ class ReentrantCall(_RecordError):
     """
 
 
+class ApprovalPending(_RecordError):
+    """The operation needs a person's approval (``@ledger.tool(approve=...)``) and has none yet: it did
+    not run. The request is recorded once, bound to the key and the arguments' fingerprint; calls made
+    while it waits raise this again and ask no one twice. After ``onceonly approve KEY``, the next call
+    runs it exactly once.
+
+    Attributes:
+        asked_at: when the approval was first asked for (the ledger's clock), when known.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, message: str, *, key: str, record: Record | None = None, asked_at: float | None = None) -> None:
+        super().__init__(message, key=key, record=record)
+        self.asked_at = asked_at
+
+
+class Refused(_RecordError):
+    """A guardrail stopped this call before it ran: nothing was sent and no attempt was recorded. The
+    subclass says which (``Paused``, ``BudgetExceeded``, ``ApprovalDenied``).
+
+    .. versionadded:: 0.1
+    """
+
+
+class Paused(Refused):
+    """An operator paused guarded calls that match this one (``onceonly pause``, ``ledger.pause()``):
+    it was refused before it claimed anything. Calls already running when the pause was set finish as usual.
+
+    Attributes:
+        reason: the reason the operator gave (for logs and people, never for a model).
+        tool: the paused tool, or None when the pause covers every tool.
+        scope: the paused scope, or None when it covers every scope.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, message: str, *, key: str, reason: str, tool: str | None = None, scope: str | None = None
+    ) -> None:
+        super().__init__(message, key=key, record=None)
+        self.reason = reason
+        self.tool = tool
+        self.scope = scope
+
+
+class BudgetExceeded(Refused):
+    """The call's amount would take its budget's current window past the limit (``budget=``): refused
+    before it ran. The window's total counts confirmed, running, unknown and review-parked calls.
+
+    Attributes:
+        budget: the budget's name.
+        limit: the window's limit.
+        used: what the window holds already.
+        amount: this call's amount.
+        resets_at: when the window ends (the ledger's clock).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, message: str, *, key: str, budget: str, limit: float, used: float, amount: float, resets_at: float
+    ) -> None:
+        super().__init__(message, key=key, record=None)
+        self.budget = budget
+        self.limit = limit
+        self.used = used
+        self.amount = amount
+        self.resets_at = resets_at
+
+
+class ApprovalDenied(Refused):
+    """A person denied this operation (``onceonly deny KEY``): it did not run, and will not for these
+    arguments.
+
+    Attributes:
+        by: who denied it.
+        reason: the reason they gave (for logs and people, never for a model).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, message: str, *, key: str, record: Record | None = None, by: str, reason: str | None = None
+    ) -> None:
+        super().__init__(message, key=key, record=record)
+        self.by = by
+        self.reason = reason
+
+
 class InvalidKey(OnceOnlyError, ValueError):
     """A key, scope or tool name that is empty, too long, or has whitespace or control characters.
 
@@ -235,6 +335,10 @@ _RAISED: tuple[tuple[type[BaseException], str], ...] = (
     (RetryScheduled, "scheduled"),
     (InProgress, "in_progress"),
     (AttemptsExhausted, "abandoned"),
+    (ApprovalPending, "awaiting_approval"),
+    (Paused, "paused"),
+    (BudgetExceeded, "over_budget"),
+    (ApprovalDenied, "denied"),
     (StoreError, "store_error"),
     (OnceOnlyError, "error"),
 )
@@ -244,7 +348,7 @@ def outcome_label(out: Any, exc: BaseException | None) -> str:
     """How a guarded call ended, as one word (the metrics' ``outcome`` label, the traces'
     ``onceonly.outcome``): the state of its ``Outcome`` ``out``, or what it raised: ``failed`` (the tool's
     own error), ``unknown``, ``needs_review``, ``in_progress``, ``scheduled``, ``conflict``, ``similar``,
-    ``abandoned``, ``store_error``, ``error``.
+    ``abandoned``, ``awaiting_approval``, ``paused``, ``over_budget``, ``denied``, ``store_error``, ``error``.
 
     .. versionadded:: 0.1
     """

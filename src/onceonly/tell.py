@@ -14,11 +14,16 @@ from typing import Any
 
 from onceonly.dryrun import DRY_VIA
 from onceonly.errors import (
+    ApprovalDenied,
+    ApprovalPending,
     AttemptsExhausted,
+    BudgetExceeded,
     InProgress,
     KeyConflict,
     OnceOnlyError,
     OutcomeUnknown,
+    Paused,
+    Refused,
     RetryScheduled,
     SimilarCall,
 )
@@ -30,7 +35,9 @@ __all__ = ["TOLD", "result_text", "tell_model"]
 
 #: The errors an integration turns into text for the model (``tell_model``) instead of raising: outcomes
 #: of the operation, not faults of the program.
-TOLD: tuple[type[OnceOnlyError], ...] = (OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted, SimilarCall)
+TOLD: tuple[type[OnceOnlyError], ...] = (
+    OutcomeUnknown, InProgress, KeyConflict, AttemptsExhausted, SimilarCall, ApprovalPending, Refused
+)  # fmt: skip
 
 #: The longest result a model is shown in these texts; longer ones are cut, with a note.
 MAX_RESULT_CHARS = 2000
@@ -90,6 +97,9 @@ def tell_model(what: Outcome | BaseException) -> str:
     - an ``Outcome`` with ``similar_to``, or ``SimilarCall``: a similar action was done, what it was, and
       its result;
     - ``AttemptsExhausted``: it failed and will not be retried automatically;
+    - ``ApprovalPending``: it waits for a person's approval, do not issue it again;
+    - ``Paused``, ``BudgetExceeded``, ``ApprovalDenied``: it was not done, and why in a few words (never
+      the operator's own reason text);
     - any other exception: its type and message.
 
     Integrations (``onceonly.langchain``…) use it for what the model reads. It never contains an operator
@@ -149,6 +159,35 @@ def tell_model(what: Outcome | BaseException) -> str:
             f"This action failed and will not be retried automatically.{why} Do not issue it again; "
             "tell the user it could not be done."
         )
+    if isinstance(what, ApprovalPending):
+        return (
+            "This action is waiting for a person's approval and has not been done. Do not issue it again; "
+            "tell the user it awaits approval."
+        )
+    if isinstance(what, Refused):
+        return _refused(what)
     if isinstance(what, OnceOnlyError):
         return f"This action could not be completed ({type(what).__name__}). Do not issue it again for now."
     return f"Error: {type(what).__name__}: {what}"
+
+
+def _amount(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _refused(what: Refused) -> str:
+    """What a model reads for a call a guardrail refused: what stopped it, never the operator's reason."""
+    if isinstance(what, Paused):
+        return (
+            "This action was not done: actions like it are paused by an operator for now. Do not issue it "
+            "again; tell the user it is paused."
+        )
+    if isinstance(what, BudgetExceeded):
+        return (
+            f"This action was not done: it would exceed its limit ({_amount(what.used)} of {_amount(what.limit)} "
+            f"used in this period; this action needs {_amount(what.amount)}). Do not issue it again before "
+            f"{_when(what.resets_at)[3:]}; tell the user it is over the limit."
+        )
+    if isinstance(what, ApprovalDenied):
+        return "This action was not done: a person denied it. Do not issue it again; tell the user it was denied."
+    return "This action was not done: it was refused. Do not issue it again; tell the user."
