@@ -343,8 +343,13 @@ class Hang:
         self.app = app
         self.mode: str | None = None
         self.seen = threading.Event()
+        self.status_down = False  # GET answers 503: the status path cannot be asked
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and self.status_down:
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"down for maintenance"})
+            return
         mode = None
         if scope["type"] == "http" and scope["method"] == "POST":
             mode, self.mode = self.mode, None
@@ -467,6 +472,30 @@ def test_without_the_probe_the_dead_callers_record_goes_to_review(tmp_path: Path
     assert _record(ledger_url).state is State.NEEDS_REVIEW and count() == 1
 
 
+def test_a_record_parked_while_its_server_could_not_be_asked_is_settled_by_it_later(
+    tmp_path: Path, hung_tickets: Any
+) -> None:
+    """The caller died after the service committed; the status path was down at the first reconcile,
+    so the default on_unknown parked it for a person. A later reconcile asks the server again and its
+    word settles the parked record: confirmed, nothing sent again."""
+    hang, url, count = hung_tickets
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _caller(tmp_path, ledger_url, probe=True)
+    hang.mode = "after"
+    _run_killed(env, tmp_path, url, hang)
+    hang.status_down = True
+    assert _reconcile(env, tmp_path, "--review-after", "0")["counts"] == {"parked": 1}
+    assert _record(ledger_url).state is State.NEEDS_REVIEW
+    again = _reconcile(env, tmp_path, "--review-after", "0")  # still down: it stays a person's
+    assert again["counts"] == {"skipped": 1} and _record(ledger_url).state is State.NEEDS_REVIEW, again
+    hang.status_down = False
+    report = _reconcile(env, tmp_path, "--review-after", "0")
+    assert report["counts"] == {"confirmed": 1}, report
+    rec = _record(ledger_url)
+    assert rec.state is State.CONFIRMED and rec.via == "reconcile-server"
+    assert count() == 1
+
+
 def test_reconcile_waits_while_the_server_processes_then_confirms(tmp_path: Path, slow: Any) -> None:
     """The caller died while the handler still ran: the server says processing, the record waits;
     once the handler answered, the next run confirms it. One run of the handler."""
@@ -558,7 +587,7 @@ def test_server_killed_after_its_commit_reads_processing_then_unknown_and_nothin
     caller cannot ask it then (it is down), so the tool's on_unknown (review) parks the record. Once
     the service is back, its key reads processing while the dead claim's lease lasts, then unknown:
     neither says "send it again", so nothing does; the reconciler leaves the parked record to its
-    person. One ticket, never a second."""
+    person (asked again, the server still cannot tell). One ticket, never a second."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     dying = _tickets_process(tmp_path, port, "--fault", "crash_after_commit=1")
@@ -584,7 +613,9 @@ def test_server_killed_after_its_commit_reads_processing_then_unknown_and_nothin
                 told.append(read_status(answer.status_code, answer.headers, answer.content).told)
                 time.sleep(2.2)  # the dead claim's lease (2 s) runs out
             assert told[-1] is Told.UNKNOWN and set(told) <= {Told.PROCESSING, Told.UNKNOWN}, told
-            assert ledger.reconcile(review_after=0, server_headers=AUTH).lines == []
+            (line,) = ledger.reconcile(review_after=0, server_headers=AUTH).lines  # asked again: it cannot tell
+            assert line.settlement.value == "skipped" and "waiting for a person" in line.detail, line
+            assert ledger.get(rec.key).state is State.NEEDS_REVIEW  # type: ignore[union-attr]
             with pytest.raises(OutcomeUnknown):  # the parked call is not run again either
                 open_ticket("printer broken")
             with sqlite3.connect(tmp_path / "tickets.db") as conn:

@@ -8,9 +8,10 @@ Per record, ``decide`` says what to do; ``reconcile`` does it and reports:
 
     pending, lease expired ─────────────▶ failed        nothing was sent: a new call may run it
     in_flight, lease expired ───────────▶ unknown ──┐   it may have been sent (as a waiting caller does)
-    unknown, dispatched to a server with a key status endpoint (``probe="server"``) ─▶ ask it first:
+    unknown or needs_review, dispatched to a server with a key status endpoint (``probe="server"``) ─▶ ask it first:
              completed ─▶ confirmed (via reconcile-server)   404 ─▶ failed, nothing ran (a new call sends it)
-             processing ─▶ waiting                            unknown / cannot ask ─▶ the tool's on_unknown:
+             processing ─▶ waiting                            unknown / cannot ask ─▶ the tool's on_unknown
+                                                              (needs_review: stays parked)
     unknown ─┬─ probe tool ── settle waited ─▶ probe ─┬─ found ──────▶ confirmed (via reconcile-probe)
              │                                        ├─ NOT_FOUND ──▶ failed (a new call may run it)
              │                                        └─ raised ─────▶ stays unknown, reported
@@ -101,7 +102,7 @@ log = logging.getLogger("onceonly.settle")
 #: Seconds an unknown record that nothing can settle automatically waits before it is parked.
 DEFAULT_REVIEW_AFTER = 300.0
 #: Unknown records the reconciler looks at: unsettled, and held ones whose holder is gone.
-_SCANNED = (State.UNKNOWN, State.IN_FLIGHT, State.PENDING)
+_SCANNED = (State.UNKNOWN, State.NEEDS_REVIEW, State.IN_FLIGHT, State.PENDING)
 #: Seconds between passes that read every held record on a store that can tell when none can have
 #: run out (SQLite: ``lease_survey``), as a backstop for what its holders' files cannot show.
 DEFAULT_FULL_EVERY = 600.0
@@ -219,6 +220,8 @@ def decide(
         # It may have been sent before its holder died: unknown, as a waiting caller would mark it.
         return Write(st.mark_unknown(rec, now=now, reason=f"lease of {rec.lease_owner} expired", by=by), None, "")
 
+    if rec.state is State.NEEDS_REVIEW:
+        return _parked(rec, policy, server, now=now, by=by)
     if rec.state is not State.UNKNOWN:
         return Leave(Settlement.SKIPPED, f"already {rec.state.value}")
     target = st.dispatch_target(rec)
@@ -260,6 +263,20 @@ def decide(
         Settlement.PARKED,
         f"waiting for a person ({why}): onceonly resolve KEY --confirmed JSON | --failed REASON",
     )
+
+
+def _parked(rec: Record, policy: Policy | None, server: ServerSays | None, *, now: float, by: str) -> Decision:
+    """A record parked for a person whose request went to a server that serves key statuses: the
+    server may have come back since, and its word settles the record; anything else leaves it parked."""
+    target = st.dispatch_target(rec)
+    if target is None:
+        return Leave(Settlement.SKIPPED, "waiting for a person")
+    if server is None:
+        return AskServer(target)
+    told = _after_server(rec, policy, server, target, now=now, by=by)
+    if isinstance(told, Write):
+        return told
+    return Leave(Settlement.SKIPPED, f"waiting for a person; its server cannot tell ({server.detail})")
 
 
 def _after_server(
@@ -773,7 +790,7 @@ def _first_pass(
     # held ones: each claim would pay for it).
     store = ledger.store
     looked = store.lease_survey(clock(), full_every) if isinstance(store, SurveyingStore) else None
-    states = _SCANNED if looked is None or looked.needed else (State.UNKNOWN,)
+    states = _SCANNED if looked is None or looked.needed else (State.UNKNOWN, State.NEEDS_REVIEW)
     if looked is not None:
         report.read_held, report.read_held_why = looked.needed, looked.why
     while True:
@@ -781,6 +798,8 @@ def _first_pass(
             Query(states=states, scope=scope, lease_expired_before=clock(), after=after, limit=batch)
         )
         for found in page:
+            if found.state is State.NEEDS_REVIEW and st.dispatch_target(found) is None:
+                continue  # a person's to settle: only a server that serves key statuses is asked again
             lines[found.key] = worker.settle(found)
         if len(page) < batch:
             break
