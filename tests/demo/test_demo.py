@@ -145,7 +145,8 @@ def test_demo_json_numbers_at_the_default_fault_rate() -> None:
     settings = data["settings"]
     assert settings["agents"] == 6 and settings["ops"] == 36 and settings["url"] is None
     assert settings["reword_rate"] == 0.1
-    assert [s["name"] for s in data["strategies"]] == ["naive", "key-only", "onceonly", "onceonly+similar"]
+    names = ["naive", "key-only", "onceonly", "onceonly+server", "onceonly+similar"]
+    assert [s["name"] for s in data["strategies"]] == names
     keys = {"name", "asked", "created", "duplicates", "missing", "unsettled", "p50_ms", "p99_ms", "calls"}
     keys |= {"duplicates_reasked", "duplicates_reworded", "faults", "seconds", "reconciled", "settled"}
     keys |= {"similar_replayed"}
@@ -155,19 +156,23 @@ def test_demo_json_numbers_at_the_default_fault_rate() -> None:
     assert (
         len({s["faults"]["reword"] for s in data["strategies"]}) == 1 and data["strategies"][0]["faults"]["reword"] > 0
     )
-    naive, key_only, onceonly, similar = data["strategies"]
+    naive, key_only, onceonly, server, similar = data["strategies"]
     # Re-plans and second agents duplicate under both (each makes a new key, or none); only the faults
     # make naive's retries duplicate on top: more duplicates than key-only means the faults bit.
     assert key_only["duplicates"] > 0
     assert naive["duplicates"] > key_only["duplicates"], "the fault injection did not bite"
     assert key_only["duplicates_reworded"] > 0 and onceonly["duplicates_reworded"] > 0
     _only_reworded_duplicates(onceonly)
+    _only_reworded_duplicates(server)
     _one_ticket_each(similar)
     assert similar["created"] == 36
     # How each operation was settled: every one confirmed, most by running, the rest by a probe or late.
     for row in (onceonly, similar):
         assert sum(row["settled"].values()) == 36
         assert set(row["settled"]) <= {"run", "probe", "late", "reconcile-probe"}
+    # With no probe written: by running, or by the server's word on the key (in the call or reconciled).
+    assert sum(server["settled"].values()) == 36
+    assert set(server["settled"]) <= {"run", "server", "reconcile-server", "late"}
 
 
 @pytest.mark.slow
@@ -183,6 +188,18 @@ def test_onceonly_has_no_duplicate_and_nothing_missing(seed: int, name: str) -> 
     else:
         _one_ticket_each(row)
     assert row["asked"] == SMALL["ops"]
+
+
+def test_asking_the_server_settles_lost_answers_with_no_probe_written() -> None:
+    """onceonly+server: the tool has no probe; every lost or late answer is settled by the server's
+    word on the key and its replay. Nothing missing, nothing left for a person, and a second ticket
+    only for what was asked again in other words."""
+    result = run_demo(DemoConfig(**SMALL, seed=3, fault_rate=0.3, strategies=("onceonly+server",)))  # type: ignore[arg-type]
+    row = result["onceonly+server"].to_dict()
+    assert row["faults"].get("lost", 0) + row["faults"].get("delay", 0) > 0, row["faults"]
+    _only_reworded_duplicates(row)
+    assert row["settled"].get("server", 0) + row["settled"].get("reconcile-server", 0) > 0, row["settled"]
+    assert "needs_review" not in row["settled"] and row["asked"] == SMALL["ops"]
 
 
 @pytest.mark.slow

@@ -46,17 +46,18 @@ def test_several_agents_and_one_seed_give_the_same_run(tmp_path: Path) -> None:
     """Seed 5 twice, four agents each: every strategy counts the same tickets, duplicates, missing,
     faults, calls and settle paths, and the same operations got the same number of tickets."""
     rows = {}
-    for name in ("naive", "key-only", "onceonly", "onceonly+similar"):
+    for name in ("naive", "key-only", "onceonly", "onceonly+server", "onceonly+similar"):
         first, second = _side_by_side(tmp_path, name, (5, 5))
         assert first == second, name
         rows[name] = first[0]
     # The faults bit, the agents asked again, some in other words: key-only and onceonly's exact key
     # made a second ticket of those, and nothing else; onceonly+similar made exactly one ticket each.
-    naive, key_only, onceonly, similar = rows.values()
+    naive, key_only, onceonly, server, similar = rows.values()
     assert sum(naive["faults"].values()) > 0 and naive["calls"] > naive["asked"] and naive["duplicates"] > 0
     assert naive["faults"]["reword"] > 0 and key_only["duplicates_reworded"] > 0
     assert onceonly["duplicates"] == onceonly["duplicates_reworded"] > 0
     assert (onceonly["missing"], onceonly["unsettled"]) == (0, 0)
+    assert server["duplicates"] == server["duplicates_reworded"] and (server["missing"], server["unsettled"]) == (0, 0)
     assert (similar["duplicates"], similar["missing"], similar["unsettled"]) == (0, 0, 0)
     assert similar["similar_replayed"] == similar["faults"]["reword"]
 

@@ -23,7 +23,9 @@ _ABOUT = {
     "naive": "plain POST, retried on any error, no key",
     "key-only": "one Idempotency-Key per call, kept across its retries; the server's middleware on",
     "onceonly": "a ledger keyed by (session, title), a probe, the reconciler; the server's middleware off",
-    "onceonly+similar": "the same, with similar=Similar(fields=('title',)): a title like an earlier one of the "
+    "onceonly+server": "the same ledger, no probe: the tool asks the server what became of its key "
+    '(probe="server"); the server\'s middleware and key status path on',
+    "onceonly+similar": "the onceonly row, with similar=Similar(fields=('title',)): a title like an earlier one of the "
     "session is the same ticket",
 }
 
@@ -60,8 +62,8 @@ _ABOUT = {
     "--strategy",
     "strategies",
     multiple=True,
-    type=click.Choice(["naive", "key-only", "onceonly", "onceonly+similar"]),
-    help="Run only these (repeat); default: all four (onceonly+similar needs the similar extra).",
+    type=click.Choice(["naive", "key-only", "onceonly", "onceonly+server", "onceonly+similar"]),
+    help="Run only these (repeat); default: all five (onceonly+similar needs the similar extra).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the progress goes to stderr).")
 def demo(

@@ -74,7 +74,7 @@ class DemoConfig:
     replan_rate: float = 0.1
     shared_rate: float = 0.1
     reword_rate: float = 0.1
-    strategies: tuple[str, ...] = ("naive", "key-only", "onceonly", "onceonly+similar")
+    strategies: tuple[str, ...] = ("naive", "key-only", "onceonly", "onceonly+server", "onceonly+similar")
 
     def __post_init__(self) -> None:
         if self.agents < 1 or self.ops < 1:

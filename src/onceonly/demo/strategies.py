@@ -10,7 +10,11 @@
   unknowns settled by a probe (``GET /tickets?session_id=&title=``) and, at the end, by the
   reconciler. Against the server with its middleware *off*: the hardest case, where only the
   agent's side can prevent a duplicate. A re-plan in other words has another title, so another key.
-- ``onceonly+similar``: the same, with ``similar=Similar(fields=("title",))`` and
+- ``onceonly+server``: the same ledger and key, with no probe written: the tool's HTTP client asks the
+  server what became of its key (``onceonly.http``'s ``probe="server"``), against the server with its
+  middleware and key status path on (``GET /idempotency-keys/{key}``). A lost or late answer is
+  settled by the server's word: completed → its stored answer, replayed; never arrived → sent once.
+- ``onceonly+similar``: the ``onceonly`` row, with ``similar=Similar(fields=("title",))`` and
   ``on_similar="replay"``: a call whose title is like an earlier call's of the same session is taken
   for it (docs/similar.md). Needs the ``similar`` extra (rapidfuzz); without it the run skips it.
 
@@ -40,6 +44,7 @@ from onceonly._install import install_hint
 from onceonly.demo.workload import Ask, Workload
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown
 from onceonly.http import Client as KeyClient
+from onceonly.http import Transport, is_replayed
 from onceonly.ledger import Ledger, Tool
 from onceonly.plan import NOT_FOUND
 from onceonly.policy import Retry
@@ -47,7 +52,9 @@ from onceonly.settle import ReconcileReport, reconcile
 from onceonly.similar import Similar
 from onceonly.states import State
 
-__all__ = ["STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "OnceOnlySimilar", "Strategy", "unavailable"]
+__all__ = [
+    "STRATEGIES", "KeyOnly", "Naive", "OnceOnly", "OnceOnlyServer", "OnceOnlySimilar", "Strategy", "unavailable"
+]  # fmt: skip
 
 DONE, FAILED, UNSETTLED = "done", "failed", "unsettled"
 #: How long an agent's first request (a read, before the clock starts) may take on a busy machine.
@@ -273,6 +280,79 @@ class OnceOnly(Strategy):
             self.ledger.close()
 
 
+class OnceOnlyServer(OnceOnly):
+    """The ledger of ``OnceOnly`` with no probe of its own: its requests carry the ledger's key, and an
+    unknown outcome is settled by asking the server about that key (``probe="server"``); what a dead
+    call leaves, the reconciler settles the same way (``reports_dispatch=True`` records where it went)."""
+
+    name = "onceonly+server"
+    idempotency = True  # the server keeps keys and answers GET /idempotency-keys/{key}
+
+    def __init__(self, *, timeout: float, attempts: int = 6, url: str | None = None, settle: float = 1.0) -> None:
+        super().__init__(timeout=timeout, attempts=attempts, url=url, settle=settle)
+        #: Calls whose answer was lost or late and came back as the server's replay of it.
+        self.replayed_by_server = 0
+
+    def _new_client(self) -> httpx.Client:
+        # No blind re-send: the server's word on the key decides (a replay lost again is asked again).
+        transport = Transport(probe="server", resend_unknown=False, retry=Retry(attempts=4, base=0.05, cap=1.0))
+        return httpx.Client(base_url=self.url, timeout=self.timeout, transport=transport)
+
+    def start(self, url: str, workdir: Path) -> None:
+        Strategy.start(self, url, workdir)
+        scope = f"demo-{uuid.uuid4().hex[:12]}"
+        self.ledger = Ledger.open(self.ledger_url or f"sqlite:///{workdir / 'ledger.db'}", scope=scope)
+
+        @self.ledger.tool(
+            name="create_ticket",
+            key=("session_id", "title"),
+            reports_dispatch=True,  # the transport reports the dispatch and records where it went
+            on_conflict="replay",
+            retry=Retry(attempts=self.attempts, base=0.05, cap=1.0),
+            wait=60.0,
+        )
+        def create_ticket(session_id: str, title: str, body: str) -> dict[str, Any]:
+            client: httpx.Client = self._client(self._new_client)
+            response = client.post(
+                "/tickets", json={"session_id": session_id, "title": title, "body": body}, headers=_AS_APP
+            )
+            response.raise_for_status()
+            if is_replayed(response):
+                with self._lock:
+                    self.replayed_by_server += 1
+            result: dict[str, Any] = response.json()
+            return result
+
+        self.tool = create_ticket
+
+    def warm(self) -> None:
+        client: httpx.Client = self._client(self._new_client)
+        client.get("/tickets", params={"session_id": "demo-warm-up"}, timeout=WARM_UP_SECONDS).raise_for_status()
+
+    def finish(self, workload: Workload) -> dict[int, str]:
+        assert self.ledger is not None and self.tool is not None
+        self.report = reconcile(
+            self.ledger, scope=self.ledger.scope, wait=self.settle + 2.0, review_after=3600, server_headers=_AS_APP
+        )
+        statuses: dict[int, str] = {}
+        for op, keys in enumerate(workload.titles()):
+            records = [self.ledger.get(self.tool.key_for(session_id, title, "")) for session_id, title in keys]
+            first = records[0]
+            how = "no record" if first is None else first.via or first.state.value
+            self.settled[how] = self.settled.get(how, 0) + 1
+            states = {rec.state for rec in records if rec is not None}
+            if State.CONFIRMED in states:
+                statuses[op] = DONE
+            elif states and states <= {State.FAILED, State.ABANDONED}:
+                statuses[op] = FAILED
+            else:
+                statuses[op] = UNSETTLED
+        if self.replayed_by_server:  # ran, its answer lost: the server's word and its replay settled it
+            self.settled["run"] = self.settled.get("run", 0) - self.replayed_by_server
+            self.settled["server"] = self.replayed_by_server
+        return statuses
+
+
 class OnceOnlySimilar(OnceOnly):
     """``OnceOnly`` whose tool also takes a call with a similar title, in the same session, for the
     earlier call (``similar=``, ``on_similar="replay"``): a re-plan in other words gets the ticket made."""
@@ -300,6 +380,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "naive": lambda *, timeout, url=None, settle=1.0: Naive(timeout=timeout),
     "key-only": lambda *, timeout, url=None, settle=1.0: KeyOnly(timeout=timeout),
     "onceonly": lambda *, timeout, url=None, settle=1.0: OnceOnly(timeout=timeout, url=url, settle=settle),
+    "onceonly+server": lambda *, timeout, url=None, settle=1.0: OnceOnlyServer(timeout=timeout, url=url, settle=settle),
     "onceonly+similar": lambda *, timeout, url=None, settle=1.0: OnceOnlySimilar(
         timeout=timeout, url=url, settle=settle
     ),
