@@ -128,9 +128,7 @@ def test_every_public_member_of_ledger_is_described(tmp_path: Path) -> None:
     assert {"open", "tool", "resolve", "purge", "reconcile", "url", "tools"} <= members
     for name in sorted(members):
         described = f"`ledger.{name}" in text or f"`Ledger.{name}(" in text
-        assert described, (
-            f"Ledger.{name} is public and docs/reference.md's Ledger section does not describe it"
-        )
+        assert described, f"Ledger.{name} is public and docs/reference.md's Ledger section does not describe it"
 
 
 def test_every_open_option_has_a_row_with_its_default() -> None:
