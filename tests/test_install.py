@@ -4,8 +4,10 @@ the ``onceonly`` command."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from onceonly._install import install_hint
@@ -58,3 +60,37 @@ def test_no_doc_or_message_suggests_the_bare_index_name() -> None:
                     offenders.append(f"{path.relative_to(ROOT)}: {text[at : end + 2]}")
                 start = at + 1
     assert not offenders, offenders
+
+
+def test_the_readme_extras_table_is_pyproject_s() -> None:
+    """The README's table of extras has a row for every extra of pyproject.toml (``test`` and ``dev``
+    named below it), and each row names every package its extra installs (``all``: its extras)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("| extra | for | installs |") :].split("\n\n", 1)
+    rows = {}
+    for line in table[0].splitlines()[2:]:
+        name, _, installs = line.strip("|").split(" | ")
+        rows[name.strip().strip("`")] = installs
+    assert "`test` and `dev` are for working on onceonly itself" in table[1]
+    assert set(rows) | {"test", "dev"} == set(extras), sorted(set(rows) ^ (set(extras) - {"test", "dev"}))
+    for extra, requirements in extras.items():
+        if extra in ("test", "dev"):
+            continue
+        for requirement in requirements:
+            package = re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", requirement)
+            assert package is not None, requirement
+            if package[0].startswith("onceonly["):
+                named = {e.strip() for e in package[1].strip("[]").split(",")}
+                assert {m.strip("` ") for m in rows[extra].split(",")} == named, extra
+            else:
+                assert f"`{package[0]}`" in rows[extra], f"README's row of the {extra} extra does not name {package[0]}"
+
+
+def test_the_readme_upgrades_pip_before_installing_from_the_repository() -> None:
+    """The README's install commands begin with upgrading pip: a new venv's pip 23 refuses git+file URLs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Install it into your own project") :]
+    block = section[section.index("```bash\n") + 8 :].split("```", 1)[0].splitlines()
+    assert block[0].startswith("python -m pip install -U pip"), block[0]
+    assert any(line.startswith("pip install 'onceonly[") for line in block[1:]), block
