@@ -424,7 +424,7 @@ def test_report_shape(ledger: Ledger, effects: Effects) -> None:
     assert set(data["counts"]) == {s.value for s in Settlement}
     assert data["counts"]["failed"] == 1
     [line] = data["records"]
-    assert set(line) == {"key", "tool", "before", "after", "settlement", "detail", "due_at"}
+    assert set(line) == {"key", "tool", "before", "after", "settlement", "detail", "due_at", "error"}
     assert (line["before"], line["after"], line["settlement"]) == ("in_flight", "failed", "failed")
 
 
