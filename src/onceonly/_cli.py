@@ -429,17 +429,3 @@ def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Itera
             bar.update(task, completed=n, total=total)  # total None: the end stays where it was
 
         yield done
-
-
-@contextmanager
-def working(what: str, *, enabled: bool = True) -> Iterator[None]:
-    """A spinner with the time spent on stderr while the block runs, for work whose size is not
-    known ahead (a purge, a reconcile pass); only on a terminal and when ``enabled``."""
-    if not enabled or not sys.stderr.isatty():
-        yield
-        return
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=Console(stderr=True), transient=True):
-        yield
