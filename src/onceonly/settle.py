@@ -957,6 +957,7 @@ class _Pass:
         self.lines: dict[str, ReconcileLine] = {}
         self.order: dict[str, int] = {}  # the order the records were read in, for the report
         self.handed = self.taken = 0
+        self._pending: list[_Done] = []  # answers out of the pool, not taken yet (a Ctrl-C may come between)
         self.pool: _Inline | _Threads = (
             _Inline(worker.settle, self.gate) if concurrency == 1 else _Threads(worker.settle, self.gate, concurrency)
         )
@@ -964,29 +965,33 @@ class _Pass:
     def settle(self, rec: Record) -> None:
         """Hand ``rec`` to the pool, once it has room (the pages are read as fast as it settles)."""
         while self.pool.full():
-            self._take(self.pool.next())
+            self._pending.append(self.pool.next())
+            self._take_pending()
         self.order.setdefault(rec.key, len(self.order))
         self.handed += 1
         self.pool.submit(rec)
-        for done in self.pool.ready():
-            self._take(done)
+        self._pending.extend(self.pool.ready())
+        self._take_pending()
 
     def keep(self, line: ReconcileLine) -> None:
         """A line the run made without settling a record."""
         self.handed += 1
-        self._take((line.key, line, None))
+        self._pending.append((line.key, line, None))
+        self._take_pending()
 
     def finish(self) -> None:
         """Wait for every record handed."""
         while self.pool.running:
-            self._take(self.pool.next())
+            self._pending.append(self.pool.next())
+            self._take_pending()
 
     def interrupt(self, grace: float) -> None:
         """Ctrl-C: no record starts writing; take the lines of those that wrote (up to ``grace`` s)."""
         self.gate.shut(grace)
-        for done in self.pool.ready():
+        self._pending.extend(self.pool.ready())
+        while self._pending:
             with contextlib.suppress(Exception):  # a failure now cannot change what the run reports
-                self._take(done)
+                self._take_pending()
 
     def close(self) -> None:
         self.gate.closed = True  # a thread still in a probe (a hung one) writes nothing after the run
@@ -994,6 +999,10 @@ class _Pass:
 
     def report_lines(self) -> list[ReconcileLine]:
         return sorted(self.lines.values(), key=lambda ln: self.order.get(ln.key, 0))
+
+    def _take_pending(self) -> None:
+        while self._pending:
+            self._take(self._pending.pop(0))
 
     def _take(self, done: _Done) -> None:
         key, line, failure = done
