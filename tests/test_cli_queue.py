@@ -893,17 +893,52 @@ def test_reconcile_and_purge_show_progress_on_a_terminal_only(sqlite_url: str, m
     assert piped.returncode == 0 and piped.stderr == "" and "5 confirmed" in piped.stdout, piped
 
     purge = [sys.executable, "-m", "onceonly", "purge", "--url", sqlite_url]
-    with Ledger.open(sqlite_url) as ledger:
-        for n in range(10):
+    _expired(sqlite_url, 10)
+    drawn = _on_a_terminal(purge, env)
+    assert "purge" in drawn and "10/?" in drawn, drawn
+    assert _on_a_terminal([*purge, "--json"], env) == ""
+
+
+def _expired(url: str, n: int) -> None:
+    """``n`` confirmed records whose ttl passed a second ago."""
+    with Ledger.open(url) as ledger:
+        for i in range(n):
             rec = Record(
-                key=f"default:charge:gone-{n}", scope="default", tool="charge", fingerprint="f",
+                key=f"default:charge:gone-{i:02d}", scope="default", tool="charge", fingerprint="f",
                 state=State.CONFIRMED, attempts=1, created_at=time.time(), updated_at=time.time(),
                 args_json="{}", result_json="{}", via="run", expires_at=time.time() - 1,
             )  # fmt: skip
             assert ledger.store.insert(rec)
-    drawn = _on_a_terminal(purge, env)
-    assert "purge" in drawn and "10/?" in drawn, drawn
-    assert _on_a_terminal([*purge, "--json"], env) == ""
+
+
+def test_purge_ctrl_c_says_how_many_were_deleted(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the third of ten deletions: exit 130, "3 ... deleted so far" (and --json says so
+    too), and seven records are still there for the next run."""
+    _expired(store_url, 10)
+    purge = Ledger.purge
+
+    def interrupted(self: Ledger, **kwargs: Any) -> int:
+        told = kwargs["progress"]
+
+        def progress(n: int) -> None:
+            told(n)
+            if n == 3:
+                raise KeyboardInterrupt
+
+        return purge(self, **{**kwargs, "progress": progress})
+
+    monkeypatch.setattr(Ledger, "purge", interrupted)
+    result = _run("purge", "--url", store_url)
+    assert result.exit_code == 130, (result.output, result.exception)
+    assert "interrupted (Ctrl-C): 3 expired record(s) deleted so far stay deleted" in result.stderr, result.output
+    with Ledger.open(store_url) as ledger:
+        assert len(ledger.list(state="confirmed", limit=100)) == 7
+    again = _run("purge", "--url", store_url, "--json")
+    assert again.exit_code == 130, again.output
+    data = json.loads(again.stdout)
+    assert data["removed"] == 3 and data["interrupted"] is True
+    with Ledger.open(store_url) as ledger:
+        assert len(ledger.list(state="confirmed", limit=100)) == 4
 
 
 def _on_a_terminal(command: list[str], env: dict[str, str]) -> str:
