@@ -479,7 +479,7 @@ class _Abandoned(Exception):
 class _Gate:
     """The writes of one run. Once it is shut, a record that wrote nothing yet writes nothing (its
     probe's answer is dropped, its re-send is not claimed); ``shut`` waits for the records that did
-    write until their lines are taken, so that an interrupted run reports each write that landed."""
+    write until their lines are handed back, so that an interrupted run reports each write that landed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -869,8 +869,8 @@ def _reconcile(ledger: Ledger, report: ReconcileReport, options: _Options) -> No
     try:
         _first_pass(ledger, run, report, scope=options.scope, batch=options.batch, full_every=options.full_every)
         _settle_due(ledger, run, deadline=deadline, sleep=options.sleep)
-    except KeyboardInterrupt:
-        report.interrupted = True
+    except BaseException as exc:  # Ctrl-C, or the store failed: what was written is in the report
+        report.interrupted = isinstance(exc, KeyboardInterrupt)
         run.interrupt(_GRACE)
         raise
     finally:
@@ -986,7 +986,8 @@ class _Pass:
             self._take_pending()
 
     def interrupt(self, grace: float) -> None:
-        """Ctrl-C: no record starts writing; take the lines of those that wrote (up to ``grace`` s)."""
+        """The run ends early: no record starts writing; take the lines of those that wrote (waiting
+        up to ``grace`` s for them)."""
         self.gate.shut(grace)
         self._pending.extend(self.pool.ready())
         while self._pending:
