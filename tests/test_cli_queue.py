@@ -848,6 +848,36 @@ def test_reconcile_ctrl_c_prints_the_partial_report_and_exits_130(
             assert rec is not None and rec.history == [], rec.history  # left exactly as it was
 
 
+def test_reconcile_every_ctrl_c_prints_the_interrupted_run_and_exits_0(
+    sqlite_url: str, make_app: Any, tmp_path: Path
+) -> None:
+    """The daemon (--every): Ctrl-C while a probe hangs prints that run's partial report (--json:
+    "interrupted": true), then exits 0 as on Ctrl-C between runs."""
+    import signal
+    import subprocess
+
+    keys = _unknown(sqlite_url, "o-0", "o-1", "hang-2")
+    name, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
+         "--every", "1m", "--concurrency", "1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env(tmp_path),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "hanging").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (out, err)
+    [report] = [json.loads(line) for line in out.splitlines()]
+    assert report["interrupted"] is True and report["counts"]["confirmed"] == 2, report
+    assert _states(sqlite_url, keys) == {"confirmed": 2, "unknown": 1}
+
+
 def test_reconcile_summarises_probe_errors(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
     """30 records whose probe raises the same two-line error and 3 another: one summary line for each
     distinct error with its count, not a row per record (exit 3: they stay unknown); -v lists each,
