@@ -631,45 +631,372 @@ def test_progress_shows_on_a_terminal_only(sqlite_url: str, make_app: Any, tmp_p
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
 
 
-def test_reconcile_ctrl_c_exits_130(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
-    """Ctrl-C during a reconcile run (a probe hangs): it says what stays, and exits 130."""
+# --- reconcile over many records: a bounded pool, each record settled once, Ctrl-C, summaries --------
+
+SETTLE_APP = """
+    import os, pathlib, sqlite3, threading, time
+    from onceonly import Ledger
+
+    ledger = Ledger.open({url!r})
+    EFFECTS = {effects!r}  # a SQLite table of what the probes and the tool did, one row each
+    GO = pathlib.Path(EFFECTS).with_name("go")
+    together = threading.Barrier({together}, timeout=20)
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+
+    def effect(what, key):
+        db = sqlite3.connect(EFFECTS, timeout=30, isolation_level=None)
+        try:
+            db.execute("CREATE TABLE IF NOT EXISTS effects (what TEXT, key TEXT, pid INTEGER)")
+            db.execute("INSERT INTO effects VALUES (?, ?, ?)", (what, key, os.getpid()))
+        finally:
+            db.close()
+
+    def find(args, key):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            pathlib.Path(EFFECTS).with_suffix(".most").write_text(str(most[0]))
+        try:
+            effect("probe", key)
+            order = args["order"]
+            if order.startswith("flaky"):
+                raise ConnectionResetError("the bank reset the connection\\n  a second line")
+            if order.startswith("down"):
+                raise TimeoutError("the bank did not answer")
+            if order.startswith("hang"):
+                pathlib.Path(EFFECTS).with_name("hanging").write_text("probing")
+                time.sleep(60)
+            if {together} > 1:
+                together.wait()  # {together} probes must be running at once to get past this
+            time.sleep(0.01)
+            return {{"order": order}}
+        finally:
+            with lock:
+                now[0] -= 1
+
+    @ledger.tool(name="charge", probe=find, on_unknown="probe", settle=0)
+    def charge(order: str) -> dict: ...
+
+    @ledger.tool(name="refund", on_unknown="resend", settle=0)
+    def refund(order: str) -> dict:
+        GO.with_name(f"started-{{os.getpid()}}").touch()
+        deadline = time.monotonic() + 30
+        while not GO.exists() and time.monotonic() < deadline:  # both reconcilers are under way
+            time.sleep(0.01)
+        effect("refund", order)
+        time.sleep(0.01)
+        return {{"refunded": order}}
+"""
+
+
+def _settle_app(make_app: Any, url: str, tmp_path: Path, *, together: int = 1) -> tuple[str, Path]:
+    effects = tmp_path / "effects.db"
+    return make_app(SETTLE_APP.format(url=url, effects=str(effects), together=together)), effects
+
+
+def _unknown(url: str, *orders: str) -> list[str]:
+    """Records of ``charge`` whose outcome is unknown, an hour old, in the order of their keys."""
+    old = time.time() - 3600
+    keys = []
+    with Ledger.open(url) as ledger:
+        for n, order in enumerate(orders):
+            rec = Record(
+                key=f"default:charge:{n:04d}-{order}", scope="default", tool="charge", fingerprint="f",
+                state=State.UNKNOWN, attempts=1, created_at=old, updated_at=old,
+                args_json=json.dumps({"order": order}),
+            )  # fmt: skip
+            assert ledger.store.insert(rec)
+            keys.append(rec.key)
+    return keys
+
+
+def _effects(path: Path, what: str) -> list[str]:
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    try:
+        return [key for (key,) in db.execute("SELECT key FROM effects WHERE what = ?", (what,))]
+    finally:
+        db.close()
+
+
+def _states(url: str, keys: list[str]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    with Ledger.open(url) as ledger:
+        for key in keys:
+            rec = ledger.get(key)
+            assert rec is not None
+            found[rec.state.value] = found.get(rec.state.value, 0) + 1
+    return found
+
+
+def _subprocess_env(tmp_path: Path) -> dict[str, str]:
     import os
+
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(tmp_path)])}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_reconcile_settles_each_record_once_in_a_bounded_pool(
+    kind: str, make_app: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """--concurrency 4 over 40 unknown records: four probes run at once (a barrier of 4 lets them
+    through only together), never more; each record's probe runs once and it is confirmed once."""
+    from tests.conftest import empty_store_url
+
+    url = empty_store_url(kind, request, tmp_path)
+    keys = _unknown(url, *(f"o-{n}" for n in range(40)))
+    name, effects = _settle_app(make_app, url, tmp_path, together=4)
+    result = _run("reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--concurrency", "4", "--json")
+    report = json.loads(_ok(result))
+    assert report["counts"]["confirmed"] == 40 and not report["interrupted"], report["counts"]
+    assert [r["key"] for r in report["records"]] == keys  # in the order they were read, not as they finished
+    probed = _effects(effects, "probe")
+    assert len(probed) == 40 and set(probed) == set(keys)
+    assert effects.with_suffix(".most").read_text() == "4"
+    assert _states(url, keys) == {"confirmed": 40}
+    with Ledger.open(url) as ledger:
+        for key in keys:
+            rec = ledger.get(key)
+            assert rec is not None
+            assert [h["to"] for h in rec.history].count("confirmed") == 1 and rec.via == "reconcile-probe"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_two_reconcilers_with_pools_send_each_once(
+    kind: str, make_app: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Two `reconcile --concurrency 4` processes at once over 40 records whose holder died, of a tool
+    that re-sends: both are under way (each has a re-send running) before any re-send goes on, and
+    each operation is sent once, confirmed once, counted once between the two reports."""
+    import subprocess
+
+    from tests._settling import dead_holder
+    from tests.conftest import empty_store_url
+
+    url = empty_store_url(kind, request, tmp_path)
+    with Ledger.open(url) as setup:
+        setup.tool(name="refund", on_unknown="resend", settle=0)(lambda order: None)
+        keys = [dead_holder(setup, "refund", f"r-{n}").key for n in range(40)]
+    name, effects = _settle_app(make_app, url, tmp_path)
+    command = [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
+               "--concurrency", "4", "--wait", "0", "--json"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env(tmp_path)
+        )
+        for _ in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("started-*"))) < 2:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [
+                p.communicate() for p in procs
+            ]
+            time.sleep(0.02)
+        (tmp_path / "go").touch()
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    reports = [json.loads(out) for out, _ in outs]
+    sent = _effects(effects, "refund")
+    assert len(sent) == 40 and set(sent) == {f"r-{n}" for n in range(40)}
+    assert sum(r["counts"]["confirmed"] for r in reports) == 40, [r["counts"] for r in reports]
+    assert _states(url, keys) == {"confirmed": 40}
+
+
+def test_reconcile_ctrl_c_prints_the_partial_report_and_exits_130(
+    sqlite_url: str, make_app: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C while two probes hang (--concurrency 2), after five records were settled: the report of
+    those five, marked partial, exit 130, without waiting for the hanging probes; the two records
+    under way and the four not reached are still unknown, as before."""
     import signal
     import subprocess
 
-    old = time.time() - 3600
-    with Ledger.open(sqlite_url) as ledger:
-        ledger.store.insert(
-            Record(
-                key="default:charge:hang",
-                scope="default",
-                tool="charge",
-                fingerprint="f",
-                state=State.UNKNOWN,
-                attempts=1,
-                created_at=old,
-                updated_at=old,
-                args_json=json.dumps({"order": "hang-1"}),
-            )
-        )
-    name, mark = _probe_app(make_app, sqlite_url, tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(tmp_path)])}
+    keys = _unknown(sqlite_url, *(f"o-{n}" for n in range(5)), *(f"hang-{n}" for n in range(6)))
+    name, effects = _settle_app(make_app, sqlite_url, tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
-         "--once", "--wait", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+         "--concurrency", "2", "--wait", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_subprocess_env(tmp_path), **WIDE},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not mark.exists():
+        while not (tmp_path / "hanging").exists() or _states(sqlite_url, keys).get("confirmed", 0) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        while len(_effects(effects, "probe")) < 7:  # both hanging probes are under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)  # well before the hanging probes' 60 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "reconciled 5 record(s) in" in out and ": 5 confirmed; interrupted (Ctrl-C), a partial report" in out, out
+    assert "Aborted!" not in out + err and "━" not in err  # no bar into a pipe
+    assert _states(sqlite_url, keys) == {"confirmed": 5, "unknown": 6}
+    assert len(_effects(effects, "probe")) == 7  # the four records not reached were never probed
+    with Ledger.open(sqlite_url) as ledger:
+        for key in keys[5:]:
+            rec = ledger.get(key)
+            assert rec is not None and rec.history == [], rec.history  # left exactly as it was
+
+
+def test_reconcile_every_ctrl_c_prints_the_interrupted_run_and_exits_0(
+    sqlite_url: str, make_app: Any, tmp_path: Path
+) -> None:
+    """The daemon (--every): Ctrl-C while a probe hangs prints that run's partial report (--json:
+    "interrupted": true), then exits 0 as on Ctrl-C between runs."""
+    import signal
+    import subprocess
+
+    keys = _unknown(sqlite_url, "o-0", "o-1", "hang-2")
+    name, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path),
+         "--every", "1m", "--concurrency", "1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env(tmp_path),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "hanging").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 130, (out, err)
-    assert "interrupted (Ctrl-C): the records settled so far stay settled" in err and "Aborted!" not in out + err
+    assert proc.returncode == 0, (out, err)
+    [report] = [json.loads(line) for line in out.splitlines()]
+    assert report["interrupted"] is True and report["counts"]["confirmed"] == 2, report
+    assert _states(sqlite_url, keys) == {"confirmed": 2, "unknown": 1}
+
+
+def test_reconcile_summarises_probe_errors(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """30 records whose probe raises the same two-line error and 3 another: one summary line for each
+    distinct error with its count, not a row per record (exit 3: they stay unknown); -v lists each,
+    --json keeps each error."""
+    keys = _unknown(sqlite_url, "o-1", *(f"flaky-{n}" for n in range(30)), *(f"down-{n}" for n in range(3)))
+    name, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    args = ["reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path), "--wait", "0", "--concurrency", "4"]
+    text = _ok(_run(*args, env=WIDE), 3)
+    summary = [line for line in text.splitlines() if line.startswith("probe error")]
+    assert len(summary) == 2, text
+    assert summary[0].startswith("probe error x30 (charge, e.g. default:charge:0001") and (
+        "ConnectionResetError: the bank reset the connection; stays unknown" in summary[0]
+    ), summary
+    assert summary[1].startswith("probe error x3 (charge, e.g. default:charge:0031") and (
+        "TimeoutError: the bank did not answer" in summary[1]
+    ), summary
+    assert "a second line" not in text and "flaky-" not in text  # no row per record
+    assert "reconciled 34 record(s)" in text and "1 confirmed, 33 unsettled" in text, text
+    again, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    verbose = _ok(_run(*(a if a != name + ":ledger" else f"{again}:ledger" for a in args), "-v", env=WIDE), 3)
+    assert sum("stays unknown" in line for line in verbose.splitlines()) == 33 + 2, verbose
+    third, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    data = json.loads(_ok(_run(*(a if a != name + ":ledger" else f"{third}:ledger" for a in args), "--json"), 3))
+    errors = [r["error"] for r in data["records"] if r["error"]]
+    assert len(errors) == 33 and errors[0].startswith("ConnectionResetError: the bank reset the connection\n")
+    assert _states(sqlite_url, keys) == {"confirmed": 1, "unknown": 33}
+
+
+def test_reconcile_and_purge_show_progress_on_a_terminal_only(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:
+    """On a terminal (a pty) reconcile draws a bar with a count on stderr, and purge a running count;
+    into a pipe, or with --json, neither."""
+    import subprocess
+
+    _unknown(sqlite_url, *(f"o-{n}" for n in range(5)))
+    name, _ = _settle_app(make_app, sqlite_url, tmp_path)
+    env = _subprocess_env(tmp_path)
+    reconcile = [sys.executable, "-m", "onceonly", "reconcile", "--app", f"{name}:ledger", "--app-dir", str(tmp_path)]
+    drawn = _on_a_terminal(reconcile, env)
+    assert "reconcile" in drawn and "5/5" in drawn, drawn
+    assert _on_a_terminal([*reconcile, "--json"], env) == ""
+    _unknown(sqlite_url, *(f"p-{n}" for n in range(5)))
+    piped = subprocess.run(reconcile, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert piped.returncode == 0 and piped.stderr == "" and "5 confirmed" in piped.stdout, piped
+
+    purge = [sys.executable, "-m", "onceonly", "purge", "--url", sqlite_url]
+    _expired(sqlite_url, 10)
+    drawn = _on_a_terminal(purge, env)
+    assert "purge" in drawn and "10/?" in drawn, drawn
+    assert _on_a_terminal([*purge, "--json"], env) == ""
+
+
+def _expired(url: str, n: int) -> None:
+    """``n`` confirmed records whose ttl passed a second ago."""
+    with Ledger.open(url) as ledger:
+        for i in range(n):
+            rec = Record(
+                key=f"default:charge:gone-{i:02d}", scope="default", tool="charge", fingerprint="f",
+                state=State.CONFIRMED, attempts=1, created_at=time.time(), updated_at=time.time(),
+                args_json="{}", result_json="{}", via="run", expires_at=time.time() - 1,
+            )  # fmt: skip
+            assert ledger.store.insert(rec)
+
+
+def test_purge_ctrl_c_says_how_many_were_deleted(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the third of ten deletions: exit 130, "3 ... deleted so far" (and --json says so
+    too), and seven records are still there for the next run."""
+    _expired(store_url, 10)
+    purge = Ledger.purge
+
+    def interrupted(self: Ledger, **kwargs: Any) -> int:
+        told = kwargs["progress"]
+
+        def progress(n: int) -> None:
+            told(n)
+            if n == 3:
+                raise KeyboardInterrupt
+
+        return purge(self, **{**kwargs, "progress": progress})
+
+    monkeypatch.setattr(Ledger, "purge", interrupted)
+    result = _run("purge", "--url", store_url)
+    assert result.exit_code == 130, (result.output, result.exception)
+    assert "interrupted (Ctrl-C): 3 expired record(s) deleted so far stay deleted" in result.stderr, result.output
+    with Ledger.open(store_url) as ledger:
+        assert len(ledger.list(state="confirmed", limit=100)) == 7
+    again = _run("purge", "--url", store_url, "--json")
+    assert again.exit_code == 130, again.output
+    data = json.loads(again.stdout)
+    assert data["removed"] == 3 and data["interrupted"] is True
+    with Ledger.open(store_url) as ledger:
+        assert len(ledger.list(state="confirmed", limit=100)) == 4
+
+
+def _on_a_terminal(command: list[str], env: dict[str, str]) -> str:
+    """What ``command`` writes on stderr when stderr is a terminal (a pty); it must exit 0."""
+    import os
+    import pty
+    import subprocess
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=follower, env=env, timeout=60, check=False)
+        os.close(follower)
+        follower = -1
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal's other end is closed: all was read
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0, proc
+    return seen.decode("utf-8", "replace")
 
 
 def test_audit_with_a_mistyped_tool_says_so(sqlite_url: str, make_app: Any, tmp_path: Path) -> None:

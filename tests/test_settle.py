@@ -424,7 +424,7 @@ def test_report_shape(ledger: Ledger, effects: Effects) -> None:
     assert set(data["counts"]) == {s.value for s in Settlement}
     assert data["counts"]["failed"] == 1
     [line] = data["records"]
-    assert set(line) == {"key", "tool", "before", "after", "settlement", "detail", "due_at"}
+    assert set(line) == {"key", "tool", "before", "after", "settlement", "detail", "due_at", "error"}
     assert (line["before"], line["after"], line["settlement"]) == ("in_flight", "failed", "failed")
 
 
@@ -434,6 +434,8 @@ def test_invalid_arguments(ledger: Ledger) -> None:
         reconcile(ledger, review_after=-1)
     with pytest.raises(ValueError, match="batch"):
         reconcile(ledger, batch=0)
+    with pytest.raises(ValueError, match="concurrency=0: settle 1 or more records at once"):
+        reconcile(ledger, concurrency=0)
 
 
 def test_paging_through_many_records(ledger: Ledger, effects: Effects) -> None:
@@ -810,3 +812,90 @@ def test_resend_stops_when_the_record_moved_on(ledger: Ledger, clock: FakeClock)
     line = worker._resend(ledger.tools["post"].spec, unknown, State.UNKNOWN)  # decided on the stale version
     assert line.settlement is Settlement.SKIPPED and "confirmed" in line.detail
     assert calls == []
+
+
+# --- a run in a pool of threads: each record once, progress, Ctrl-C -----------------------------------
+
+
+def test_a_pool_settles_each_record_once(ledger: Ledger, effects: Effects) -> None:
+    """concurrency=4 on every store: four probes run at once (a barrier of 4 lets them through only
+    together), each of the 20 records is probed once and confirmed once; progress counts each record
+    in the caller's thread."""
+    together = threading.Barrier(4, timeout=20)
+
+    def find(args: dict[str, Any], key: str) -> Any:
+        together.wait()
+        effects.add("probe", key)
+        return {"op": args["op"]}
+
+    @ledger.tool(name="create", on_unknown="probe", probe=find, settle=0)
+    def create(op: str) -> None: ...
+
+    keys = [dead_holder(ledger, create, f"op-{n:02d}").key for n in range(20)]
+    me = threading.current_thread()
+    seen: list[tuple[int, int]] = []
+
+    def progress(done: int, handed: int) -> None:
+        assert threading.current_thread() is me
+        seen.append((done, handed))
+
+    report = reconcile(ledger, concurrency=4, progress=progress)
+    assert report.counts["confirmed"] == 20 and not report.interrupted
+    assert [ln.key for ln in report.lines] == sorted(keys)  # the order they were read in
+    probed = [k for (k,) in effects.db.execute("SELECT key FROM effects WHERE op = 'probe'")]
+    assert sorted(probed) == sorted(keys)
+    assert [done for done, _ in seen] == list(range(1, 21)) and seen[-1] == (20, 20)
+    for key in keys:
+        rec = ledger.get(key)
+        assert rec is not None and rec.state is State.CONFIRMED
+        assert [h["to"] for h in rec.history].count("confirmed") == 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_an_interrupted_run_reports_what_it_wrote(ledger: Ledger, concurrency: int) -> None:
+    """Ctrl-C (a KeyboardInterrupt) after five records: it propagates, and the report handed in says
+    what was written until then, exactly: each line's state is the record's in the store, and the
+    records without a line are as they were (held by their dead holder)."""
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: {"op": a["op"]}, settle=0)
+    def create(op: str) -> None: ...
+
+    keys = [dead_holder(ledger, create, f"op-{n:02d}").key for n in range(30)]
+    report = ReconcileReport()
+
+    def progress(done: int, handed: int) -> None:
+        if done == 5 and not report.interrupted:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        reconcile(ledger, concurrency=concurrency, progress=progress, report=report)
+    assert report.interrupted and report.to_dict()["interrupted"] is True
+    assert 5 <= len(report.lines) < 30, len(report.lines)
+    lines = {ln.key: ln for ln in report.lines}
+    for key in keys:
+        rec = ledger.get(key)
+        assert rec is not None
+        if key in lines:
+            assert lines[key].after is rec.state is State.CONFIRMED
+        else:
+            assert rec.state is State.IN_FLIGHT and rec.lease_owner == "dead-host:1:1"
+    assert report.counts["confirmed"] == sum(ledger.get(k).state is State.CONFIRMED for k in keys)  # type: ignore[union-attr]
+
+
+def test_the_daemon_hands_an_interrupted_run_to_on_report(ledger: Ledger) -> None:
+    """reconcile_forever: Ctrl-C during a run hands its partial report to on_report, then propagates."""
+
+    @ledger.tool(name="create", on_unknown="probe", probe=lambda a, k: {"op": a["op"]}, settle=0)
+    def create(op: str) -> None: ...
+
+    for n in range(6):
+        dead_holder(ledger, create, f"op-{n}")
+    got: list[ReconcileReport] = []
+
+    def progress(done: int, handed: int) -> None:
+        if done == 2 and not got:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        reconcile_forever(ledger, every=60, on_report=got.append, progress=progress, concurrency=2)
+    assert len(got) == 1 and got[0].interrupted and got[0].counts["confirmed"] >= 2

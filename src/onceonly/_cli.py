@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import click
@@ -400,13 +400,23 @@ def existing_ledger(url: str) -> Iterator[Ledger]:
 INTERRUPTED_EXIT = 130
 
 
+class Done(Protocol):
+    """``done(n)``: ``n`` are done; ``done(n, total)`` also moves the bar's end (work found as it goes)."""
+
+    def __call__(self, n: int, total: int | None = None) -> None: ...
+
+
+def _nothing(n: int, total: int | None = None) -> None:
+    pass
+
+
 @contextmanager
-def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Iterator[Done]:
     """A rich progress bar on stderr while the block runs, only when stderr is a terminal and
     ``enabled`` (not with --json): yields ``done(n)``. ``total`` None: a count without a bar's end.
     It disappears when the block ends, so that the report is what stays on the screen."""
     if not enabled or not sys.stderr.isatty():
-        yield lambda n: None
+        yield _nothing
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -414,18 +424,8 @@ def progress_bar(what: str, total: int | None, *, enabled: bool = True) -> Itera
     columns = [SpinnerColumn(), TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
-        yield lambda n: bar.update(task, completed=n)
 
+        def done(n: int, total: int | None = None) -> None:
+            bar.update(task, completed=n, total=total)  # total None: the end stays where it was
 
-@contextmanager
-def working(what: str, *, enabled: bool = True) -> Iterator[None]:
-    """A spinner with the time spent on stderr while the block runs, for work whose size is not
-    known ahead (a purge, a reconcile pass); only on a terminal and when ``enabled``."""
-    if not enabled or not sys.stderr.isatty():
-        yield
-        return
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=Console(stderr=True), transient=True):
-        yield
+        yield done

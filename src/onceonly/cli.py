@@ -56,7 +56,6 @@ if _MISSING_CLI is None:
         refuse_missing_ledger,
         run_every,
         url_option,
-        working,
     )
 
     _url_option = url_option()
@@ -840,13 +839,25 @@ if _MISSING_CLI is None:
         with _ledger(url) as ledger:
 
             def once() -> None:
+                gone = [0]  # deleted so far: what an interrupted run reports
+
+                def deleted(n: int) -> None:
+                    gone[0] = n
+                    done(n)
+
                 try:
-                    with working("purge: deleting expired records", enabled=not as_json):
-                        removed = ledger.purge()
+                    with progress_bar("purge: deleting expired records", None, enabled=not as_json) as done:
+                        removed = ledger.purge(progress=deleted)
                 except KeyboardInterrupt:
                     if every is not None:
                         raise  # the daemon stops as on Ctrl-C between runs: exit 0
-                    click.echo("interrupted (Ctrl-C): the records deleted so far stay deleted; run again", err=True)
+                    if as_json:
+                        click.echo(json.dumps({"removed": gone[0], "at": ops.iso(time.time()), "interrupted": True}))
+                    click.echo(
+                        f"interrupted (Ctrl-C): {gone[0]} expired record(s) deleted so far stay deleted; run again "
+                        "for the rest",
+                        err=True,
+                    )
                     raise SystemExit(INTERRUPTED_EXIT) from None
                 if as_json:
                     click.echo(json.dumps({"removed": removed, "at": ops.iso(time.time())}))

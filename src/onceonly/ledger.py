@@ -517,9 +517,15 @@ class Ledger:
                 self.runtime.announce(new)
                 return new
 
-    def purge(self, *, before: float | None = None, batch: int = 500) -> int:
+    def purge(
+        self, *, before: float | None = None, batch: int = 500, progress: Callable[[int], None] | None = None
+    ) -> int:
         """Delete settled records whose ``expires_at`` passed. Unknown and in-review ones never expire.
         A record whose stored result, arguments or history do not decode is left, with a warning.
+
+        The records are read a page of ``batch`` at a time and deleted one by one (each at the version
+        read: one that changed meanwhile is kept); ``progress(n)`` is called after each deletion with
+        the count so far, so that a caller interrupted (Ctrl-C) knows how many are gone.
 
         .. versionadded:: 0.1
         """
@@ -543,6 +549,8 @@ class Ledger:
                     continue
                 if self.store.delete(rec.key, rec.version, rec.created_at):
                     removed += 1
+                    if progress is not None:
+                        progress(removed)
             if len(page) < batch:
                 return removed
             after = page[-1].key

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import inspect
@@ -43,10 +44,12 @@ import json
 import logging
 import math
 import os
+import queue
 import socket
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +95,7 @@ __all__ = [
     "attempt_started",
     "decide",
     "default_owner",
+    "probe_errors",
     "reconcile",
     "reconcile_forever",
     "rerun_problem",
@@ -398,6 +402,7 @@ class ReconcileLine:
     settlement: Settlement
     detail: str
     due_at: float | None = None  # for ``waiting``: when it is due
+    error: str | None = None  # the probe raised: its ``Type: message``, for a summary by distinct error
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -408,7 +413,23 @@ class ReconcileLine:
             "settlement": self.settlement.value,
             "detail": self.detail,
             "due_at": self.due_at,
+            "error": self.error,
         }
+
+
+def probe_errors(lines: Iterable[ReconcileLine]) -> list[tuple[int, str, str, str]]:
+    """The probes that raised, grouped by tool and error (its first line): ``(count, tool, error, a
+    key)``, most frequent first. Pure. A flaky probe over 30 records is one line, not 30.
+
+    .. versionadded:: 0.1
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for ln in lines:
+        if ln.error is not None:
+            first = ln.error.strip().splitlines()[0] if ln.error.strip() else ln.error
+            groups.setdefault((ln.tool, first[:300]), []).append(ln.key)
+    rows = [(len(keys), tool, text, keys[0]) for (tool, text), keys in groups.items()]
+    return sorted(rows, key=lambda row: (-row[0], row[1], row[2]))
 
 
 @dataclass(slots=True)
@@ -418,14 +439,17 @@ class ReconcileReport:
     .. versionadded:: 0.1
     """
 
-    by: str
-    started_at: float
+    by: str = ""  # both set by the run: an empty report may be handed to ``reconcile(report=)``
+    started_at: float = 0.0
     finished_at: float = 0.0
     lines: list[ReconcileLine] = field(default_factory=list)
     #: Whether the run read the held records (pending, in flight) for expired leases, and why. A store
     #: that knows its lease holders (SQLite) reads them only when one may have run out.
     read_held: bool = True
     read_held_why: list[str] = field(default_factory=list)
+    #: Ctrl-C ended the run: ``lines`` are the records settled until then; the others were left as
+    #: they were (a record whose probe was under way stays unknown).
+    interrupted: bool = False
 
     @property
     def counts(self) -> dict[str, int]:
@@ -447,6 +471,7 @@ class ReconcileReport:
             "counts": self.counts,
             "read_held": self.read_held,
             "read_held_why": self.read_held_why,
+            "interrupted": self.interrupted,
             "records": [ln.to_dict() for ln in self.lines],
         }
 
@@ -464,8 +489,49 @@ class _Stop(Exception):
         self.due_at = due_at
 
 
+class _Abandoned(Exception):
+    """The run was interrupted before this record's first write: it is left as it was read."""
+
+
+class _Gate:
+    """The writes of one run. Once it is shut, a record that wrote nothing yet writes nothing (its
+    probe's answer is dropped, its re-send is not claimed); ``shut`` waits for the records that did
+    write until their lines are handed back, so that an interrupted run reports each write that landed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0  # records that wrote and whose line is not handed back yet
+        self._mine = threading.local()  # whether this thread's record wrote
+        self.closed = False
+
+    def enter(self) -> None:
+        """Before each write of a record (in the thread that settles it)."""
+        with self._cond:
+            if getattr(self._mine, "busy", False):
+                return
+            if self.closed:
+                raise _Abandoned
+            self._busy += 1
+            self._mine.busy = True
+
+    def leave(self) -> None:
+        """The record's line is handed back (or its thread gave up on it)."""
+        if getattr(self._mine, "busy", False):
+            self._mine.busy = False
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def shut(self, grace: float) -> None:
+        """No record starts writing from now on; wait up to ``grace`` s for those that did."""
+        with self._cond:
+            self.closed = True
+            self._cond.wait_for(lambda: self._busy == 0, timeout=grace)
+
+
 class _Reconciler:
-    """The I/O of one run. Every write goes through ``_cas``."""
+    """The I/O of one run. Every write goes through ``_cas`` (a re-send through its claim), past the
+    run's ``gate``."""
 
     def __init__(
         self,
@@ -477,7 +543,9 @@ class _Reconciler:
         sleep_budget: Callable[[], float],
         server_headers: Mapping[str, str] | None = None,
         server_timeout: float = 10.0,
+        gate: _Gate | None = None,
     ) -> None:
+        self.gate = gate or _Gate()
         self.server_headers = dict(server_headers or {})
         self.server_timeout = server_timeout
         self.ledger = ledger
@@ -490,6 +558,7 @@ class _Reconciler:
     def _cas(self, new: Record, old: Record) -> tuple[bool, Record | None]:
         """Compare-and-set with the ledger's rule for a lost answer (``swap_now``); if the re-read fails
         too, the run ends and a later run reads the record."""
+        self.gate.enter()
         ok, cur = swap_now(self.store, new, old)
         if ok:
             self.ledger.runtime.announce(new)  # also when the answer was lost but the write landed
@@ -503,9 +572,15 @@ class _Reconciler:
         if tool is not None and policy is not None and policy.on_unknown in ("resend", "retry"):
             blocked = rerun_problem(tool.fn, rec.args)
 
-        def line(settlement: Settlement, detail: str, after: Record | None, due: float | None = None) -> ReconcileLine:
+        def line(
+            settlement: Settlement,
+            detail: str,
+            after: Record | None,
+            due: float | None = None,
+            error: str | None = None,
+        ) -> ReconcileLine:
             return ReconcileLine(
-                rec.key, rec.tool, before, None if after is None else after.state, settlement, detail, due
+                rec.key, rec.tool, before, None if after is None else after.state, settlement, detail, due, error
             )
 
         # Bounded: each round follows a write that landed (held → unknown), at most one of them.
@@ -530,7 +605,9 @@ class _Reconciler:
                     rec, policy, value=probed.value, error=probed.error, now=self.ledger.clock(), by=self.by
                 )
                 if isinstance(decision, Leave):
-                    return line(decision.settlement, decision.detail, rec)
+                    err = probed.error
+                    text = None if err is None else f"{type(err).__name__}: {err}"[:500]
+                    return line(decision.settlement, decision.detail, rec, error=text)
             if isinstance(decision, Resend):
                 assert tool is not None
                 return self._resend(tool, rec, before)
@@ -575,7 +652,7 @@ class _Reconciler:
             key=rec.key, scope=rec.scope, tool=rec.tool, fingerprint=rec.fingerprint, args_json=rec.args_json,
             owner=f"reconcile@{ledger.runtime.new_owner()}", policy=policy, clock=ledger.clock, rng=ledger.rng,
         )  # fmt: skip
-        gen = _as_reconciler(plan(call), rec.version, self.sleep_budget, ledger.clock)
+        gen = _as_reconciler(plan(call), rec.version, self.sleep_budget, ledger.clock, self.gate.enter)
         kwargs = rec.args
 
         def line(settlement: Settlement, detail: str, due: float | None = None) -> ReconcileLine:
@@ -587,6 +664,8 @@ class _Reconciler:
                 out = asyncio.run(adrive(ledger.runtime, gen, tool, call, (), kwargs))
             else:
                 out = drive(ledger.runtime, gen, tool, call, (), kwargs)
+        except _Abandoned:
+            raise  # interrupted before its claim: nothing was sent
         except _Stop as stop:
             if stop.settlement is not Settlement.WAITING:
                 return line(stop.settlement, stop.detail, stop.due_at)
@@ -619,11 +698,18 @@ def _lower(headers: Any) -> dict[str, str]:
     return {str(name).lower(): str(value) for name, value in headers}
 
 
-def _as_reconciler(gen: Plan, version: int, sleep_budget: Callable[[], float], clock: Callable[[], float]) -> Plan:
+def _as_reconciler(
+    gen: Plan,
+    version: int,
+    sleep_budget: Callable[[], float],
+    clock: Callable[[], float],
+    enter: Callable[[], None],
+) -> Plan:
     """The guard's plan, run by the reconciler on the record it decided on (at ``version``).
 
     Four actions change meaning. The first claim only reads: the reconciler never creates a record,
-    and stops when the record moved on since it decided (someone else acted). The plan's backoff
+    and stops when the record moved on since it decided (someone else acted), or, through ``enter``
+    (the run's gate), when the run was interrupted (nothing is claimed). The plan's backoff
     before the re-send is skipped: ``decide`` already waited the tool's settle time, and the
     reconciler's own schedule spaces its runs (a backoff after its own attempt is kept). A later
     wait past this run's budget stops it. A wait on a live holder stops it: someone settles it now.
@@ -638,6 +724,11 @@ def _as_reconciler(gen: Plan, version: int, sleep_budget: Callable[[], float], c
             return stop.value  # type: ignore[no-any-return]
         error = None
         if isinstance(action, Claim):
+            try:
+                enter()
+            except _Abandoned:
+                gen.close()
+                raise
             current = yield Get(action.record.key)  # a store error here ends this record's run
             if current is None or current.version != version:
                 gen.close()
@@ -683,6 +774,9 @@ def reconcile(
     sleep: Callable[[float], None] | None = None,
     full_every: float | None = DEFAULT_FULL_EVERY,
     server_headers: Mapping[str, str] | None = None,
+    concurrency: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    report: ReconcileReport | None = None,
 ) -> ReconcileReport:
     """Settle what the guarded calls left unsettled, once. Safe to run in several processes at once.
 
@@ -707,6 +801,15 @@ def reconcile(
             (``onceonly.http``'s ``probe="server"``): the credentials the calls were made with (such as
             ``{"Authorization": "Bearer …"}``), since the server answers each client about its own keys
             and records never keep credentials.
+        concurrency: records settled at once (their probes, re-sends and server questions), each in a
+            thread of a bounded pool; ``1``: one after another in the caller's thread. Each record is
+            still settled once: every write is a compare-and-set.
+        progress: ``progress(done, handed)`` in the caller's thread after each record: how many were
+            settled so far, of how many read so far (the pages are read as the pool answers).
+        report: the report to fill (by, times, lines), so that a caller interrupted by Ctrl-C
+            (``KeyboardInterrupt``) still has the records settled until then: its ``interrupted`` is
+            true. After Ctrl-C no record starts writing; a record whose probe was under way is left as
+            it was, and the writes under way get a few seconds to land and be reported.
 
     Returns:
         a ``ReconcileReport``: one line per record looked at, and counts per ``Settlement``.
@@ -722,68 +825,91 @@ def reconcile(
         raise ValueError(f"batch={batch}: read at least one record per page")
     if full_every is not None and not full_every > 0:
         raise ValueError(f"full_every={full_every}: give a positive number of seconds, or None")
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r}: settle 1 or more records at once")
     ledger.runtime.sync_clock()  # a reconciler that runs no tool has no heartbeat to do it
+    report = ReconcileReport() if report is None else report
+    options = _Options(
+        tools=ledger.tools if tools is None else tools, scope=scope, review_after=review_after, wait=wait,
+        batch=batch, by=by or default_owner(), sleep=sleep or ledger.sleep, full_every=full_every,
+        server_headers=server_headers, concurrency=concurrency, progress=progress,
+    )  # fmt: skip
     observers = ledger.runtime.pass_observers
     if not observers:
-        return _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every, server_headers)
+        _reconcile(ledger, report, options)
+        return report
     with contextlib.ExitStack() as stack:
         seen = [observe(scope) for observe in observers]
         for cm in seen:
             stack.enter_context(cm)
-        report = _reconcile(ledger, tools, scope, review_after, wait, batch, by, sleep, full_every, server_headers)
+        _reconcile(ledger, report, options)
         for cm in seen:
             cm.report = report  # type: ignore[attr-defined]
     return report
 
 
-def _reconcile(
-    ledger: Ledger,
-    tools: Mapping[str, Any] | None,
-    scope: str | None,
-    review_after: float,
-    wait: float,
-    batch: int,
-    by: str | None,
-    sleep: Callable[[float], None] | None,
-    full_every: float | None,
-    server_headers: Mapping[str, str] | None,
-) -> ReconcileReport:
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What one run was asked (``reconcile``'s arguments, defaults filled in)."""
+
+    tools: Mapping[str, Any]
+    scope: str | None
+    review_after: float
+    wait: float
+    batch: int
+    by: str
+    sleep: Callable[[float], None]
+    full_every: float | None
+    server_headers: Mapping[str, str] | None
+    concurrency: int
+    progress: Callable[[int, int], None] | None
+
+
+#: Seconds an interrupted run waits for the records that were writing (a re-send under way) to finish.
+_GRACE = 5.0
+
+
+def _reconcile(ledger: Ledger, report: ReconcileReport, options: _Options) -> None:
     clock = ledger.clock
-    do_sleep = sleep or ledger.sleep
-    who = by or default_owner()
-    started = clock()
-    deadline = started + wait
-    report = ReconcileReport(by=who, started_at=started)
+    report.by = options.by
+    report.started_at = started = clock()
+    deadline = started + options.wait
     worker = _Reconciler(
         ledger,
-        ledger.tools if tools is None else tools,
-        review_after=review_after,
-        by=who,
+        options.tools,
+        review_after=options.review_after,
+        by=options.by,
         sleep_budget=lambda: max(0.0, deadline - clock()),
-        server_headers=server_headers,
+        server_headers=options.server_headers,
     )
-    lines = _first_pass(ledger, worker, report, scope=scope, batch=batch, full_every=full_every)
-    _settle_due(ledger, worker, lines, deadline=deadline, sleep=do_sleep)
-    report.lines = list(lines.values())
-    report.finished_at = clock()
+    run = _Pass(worker, options.concurrency, options.progress)
+    try:
+        _first_pass(ledger, run, report, scope=options.scope, batch=options.batch, full_every=options.full_every)
+        _settle_due(ledger, run, deadline=deadline, sleep=options.sleep)
+    except BaseException as exc:  # Ctrl-C, or the store failed: what was written is in the report
+        report.interrupted = isinstance(exc, KeyboardInterrupt)
+        run.interrupt(_GRACE)
+        raise
+    finally:
+        run.close()
+        report.lines = run.report_lines()
+        report.finished_at = clock()
     counts = {k: v for k, v in report.counts.items() if v}
     if counts:
-        log.info("onceonly reconcile by %s: %s", who, counts)
-    return report
+        log.info("onceonly reconcile by %s: %s", options.by, counts)
 
 
 def _first_pass(
     ledger: Ledger,
-    worker: _Reconciler,
+    run: _Pass,
     report: ReconcileReport,
     *,
     scope: str | None,
     batch: int,
     full_every: float | None,
-) -> dict[str, ReconcileLine]:
-    """Read every record to settle, page by page, and settle each once. Returns the lines by key."""
+) -> None:
+    """Read every record to settle, page by page, and settle each once (``run.lines``, by key)."""
     clock = ledger.clock
-    lines: dict[str, ReconcileLine] = {}
     after: str | None = None
     # A store that knows who holds its leases says whether any can have run out; if none can, the
     # pass reads only the unknown records (an index) instead of every record (SQLite has no index of
@@ -800,26 +926,20 @@ def _first_pass(
         for found in page:
             if found.state is State.NEEDS_REVIEW and st.dispatch_target(found) is None:
                 continue  # a person's to settle: only a server that serves key statuses is asked again
-            lines[found.key] = worker.settle(found)
+            run.settle(found)
         if len(page) < batch:
             break
         after = page[-1].key
+    run.finish()
     # Read to the end: a dead holder's file may go, unless a record was left held (a scope, a store error).
-    if looked is not None and scope is None and not any(ln.after in HELD for ln in lines.values()):
+    if looked is not None and scope is None and not any(ln.after in HELD for ln in run.lines.values()):
         looked.done()
-    return lines
 
 
-def _settle_due(
-    ledger: Ledger,
-    worker: _Reconciler,
-    lines: dict[str, ReconcileLine],
-    *,
-    deadline: float,
-    sleep: Callable[[float], None],
-) -> None:
+def _settle_due(ledger: Ledger, run: _Pass, *, deadline: float, sleep: Callable[[float], None]) -> None:
     """Records that become due within this run's budget: one sleep for all of them, then again."""
     clock = ledger.clock
+    lines = run.lines
     while True:
         now = clock()
         due = [
@@ -834,15 +954,181 @@ def _settle_due(
         for ln in due:
             rec = ledger.store.get(ln.key)
             if rec is None:
-                lines[ln.key] = ReconcileLine(
-                    ln.key, ln.tool, ln.before, None, Settlement.SKIPPED, "the record is gone"
-                )
+                run.keep(ReconcileLine(ln.key, ln.tool, ln.before, None, Settlement.SKIPPED, "the record is gone"))
                 continue
-            again = worker.settle(rec)
-            # Keep what the record was when this run first saw it.
-            lines[ln.key] = ReconcileLine(
-                again.key, again.tool, ln.before, again.after, again.settlement, again.detail, again.due_at
-            )
+            run.settle(rec)
+        run.finish()
+
+
+# --- the pool a run settles its records in ----------------------------------------------------------
+
+#: A record's key and its line (``None``: left as it was, the run was interrupted), or what its settling raised.
+_Done = tuple[str, ReconcileLine | None, BaseException | None]
+
+
+class _Pass:
+    """The records of one run, handed to a pool of ``concurrency`` threads (1: settled in the caller's
+    thread). Their lines are taken back in the caller's thread: the counts need no lock."""
+
+    def __init__(self, worker: _Reconciler, concurrency: int, progress: Callable[[int, int], None] | None) -> None:
+        self.gate = worker.gate
+        self.progress = progress
+        self.lines: dict[str, ReconcileLine] = {}
+        self.order: dict[str, int] = {}  # the order the records were read in, for the report
+        self.handed = self.taken = 0
+        self._pending: list[_Done] = []  # answers out of the pool, not taken yet (a Ctrl-C may come between)
+        self.pool: _Inline | _Threads = (
+            _Inline(worker.settle, self.gate) if concurrency == 1 else _Threads(worker.settle, self.gate, concurrency)
+        )
+
+    def settle(self, rec: Record) -> None:
+        """Hand ``rec`` to the pool, once it has room (the pages are read as fast as it settles)."""
+        while self.pool.full():
+            self._pending.append(self.pool.next())
+            self._take_pending()
+        self.order.setdefault(rec.key, len(self.order))
+        self.handed += 1
+        self.pool.submit(rec)
+        self._pending.extend(self.pool.ready())
+        self._take_pending()
+
+    def keep(self, line: ReconcileLine) -> None:
+        """A line the run made without settling a record."""
+        self.handed += 1
+        self._pending.append((line.key, line, None))
+        self._take_pending()
+
+    def finish(self) -> None:
+        """Wait for every record handed."""
+        while self.pool.running:
+            self._pending.append(self.pool.next())
+            self._take_pending()
+
+    def interrupt(self, grace: float) -> None:
+        """The run ends early: no record starts writing; take the lines of those that wrote (waiting
+        up to ``grace`` s for them)."""
+        self.gate.shut(grace)
+        self._pending.extend(self.pool.ready())
+        while self._pending:
+            with contextlib.suppress(Exception):  # a failure now cannot change what the run reports
+                self._take_pending()
+
+    def close(self) -> None:
+        self.gate.closed = True  # a thread still in a probe (a hung one) writes nothing after the run
+        self.pool.close()
+
+    def report_lines(self) -> list[ReconcileLine]:
+        return sorted(self.lines.values(), key=lambda ln: self.order.get(ln.key, 0))
+
+    def _take_pending(self) -> None:
+        while self._pending:
+            self._take(self._pending.pop(0))
+
+    def _take(self, done: _Done) -> None:
+        key, line, failure = done
+        self.taken += 1
+        if failure is not None:
+            raise failure
+        if line is not None:
+            earlier = self.lines.get(key)
+            if earlier is not None:  # settled again once due: keep what the record was when first seen
+                line = dataclasses.replace(line, before=earlier.before)
+            self.lines[key] = line
+        if self.progress is not None:
+            self.progress(self.taken, self.handed)
+
+
+class _Inline:
+    """Concurrency 1: each record settled in the caller's thread as it is handed."""
+
+    running = 0
+
+    def __init__(self, settle: Callable[[Record], ReconcileLine], gate: _Gate) -> None:
+        self._settle = settle
+        self._gate = gate
+        self._ready: list[_Done] = []
+
+    def full(self) -> bool:
+        return False
+
+    def submit(self, rec: Record) -> None:
+        try:
+            line: ReconcileLine | None = self._settle(rec)
+        except _Abandoned:
+            line = None
+        finally:
+            self._gate.leave()
+        self._ready.append((rec.key, line, None))
+
+    def next(self) -> _Done:  # pragma: no cover - never full
+        raise AssertionError("an inline pool is never full")
+
+    def ready(self) -> list[_Done]:
+        done, self._ready = self._ready, []
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+class _Threads:
+    """At most ``size`` records settled at once, in daemon threads started as needed: a probe that
+    hangs holds up neither Ctrl-C nor the process's exit (an executor's threads are joined at exit)."""
+
+    def __init__(self, settle: Callable[[Record], ReconcileLine], gate: _Gate, size: int) -> None:
+        self._settle = settle
+        self._gate = gate
+        self._size = size
+        self._todo: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._threads = 0
+        self.running = 0  # handed, and not taken back
+
+    def full(self) -> bool:
+        return self.running >= self._size
+
+    def submit(self, rec: Record) -> None:
+        if self._threads <= self.running and self._threads < self._size:
+            # Each thread runs in a copy of the caller's context: a tracing span of the pass stays the
+            # parent of what its records do.
+            context = contextvars.copy_context()
+            threading.Thread(target=context.run, args=(self._work,), name="onceonly-reconcile", daemon=True).start()
+            self._threads += 1
+        self.running += 1
+        self._todo.put(rec)
+
+    def _work(self) -> None:
+        while (rec := self._todo.get()) is not None:
+            line: ReconcileLine | None = None
+            failure: BaseException | None = None
+            try:
+                if not self._gate.closed:  # interrupted: the records not begun are left as they were
+                    line = self._settle(rec)
+            except _Abandoned:
+                pass
+            except BaseException as exc:  # handed to the caller's thread, which raises it
+                failure = exc
+            self._done.put((rec.key, line, failure))
+            self._gate.leave()  # after the put: an interrupted run finds this line once the gate is clear
+
+    def next(self) -> _Done:
+        done = self._done.get()
+        self.running -= 1
+        return done
+
+    def ready(self) -> list[_Done]:
+        found: list[_Done] = []
+        while self.running:
+            try:
+                found.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+            self.running -= 1
+        return found
+
+    def close(self) -> None:
+        for _ in range(self._threads):
+            self._todo.put(None)
 
 
 def reconcile_forever(
@@ -855,7 +1141,9 @@ def reconcile_forever(
 ) -> None:
     """Run ``reconcile`` every ``every`` seconds until ``stop()`` is true.
 
-    A store error ends that run only: it is logged and the next run tries again.
+    A store error ends that run only: it is logged and the next run tries again. Ctrl-C during a run
+    hands its partial report (``interrupted`` true) to ``on_report``, then ``KeyboardInterrupt``
+    propagates.
 
     .. versionadded:: 0.1
     """
@@ -863,10 +1151,15 @@ def reconcile_forever(
         raise ValueError(f"every={every}: give a positive number of seconds")
     while not stop():
         began = ledger.clock()
+        report = ReconcileReport()
         try:
-            report = reconcile(ledger, **kwargs)
+            reconcile(ledger, report=report, **kwargs)
         except StoreError as exc:
             log.warning("onceonly reconcile: the store failed (%s); trying again in %gs", exc, every)
+        except KeyboardInterrupt:
+            if on_report is not None and report.interrupted:
+                on_report(report)
+            raise
         else:
             if on_report is not None:
                 on_report(report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,9 +24,9 @@ from onceonly._cli import (
     load_app,
     parse_duration,
     printable,
+    progress_bar,
     refuse_missing_ledger,
     until_stopped,
-    working,
 )
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
@@ -34,6 +35,7 @@ from onceonly.settle import (
     DEFAULT_REVIEW_AFTER,
     ReconcileReport,
     Settlement,
+    probe_errors,
     reconcile,
     reconcile_forever,
 )
@@ -74,8 +76,10 @@ def _print_report(
     verbose: bool,
     app: str | None = None,
     tools: Mapping[str, Any] | None = None,
+    short: Mapping[str, str] | None = None,
 ) -> None:
-    lines = report.lines if verbose else report.acted
+    # A probe that raised is summarised below, one line per distinct error (-v: also a row per record).
+    lines = report.lines if verbose else [ln for ln in report.acted if ln.error is None]
     if lines:
         table = Table(title=cell(f"reconcile by {report.by}"), box=box.SIMPLE_HEAD)
         for col in ("key", "tool", "was", "now", "done", "detail"):
@@ -94,10 +98,19 @@ def _print_report(
     missing = sorted({ln.tool for ln in report.lines if ln.settlement is Settlement.NO_TOOL})
     if missing:
         console.print(cell(_no_tool_hint(missing, app, tools or {})), soft_wrap=True)
+    for n, tool, error, key in probe_errors(report.lines):
+        example = (short or {}).get(key, key)
+        console.print(cell(f"probe error x{n} ({tool}, e.g. {example}): {error}; stays unknown"), soft_wrap=True)
     counts = ", ".join(f"{n} {name}" for name, n in report.counts.items() if n) or "nothing to settle"
     took = report.finished_at - report.started_at
     when = time.strftime("%H:%M:%S")
-    console.print(f"{when} reconciled {len(report.lines)} record(s) in {took:.2f}s: {counts}", soft_wrap=True)
+    partial = (
+        "; interrupted (Ctrl-C), a partial report: the records not reached, and those whose probe was under "
+        "way, stay as they were; run again for the rest"
+        if report.interrupted
+        else ""
+    )
+    console.print(f"{when} reconciled {len(report.lines)} record(s) in {took:.2f}s: {counts}{partial}", soft_wrap=True)
 
 
 @click.command("reconcile")
@@ -178,8 +191,20 @@ def _print_report(
     "records): the calls' credentials, since a server answers each client about its own keys. "
     "'Authorization: env:API_TOKEN' reads the value from $API_TOKEN, off the command line. Repeatable.",
 )
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 256),
+    default=4,
+    show_default=True,
+    help="Records settled at once (their probes and re-sends run in a bounded pool); 1: one after another.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per run.")
-@click.option("--verbose", "-v", is_flag=True, help="Also list the records that are waiting or were skipped.")
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="Also list the records that are waiting or were skipped, and each record whose probe raised.",
+)
 def reconcile_command(
     app: str | None,
     app_dir: str,
@@ -196,6 +221,7 @@ def reconcile_command(
     full_every: float,
     max_age: float | None,
     server_header: tuple[str, ...],
+    concurrency: int,
     as_json: bool,
     verbose: bool,
 ) -> None:
@@ -207,8 +233,11 @@ def reconcile_command(
 
     Exit status of a single run: 0 when nothing needs a person, 3 when records stay unsettled (the
     probe raised), have no tool registered, were parked for review, or wait in needs_review from
-    before, or (--max-age) an unsettled record is older than that; 1 on an error, 2 on bad usage.
-    With --every it runs until SIGTERM or Ctrl-C, then exits 0.
+    before, or (--max-age) an unsettled record is older than that; 1 on an error, 2 on bad usage;
+    130 when Ctrl-C ended it, after the report of what was settled until then (records not reached,
+    and those whose probe was under way, stay as they were). With --every it runs until SIGTERM or
+    Ctrl-C, then exits 0. A progress bar shows on a terminal (not with --json or into a pipe); probe
+    errors are summarised, one line per distinct error.
 
     \b
     Examples:
@@ -243,7 +272,7 @@ def reconcile_command(
         )
     kwargs: dict[str, Any] = {
         "tools": tools, "scope": scope, "review_after": review_after, "by": by, "batch": batch,
-        "full_every": full_every, "server_headers": server_headers,
+        "full_every": full_every, "server_headers": server_headers, "concurrency": concurrency,
     }  # fmt: skip
 
     purged_at: list[float] = []  # when this process last purged
@@ -252,18 +281,21 @@ def reconcile_command(
 
     def show(report: ReconcileReport) -> None:
         data = report.to_dict()
-        if every is None:
+        if every is None and not report.interrupted:
             in_review, oldest = _waiting(ledger, scope, max_age)
             data["needs_review"] = in_review
             waiting.extend(ops.attention(in_review, oldest, ledger.clock(), max_age))
         # Not after every run: a run every few seconds reads only the open records, a purge every record.
-        if purge and (not purged_at or ledger.clock() - purged_at[-1] >= purge_every):
+        due = not purged_at or ledger.clock() - purged_at[-1] >= purge_every
+        if purge and due and not report.interrupted:
             purged_at.append(ledger.clock())
             data["purged"] = ledger.purge()
         if as_json:
             click.echo(dumps(data))
         else:
-            _print_report(console, report, verbose=verbose, app=app, tools=tools)
+            examples = [key for _, _, _, key in probe_errors(report.lines)]
+            short = ops.short_keys(ledger, examples) if examples else {}
+            _print_report(console, report, verbose=verbose, app=app, tools=tools, short=short)
             if "purged" in data:
                 console.print(f"purged {data['purged']} expired record(s)")
         for reason in waiting:
@@ -271,13 +303,18 @@ def reconcile_command(
 
     try:
         if every is None:
+            report = ReconcileReport()
             try:
-                with working("reconcile: settling", enabled=not as_json):
-                    report = reconcile(ledger, wait=10.0 if wait is None else wait, **kwargs)
+                # The bar's end: the unknown records (the store's counters), moved on as expired leases are read.
+                known = ledger.stats()[State.UNKNOWN.value] if scope is None and _shown(as_json) else 0
+                with progress_bar("reconcile", known or None, enabled=not as_json) as done:
+                    reconcile(
+                        ledger, wait=10.0 if wait is None else wait, report=report,
+                        progress=lambda n, seen: done(n, max(known, seen)), **kwargs,
+                    )  # fmt: skip
             except KeyboardInterrupt:
-                click.echo(
-                    "interrupted (Ctrl-C): the records settled so far stay settled; run again for the rest", err=True
-                )
+                report.interrupted = True
+                show(report)
                 raise SystemExit(INTERRUPTED_EXIT) from None
             show(report)
             if waiting or any(report.counts.get(s.value) for s in ATTENTION):
@@ -291,6 +328,11 @@ def reconcile_command(
         ledger.close()
         if source is not None and source is not ledger:
             source.close()
+
+
+def _shown(as_json: bool) -> bool:
+    """Whether a progress bar shows: on a terminal, without --json."""
+    return not as_json and sys.stderr.isatty()
 
 
 def _waiting(ledger: Ledger, scope: str | None, max_age: float | None) -> tuple[int, Record | None]:
