@@ -7,6 +7,7 @@ file the tool bodies write to."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
@@ -360,5 +361,48 @@ def test_a_postgres_ledger_of_schema_1_is_migrated(request: pytest.FixtureReques
         with psycopg.connect(db) as conn:
             versions = [r[0] for r in conn.execute(f'SELECT version FROM "{schema}".onceonly_schema ORDER BY 1')]
         assert versions == [1, 2]
+    finally:
+        shop.close()
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def test_the_cli_approves_and_denies_by_key_prefix(sqlite_url: str, tmp_path: Path) -> None:
+    """`onceonly approve KEY --by NAME --reason TEXT` and `onceonly deny`: a unique prefix finds the key;
+    `ls --state awaiting_approval` lists what waits; a record that does not wait is an error (exit 1)."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(cli, [*args, "--url", sqlite_url])
+
+    shop = Payments(sqlite_url, tmp_path)
+    try:
+        for amount in (1, 2):
+            with pytest.raises(ApprovalPending):
+                shop.pay("ana", amount)
+        listed = run("ls", "--state", "awaiting_approval", "--json")
+        assert listed.exit_code == 0, listed.output
+        assert len(json.loads(listed.output)["records"]) == 2
+        one, two = shop.pay.key_for("ana", 1), shop.pay.key_for("ana", 2)
+        prefix = next(one[:n] for n in range(len("default:pay:") + 1, len(one)) if not two.startswith(one[:n]))
+        done = run("approve", prefix, "--by", "maria", "--reason", "known customer")
+        assert done.exit_code == 0, done.output
+        assert "approved by maria" in done.output
+        assert shop.pay("ana", 1) == {"paid": "ana", "amount": 1}
+        again = run("approve", one, "--by", "maria")
+        assert again.exit_code == 1 and "not awaiting approval" in again.output
+        ambiguous = run("deny", "default:pay:", "--by", "maria")
+        assert ambiguous.exit_code == 2
+        denied = run("deny", two, "--by", "maria", "--reason", "too much", "--json")
+        assert denied.exit_code == 0, denied.output
+        assert json.loads(denied.output)["state"] == "failed"
+        with pytest.raises(ApprovalDenied):
+            shop.pay("ana", 2)
+        assert run("approve", "default:pay:nope", "--by", "maria").exit_code == 1
+        assert run("approve", one).exit_code == 2  # --by is required
+        assert shop.runs() == {"ana:1": 1}
     finally:
         shop.close()
