@@ -31,7 +31,7 @@ from onceonly.plan import Call, Outcome, plan
 from onceonly.policy import Policy, Verdict, classify
 from onceonly.runtime import new_owner
 from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
-from onceonly.states import State
+from onceonly.states import Record, State, ask_approval
 from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
@@ -362,6 +362,32 @@ class ToolSpec:
         if self.approve is not False:
             made.approve = self.approve is True or _asks(self.approve, fields, self.name)
         return made
+
+    def approve_call(self, call: Call, *, by: str, reason: str | None = None) -> Record | None:
+        """Record a person's approval of ``call``'s operation given elsewhere (a framework's own approval
+        flow, for a tool with ``approve=``): its request is made first if no call made it yet. The
+        approved record, or ``None`` when there is nothing to approve (it ran, it is held, another
+        decision came first, the record holds other arguments).
+
+        .. versionadded:: 0.1
+        """
+        store = self.runtime.store
+        rec = store.get(call.key)
+        if rec is None:
+            first = ask_approval(
+                key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
+                args_json=call.args_json, by=call.owner, now=self.runtime.clock(),
+            )  # fmt: skip
+            rec = store.claim(first)
+            if rec is None:
+                self.runtime.announce(first)
+                rec = first
+        if rec.state is not State.AWAITING_APPROVAL or rec.fingerprint != call.fingerprint:
+            return None
+        try:
+            return self.ledger.approve(call.key, by=by, reason=reason, fingerprint=call.fingerprint)
+        except OnceOnlyError:  # decided meanwhile by someone else: the plan goes by what is there
+            return None
 
     def tool_kwargs(self, call: Call, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.takes_key:

@@ -73,3 +73,25 @@ def ask_again(call: Call, rec: Record, now: float) -> Generator[Action, Any, Rec
     if ok:
         raise _awaiting_approval(new)
     return cur
+
+
+def needs_person(rec: Record | None, now: float, attempts: int) -> bool:
+    """Whether a call that finds ``rec`` would start its operation anew with no approval standing: the
+    moment a framework's own approval flow should ask a person. Not for a replay, a call another
+    caller holds or approved, an outcome the ledger settles itself (unknown, in review), a denial or
+    attempts used up: those calls are answered without anyone asked. ``attempts``: the tool's limit.
+
+    .. versionadded:: 0.1
+    """
+    if rec is None:
+        return True
+    state = rec.state
+    if state is State.AWAITING_APPROVAL:
+        return True
+    if state is State.CONFIRMED:
+        return rec.is_expired(now)
+    if state is State.FAILED:
+        return st.denial_of(rec) is None and rec.attempts < attempts and st.approval_of(rec) is None
+    if state is State.ABANDONED:
+        return not st.may_have_happened(rec) and st.approval_of(rec) is None
+    return False  # held, unknown, in review
