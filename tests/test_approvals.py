@@ -406,3 +406,22 @@ def test_the_cli_approves_and_denies_by_key_prefix(sqlite_url: str, tmp_path: Pa
         assert shop.runs() == {"ana:1": 1}
     finally:
         shop.close()
+
+
+def test_a_dry_run_says_it_would_ask(shop: Payments) -> None:
+    """In a dry run an operation that needs approval would ask (nothing written); an approved one runs;
+    a denied one is refused."""
+    with shop.ledger.dry_run() as seen:
+        shop.pay("fay", 3)
+    assert [c.would for c in seen] == ["ask"] and shop.ledger.list() == []
+    with pytest.raises(ApprovalPending):
+        shop.pay("fay", 3)
+    with pytest.raises(ApprovalPending):
+        shop.pay("gus", 4)
+    shop.ledger.approve(shop.pay.key_for("fay", 3), by="maria")
+    shop.ledger.deny(shop.pay.key_for("gus", 4), by="maria")
+    with shop.ledger.dry_run() as seen:
+        shop.pay("fay", 3)
+        shop.pay("gus", 4)
+    assert [c.would for c in seen] == ["run", "refuse"]
+    assert shop.runs() == {}
