@@ -425,3 +425,28 @@ def test_a_dry_run_says_it_would_ask(shop: Payments) -> None:
         shop.pay("gus", 4)
     assert [c.would for c in seen] == ["run", "refuse"]
     assert shop.runs() == {}
+
+
+def test_a_copy_moves_requests_and_approvals_as_they_are(shop: Payments, tmp_path: Path) -> None:
+    """`onceonly copy` moves a record awaiting approval and an approved one unchanged (nobody holds an
+    approved record's lease: it is not copied as unknown), and the target runs the approved one once."""
+    from onceonly.transfer import copy_records, store_records
+
+    for to in ("ana", "bo"):
+        with pytest.raises(ApprovalPending):
+            shop.pay(to, 1)
+    shop.ledger.approve(shop.pay.key_for("ana", 1), by="maria")
+    target_url = f"sqlite:///{tmp_path / 'target.db'}"
+    with Ledger.open(target_url) as target:
+        report = copy_records(store_records(shop.ledger.store), target.store, in_flight="unknown")
+        assert report.as_unknown == 0
+        states = {r.key: r.state for r in target.list()}
+    assert states == {shop.pay.key_for("ana", 1): State.PENDING, shop.pay.key_for("bo", 1): State.AWAITING_APPROVAL}
+    (tmp_path / "t").mkdir()
+    moved = Payments(target_url, tmp_path / "t")
+    try:
+        assert moved.pay("ana", 1) == {"paid": "ana", "amount": 1}
+        with pytest.raises(ApprovalPending):
+            moved.pay("bo", 1)
+    finally:
+        moved.close()
