@@ -48,7 +48,7 @@ def fixture_ledger(url: str) -> Iterator[Ledger]:
 
 
 def twice(**arguments: Any) -> ScriptedModel:
-    """The model issues the same charge twice, in two turns under two call ids, then ends."""
+    """The model asks for the same charge twice, in two turns under two call ids, then ends."""
     return ScriptedModel(
         [
             [function_call("charge", arguments, call_id="call_A")],
@@ -89,11 +89,11 @@ def run_with_a_person(agent: Agent[Any], decide: bool = True, tracing: bool = Tr
     return asyncio.run(main()), asked
 
 
-def test_a_person_is_asked_once_for_an_operation_the_model_issues_twice(
+def test_a_person_is_asked_once_for_an_operation_the_model_calls_twice(
     ledger: Ledger, charges: Charges, tmp_path: Path
 ) -> None:
     """The first call stops the run for a person; their yes runs it once and is in the ledger's history;
-    the model's second issue of it replays without asking anyone."""
+    the model's second call of it replays without asking anyone."""
 
     @function_tool(ledger, approve=True)
     async def charge(customer: str, cents: int) -> str:
@@ -136,9 +136,9 @@ def request_elsewhere(url: str, customer: str, cents: int) -> str:
         other.close()
 
 
-def test_a_rejection_in_the_sdk_runs_nothing_and_the_next_issue_asks_again(ledger: Ledger, charges: Charges) -> None:
+def test_a_rejection_in_the_sdk_runs_nothing_and_the_next_call_asks_again(ledger: Ledger, charges: Charges) -> None:
     """The person says no in the SDK: the tool is not invoked, the ledger records nothing, and the
-    model's next issue of it is put to a person again."""
+    model's next call of it is put to a person again."""
 
     @function_tool(ledger, approve=True)
     async def charge(customer: str, cents: int) -> str:
@@ -155,7 +155,7 @@ def test_a_rejection_in_the_sdk_runs_nothing_and_the_next_issue_asks_again(ledge
 
 def test_an_operation_approved_in_the_ledger_is_not_put_to_a_person(url: str, ledger: Ledger, charges: Charges) -> None:
     """Asked for elsewhere and approved with `onceonly approve` (ledger.approve): the SDK asks no one,
-    the call runs it once, and the model's second issue replays."""
+    the call runs it once, and the model's second call replays."""
 
     @function_tool(ledger, approve=True)
     async def charge(customer: str, cents: int) -> str:
@@ -188,7 +188,7 @@ def test_a_denial_in_the_ledger_is_told_and_asks_no_one(url: str, ledger: Ledger
 
 def test_needs_approval_of_a_tool_without_approve_skips_replays(ledger: Ledger, charges: Charges) -> None:
     """The SDK's own needs_approval=True on a guarded tool: a person is asked for the call that runs,
-    not for the model's second issue, which replays."""
+    not for the model's second call, which replays."""
 
     @function_tool(ledger, needs_approval=True)
     async def charge(customer: str, cents: int) -> str:
@@ -205,7 +205,7 @@ def test_with_tracing_off_a_run_finds_the_conversation_from_its_earlier_calls(
     url: str, ledger: Ledger, charges: Charges
 ) -> None:
     """Tracing off: the hook cannot read RunConfig.group_id, so the first call of a run is put to a
-    person unless the run is inside ledger.task(conversation); a second issue in the same run is known
+    person unless the run is inside ledger.task(conversation); a second call in the same run is known
     from the first call's scope and is not."""
 
     @function_tool(ledger, approve=True)
