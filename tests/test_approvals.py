@@ -450,3 +450,54 @@ def test_a_copy_moves_requests_and_approvals_as_they_are(shop: Payments, tmp_pat
             moved.pay("bo", 1)
     finally:
         moved.close()
+
+
+def test_an_expired_result_asks_again(url: str, tmp_path: Path) -> None:
+    """A confirmed record past its ttl is a new operation: it asks a person again before it runs."""
+    from tests._clock import FakeClock
+
+    clock = FakeClock()
+    ledger = Ledger.open(url, clock=clock, sleep=clock.sleep)
+    runs: list[str] = []
+
+    @ledger.tool(name="post", approve=True, ttl=60)
+    def post(text: str) -> str:
+        runs.append(text)
+        return text
+
+    try:
+        with pytest.raises(ApprovalPending):
+            post("hello")
+        ledger.approve(post.key_for("hello"), by="maria")
+        assert post("hello") == "hello" and post.outcome("hello").replayed
+        clock.now += 120
+        with pytest.raises(ApprovalPending):
+            post("hello")
+        rec = ledger.get(post.key_for("hello"))
+        assert rec is not None and (rec.state, rec.attempts, rec.result_json) == (State.AWAITING_APPROVAL, 0, None)
+        ledger.approve(rec.key, by="maria")
+        assert post("hello") == "hello"
+        assert runs == ["hello", "hello"]
+    finally:
+        ledger.close()
+
+
+def test_approve_settings_are_checked(sqlite_url: str) -> None:
+    """approve= takes True, False or a function; a read tool has nothing to approve; the function must
+    answer True or False."""
+    ledger = Ledger.open(sqlite_url)
+    try:
+        with pytest.raises(TypeError, match="approve="):
+            ledger.tool(approve="yes")  # type: ignore[call-overload]
+        with pytest.raises(ValueError, match="read tool"):
+            ledger.tool(effect="read", approve=True)
+
+        @ledger.tool(name="odd", approve=lambda args: "maybe")  # type: ignore[arg-type, return-value]
+        def odd(x: int) -> int:
+            return x
+
+        with pytest.raises(TypeError, match="return True"):
+            odd(1)
+        assert ledger.list() == []
+    finally:
+        ledger.close()

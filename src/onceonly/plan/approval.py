@@ -48,13 +48,15 @@ def refuse(rec: Record, call: Call, conflict: bool) -> None:
 def must_ask(call: Call, rec: Record, now: float) -> bool:
     """Whether ``call`` would start a new operation on ``rec`` without a standing approval: a failed run
     (attempts left), an abandoned one that may start afresh, or an expired confirmed record."""
-    if not call.approve or st.approval_of(rec) is not None:
+    if not call.approve:
         return False
     if rec.state is State.FAILED:
-        return rec.attempts < call.policy.retry.attempts
-    if rec.state is State.ABANDONED:
-        return not st.may_have_happened(rec)
-    return rec.state is State.CONFIRMED and rec.is_expired(now)
+        starts = rec.attempts < call.policy.retry.attempts
+    elif rec.state is State.ABANDONED:
+        starts = not st.may_have_happened(rec)
+    else:
+        starts = rec.state is State.CONFIRMED and rec.is_expired(now)
+    return starts and st.approval_of(rec) is None
 
 
 def ask_again(call: Call, rec: Record, now: float) -> Generator[Action, Any, Record | None]:

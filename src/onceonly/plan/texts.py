@@ -281,10 +281,12 @@ def _denied(rec: Record, entry: dict[str, object]) -> ApprovalDenied:
     by = str(entry.get(st.DENIED_BY) or "someone")
     reason = entry.get("reason")
     why = f" ({reason})" if isinstance(reason, str) and reason else ""
+    at = entry.get("at")
+    when = _when(at if isinstance(at, int | float) else rec.updated_at)
     return ApprovalDenied(
         _message(
             rec,
-            f"{by} denied this operation{why} at {_when(float(str(entry.get('at', rec.updated_at))))}; it did not run",
+            f"{by} denied this operation{why} at {when}; it did not run",
             "it will not run with these arguments; a call with other arguments asks for its own approval",
         ),
         key=rec.key,
