@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+import onceonly
 from onceonly import Ledger, State
 from onceonly import states as st
 from tests._dashboard import running, seed, timed_charge
@@ -339,3 +340,52 @@ def test_stale_data_is_marked_while_the_store_is_down(browser: Any, tmp_path: Pa
                 page.close()
     finally:
         server.stop()
+
+
+def test_a_person_approves_an_operation_through_the_page(browser: Any, sqlite_url: str, tmp_path: Path) -> None:
+    """A call of an approve= tool waits in the needs-a-person view; the page approves it with a reason
+    and a name (the store's history has them), and the next call runs it once. The approve and deny
+    endpoints take the same token and same-origin rules as resolve."""
+    from playwright.sync_api import expect
+
+    effects: list[str] = []
+    with Ledger.open(sqlite_url) as ledger:
+
+        @ledger.tool(name="pay", approve=True)
+        def pay(to: str, amount: int) -> str:
+            effects.append(to)
+            return f"paid {to}"
+
+        for to in ("ana", "bo"):
+            with pytest.raises(onceonly.ApprovalPending):
+                pay(to, 50)
+        key, other = pay.key_for("ana", 50), pay.key_for("bo", 50)
+        with running(sqlite_url, env={"ONCEONLY_DASHBOARD_TOKEN": TOKEN}) as dashboard:
+            api = f"{dashboard.url}/api"
+            body = {"key": other, "by": "mallory"}
+            assert httpx.post(f"{api}/deny", json=body, timeout=30).status_code == 401
+            foreign = {"Authorization": f"Bearer {TOKEN}", "Origin": "https://evil.example"}
+            assert httpx.post(f"{api}/deny", json=body, headers=foreign, timeout=30).status_code == 403
+            page, problems = _open(browser, dashboard.url)
+            try:
+                expect(page.locator('[data-count="awaiting_approval"] b')).to_have_text("2")
+                expect(page.locator("#records tr[data-key]")).to_have_count(2)
+                assert set(_rows(page)) == {key, other}
+                page.click(f'#records tr[data-key="{key}"] td.age')
+                page.wait_for_selector("#approval")
+                page.fill("#approve-reason", "known customer")
+                page.fill("#approve-by", "maria")
+                page.click("#approve-yes")
+                page.wait_for_selector("#detail-body [data-state='pending'].state")
+                expect(page.locator('[data-count="awaiting_approval"] b')).to_have_text("1")
+                assert not problems, problems
+            finally:
+                page.close()
+            ok = {"Authorization": f"Bearer {TOKEN}"}
+            again = httpx.post(f"{api}/approve", json={"key": key, "by": "maria"}, headers=ok, timeout=30)
+            assert again.status_code == 409 and "not awaiting_approval" in again.json()["error"]
+        rec = ledger.get(key)
+        assert rec is not None and rec.state is State.PENDING
+        assert (rec.history[-1][st.APPROVED_BY], rec.history[-1]["reason"]) == ("maria", "known customer")
+        assert pay("ana", 50) == "paid ana" and pay("ana", 50) == "paid ana"
+        assert effects == ["ana"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from onceonly.plan import Call, Outcome
-from onceonly.states import HELD, Record, State
+from onceonly.states import HELD, Record, State, approval_of, approved_unclaimed, denial_of
 
 __all__ = ["DRY_VIA", "DryRun", "DryRunEntry", "DryRunLog", "DryRuns", "Would", "dry_outcome", "would_do"]
 
@@ -26,9 +26,9 @@ DRY_VIA = "dry_run"
 #: What a call would have done, read from its record as it is now:
 #: ``run`` (no record, or one that may run again), ``replay`` (confirmed: its result is returned),
 #: ``conflict`` (a record of other arguments, refused with ``KeyConflict``), ``wait`` (a caller holds it),
-#: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``) and ``refuse`` (parked for
-#: review, or its attempts used up).
-Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse"]
+#: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``), ``refuse`` (parked for
+#: review, its attempts used up, or denied) and ``ask`` (it would wait for a person's approval: ``approve=``).
+Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse", "ask"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +94,25 @@ class DryRuns:
 def would_do(call: Call, rec: Record | None) -> Would:
     """What ``call`` would do against ``rec`` (its record as it is now), without doing it."""
     if rec is None:
-        return "run"
+        return "ask" if call.approve else "run"
     now = call.clock()
     if rec.fingerprint != call.fingerprint and call.policy.on_conflict == "raise":
         return "conflict"
     state = rec.state
+    if state is State.AWAITING_APPROVAL:
+        return "ask"
     if state is State.CONFIRMED:
-        return "run" if rec.is_expired(now) else "replay"
+        return ("ask" if call.approve else "run") if rec.is_expired(now) else "replay"
     if state in HELD:
+        if approved_unclaimed(rec):  # a person approved it: the next call runs it
+            return "run"
         return "settle" if rec.lease_expired(now) else "wait"
     if state is State.UNKNOWN:
         return "settle"
     if state is State.FAILED:
-        return "run" if rec.attempts < call.policy.retry.attempts else "refuse"
+        if denial_of(rec) is not None or rec.attempts >= call.policy.retry.attempts:
+            return "refuse"
+        return "ask" if call.approve and approval_of(rec) is None else "run"
     return "refuse"  # needs_review, abandoned: a person's turn
 
 

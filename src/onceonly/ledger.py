@@ -35,6 +35,7 @@ from onceonly.stores import open_store, redact_url
 from onceonly.stores.base import ClockedStore, Query, SimilarStore, Store
 from onceonly.tools import (
     EFFECTS,
+    Approve,
     AsyncTool,
     Effect,
     Tool,
@@ -230,6 +231,7 @@ class Ledger:
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
+        approve: Approve = False,
     ) -> Callable[[Callable[P, R]], Any]: ...
 
     def tool(
@@ -259,6 +261,7 @@ class Ledger:
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
+        approve: Approve = False,
     ) -> Any:
         """Guard a function with side effects so that each logical call happens once.
 
@@ -310,6 +313,10 @@ class Ledger:
                 exhausted, a retry scheduled), and a replay's text ("already done at …, not repeated;
                 its result: …") instead of the bare result; a fresh result is returned as it is. The
                 operator's next step goes to the ``onceonly`` log. ``.outcome()`` still raises.
+            approve: ``True``, or ``(args) -> bool`` deciding per call: the operation needs a person's
+                approval before it runs (docs/guardrails.md#approvals). Its first call records the request
+                and raises ``ApprovalPending``; ``ledger.approve(key, by=...)`` (or ``onceonly approve``)
+                lets the next call run it once; ``ledger.deny`` makes every call of it ``ApprovalDenied``.
 
         Returns:
             A real function (``async def`` for a coroutine function) with the original's name,
@@ -319,6 +326,7 @@ class Ledger:
         .. versionadded:: 0.1
         """
         effect = _check_effect(effect, readonly=readonly, on_unknown=on_unknown, probe=probe, similar=similar)
+        _check_approve(approve, effect)
         readonly = effect == "read"
         on_unknown = on_unknown or ("retry" if effect == "idempotent" else "review")
         _check_settings(
@@ -343,6 +351,7 @@ class Ledger:
                 self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
                 probe=probe, timeout=timeout, readonly=readonly, effect=effect, decode=decode,
                 passthrough=tuple(passthrough), similar=similar, on_similar=on_similar, tell_model=tell_model,
+                approve=approve,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)
@@ -517,6 +526,47 @@ class Ledger:
                 self.runtime.announce(new)
                 return new
 
+    def approve(self, key: str, *, by: str, reason: str | None = None, fingerprint: str | None = None) -> Record:
+        """A person approves the operation ``key`` awaits approval for (``@ledger.tool(approve=...)``): the
+        next call of it runs it, exactly once however many callers race; later calls replay its result.
+        Who (``by``) and why (``reason``) are kept in the record's history (``approved_by``).
+
+        ``fingerprint``: approve only if the record still holds these arguments (the ones the person
+        looked at: ``Record.fingerprint``).
+
+        Raises:
+            KeyError: no such record.
+            OnceOnlyError: the record does not await approval (already approved, denied, run…), or it
+                holds other arguments than ``fingerprint``; nothing is changed.
+
+        .. versionadded:: 0.1
+        """
+        return self._decide(key, st.approve, by=by, reason=reason, fingerprint=fingerprint)
+
+    def deny(self, key: str, *, by: str, reason: str | None = None, fingerprint: str | None = None) -> Record:
+        """A person denies the operation ``key`` awaits approval for: it does not run, and every later call
+        of it (with these arguments) raises ``ApprovalDenied``, which a model is told about. Who and why
+        are kept in the record's history (``denied_by``). Arguments and errors as for ``approve``.
+
+        .. versionadded:: 0.1
+        """
+        return self._decide(key, st.deny, by=by, reason=reason, fingerprint=fingerprint)
+
+    def _decide(
+        self, key: str, step: Callable[..., Record], *, by: str, reason: str | None, fingerprint: str | None
+    ) -> Record:
+        while True:
+            rec = self.get(key)
+            if rec is None:
+                raise KeyError(f"no record with key {key!r}: check it with `onceonly ls --state awaiting_approval`")
+            try:
+                new = step(rec, now=self.clock(), by=by, reason=reason, fingerprint=fingerprint)
+            except st.IllegalTransition as exc:
+                raise OnceOnlyError(str(exc)) from None
+            if self.store.swap(new, rec):
+                self.runtime.announce(new)
+                return new
+
     def purge(
         self, *, before: float | None = None, batch: int = 500, progress: Callable[[int], None] | None = None
     ) -> int:
@@ -660,6 +710,19 @@ def _check_settings(
     passing = tuple(passthrough)
     if not all(isinstance(t, type) and issubclass(t, BaseException) for t in passing):
         raise TypeError(f"passthrough={passthrough!r}: give a tuple of exception types, such as (MyInterrupt,)")
+
+
+def _check_approve(approve: object, effect: str) -> None:
+    if not (isinstance(approve, bool) or callable(approve)):
+        raise TypeError(
+            f"approve={approve!r}: give True (every call needs a person's approval), False, or a function "
+            "(args) -> bool that decides per call"
+        )
+    if approve is not False and effect == "read":
+        raise ValueError(
+            "approve= on a read tool (effect='read' or readonly=True): a read keeps no record, so there is "
+            "nothing to approve; drop approve= or make it a write"
+        )
 
 
 def _where_url(url: str) -> str:

@@ -68,6 +68,7 @@ from onceonly.errors import OutcomeUnknown
 from onceonly.keys import canonical_json, fingerprint, safe_name
 from onceonly.mcp.core import meta as mcp_meta
 from onceonly.plan import Outcome
+from onceonly.plan.approval import needs_person
 from onceonly.schema import SchemaError, coerce
 from onceonly.tell import TOLD
 from onceonly.tools import Wrappers
@@ -280,6 +281,10 @@ class _Guard:
         self.ledger = ledger
         self.tell_model = tell_model
         self.scope = scope
+        #: ``approve=`` of the policy: the SDK's approval flow asks a person, and its yes is the ledger's.
+        self.approve = policy.get("approve", False) is not False
+        #: The scope each recent run's calls took (``scoped``), by the run's identity.
+        self.run_scopes: dict[str, str] = {}
         self.with_schema = tool.output_json_schema is not None
         self.params_schema: dict[str, Any] | None = tool.params_json_schema or None
         invoker = tool.on_invoke_tool
@@ -322,12 +327,22 @@ class _Guard:
             return {_WHOLE: parsed}
         return {n: parsed[n] for n in self.named if n in parsed}
 
-    def scoped(self, ctx: Any) -> contextlib.AbstractContextManager[Any]:
+    def scoped(self, ctx: Any, *, asking: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """The scope of a call of this tool in the run of ``ctx``. ``asking``: for the approval hook,
+        which the SDK hands the run's context without its ``RunConfig``: a ``group_id`` it cannot read
+        there is the one the run's earlier calls took."""
         scope = self.scope(ctx)
+        run = _run_of(ctx)
+        if scope is None and asking and run is not None:
+            scope = self.run_scopes.get(run)
         if scope is None:
             if edge.task_scope() is not None:  # the caller's ledger.task() around the run
                 return contextlib.nullcontext()
             scope = run_scope(ctx)
+        elif run is not None and not asking:
+            if len(self.run_scopes) >= _RUNS_KEPT:
+                self.run_scopes.pop(next(iter(self.run_scopes)))
+            self.run_scopes[run] = scope
         return self.ledger.task(scope)
 
     async def invoke(self, ctx: ToolContext[Any], args_json: str) -> Any:
@@ -348,12 +363,38 @@ class _Guard:
         call = _Invocation(ctx, args_json, self.with_schema)
         try:
             with self.scoped(ctx):
+                if self.approve and _approved_here(ctx):
+                    self._record_approval(ctx, parsed)
                 out: Outcome = await self.fn.outcome(**self.fields(parsed), **{_CALL: call})
         except TOLD as err:
             # The operator's next step (onceonly resolve ...) goes to the log, the model's to the model.
             _log.warning("onceonly %s: %s", getattr(err, "key", "?"), err)
             return edge.envelope(err).text
         return self.respond(out, call)
+
+    def _record_approval(self, ctx: ToolContext[Any], parsed: dict[str, Any]) -> None:
+        """The SDK's approval flow approved this call (``RunState.approve``): the ledger's record of the
+        operation is approved too, so that it runs once and a replay asks no one."""
+        spec = self.fn.spec
+        ledger_call = spec.call((), {**self.fields(parsed), _CALL: None}, None, 1)
+        if ledger_call.approve:
+            call_id = getattr(ctx, "tool_call_id", "?")
+            why = f"approved in the Agents SDK run (call {call_id})"
+            spec.approve_call(ledger_call, by="openai-agents", reason=why)
+
+    async def asks(self, ctx: RunContextWrapper[Any], params: dict[str, Any]) -> tuple[bool, bool]:
+        """Whether this call would start its operation anew with no approval standing (``needs_person``),
+        and whether its tool's ``approve=`` asks for one: read from its record, nothing written."""
+        try:
+            parsed = coerce(self.params_schema, params)
+        except SchemaError:
+            return True, self.approve  # the SDK refuses them after its approval, and the ledger never sees them
+        spec = self.fn.spec
+        with self.scoped(ctx, asking=True):
+            ledger_call = spec.call((), {**self.fields(parsed), _CALL: None}, None, 1)
+        store: Any = self.ledger.store
+        rec = await store.aget(ledger_call.key)
+        return needs_person(rec, self.ledger.clock(), spec.policy.retry.attempts), ledger_call.approve
 
     def respond(self, out: Outcome, call: _Invocation) -> Any:
         """The tool's own output when this call ran it; else the recorded one, and for a replay the
@@ -378,6 +419,50 @@ def _with_context(tool: FunctionTool, invoker: Callable[..., Awaitable[Any]]) ->
         return await invoker(_get_function_tool_invoke_context(tool, ctx), args_json)
 
     return invoke
+
+
+#: Runs whose scope a guarded tool remembers for its approval hook (the oldest is dropped first).
+_RUNS_KEPT = 1024
+
+
+def _run_of(ctx: Any) -> str | None:
+    """The identity of the run ``ctx`` belongs to: its usage counter, shared by the run's every context."""
+    usage = getattr(ctx, "usage", None)
+    if usage is None:
+        return None
+    try:
+        return edge.run_identity(usage)
+    except TypeError:
+        return None
+
+
+def _approved_here(ctx: Any) -> bool:
+    """Whether the SDK's own approval flow approved this very call (its call id)."""
+    check = getattr(ctx, "is_tool_approved", None)
+    name, call_id = getattr(ctx, "tool_name", None), getattr(ctx, "tool_call_id", None)
+    if not callable(check) or not name or not call_id:
+        return False
+    return check(name, call_id) is True
+
+
+def _approval_hook(spec: _Guard, setting: Any) -> Callable[..., Awaitable[bool]]:
+    """The tool's ``needs_approval``: a person is asked only for a call that would start its operation
+    anew with no approval standing in the ledger. A replay, a call already approved (by the SDK or
+    ``onceonly approve``), one another caller runs, a denial: nobody is asked, and the guard answers.
+    Then ``approve=`` decides (the SDK asks), else the tool's own ``needs_approval`` (``setting``)."""
+
+    async def needs_approval(ctx: RunContextWrapper[Any], params: dict[str, Any], call_id: str) -> bool:
+        would, approve = await spec.asks(ctx, params)
+        if not would:
+            return False
+        if approve or setting is True:
+            return True
+        if not callable(setting):
+            return False
+        said = setting(ctx, params, call_id)
+        return bool(await said if inspect.isawaitable(said) else said)
+
+    return needs_approval
 
 
 def _timeout_text(ctx: RunContextWrapper[Any], error: Exception) -> str:
@@ -416,6 +501,8 @@ def _guarded_tool(tool: FunctionTool, spec: _Guard) -> FunctionTool:
     made.on_invoke_tool = bind(made) if callable(bind) else made_invoker
     if made.timeout_seconds is not None and made.timeout_error_function is None:
         made.timeout_error_function = _timeout_text
+    if spec.approve or tool.needs_approval is not False:
+        made.needs_approval = _approval_hook(spec, tool.needs_approval)
     return made
 
 

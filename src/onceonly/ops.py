@@ -762,7 +762,10 @@ def key_arguments(rec: Record) -> list[str]:
 #: and by state (those that need a person first, then the oldest of each state).
 SORTS = ("key", "age", "-age", "state")
 #: States in the order ``sort="state"`` lists them: what needs a person first, settled ones last.
-_BY_STATE = (State.NEEDS_REVIEW, State.UNKNOWN, State.IN_FLIGHT, State.PENDING, State.FAILED, State.ABANDONED)
+_BY_STATE = (
+    State.NEEDS_REVIEW, State.AWAITING_APPROVAL, State.UNKNOWN, State.IN_FLIGHT, State.PENDING, State.FAILED,
+    State.ABANDONED,
+)  # fmt: skip
 _STATE_ORDER = {s: i for i, s in enumerate((*_BY_STATE, State.CONFIRMED))}
 
 

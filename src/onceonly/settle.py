@@ -206,6 +206,8 @@ def decide(
     if rec.state in HELD:
         if not rec.lease_expired(now):
             return Leave(Settlement.SKIPPED, f"held by {rec.lease_owner}; its lease is alive")
+        if st.approved_unclaimed(rec):  # nothing ran: its next call runs it (approve=)
+            return Leave(Settlement.SKIPPED, "approved by a person; its next call runs it")
         if rec.state is State.PENDING:
             # The tool reports its dispatch and had not: nothing left this process.
             return Write(

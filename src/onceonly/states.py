@@ -19,6 +19,8 @@ from onceonly.errors import StoreCorrupt
 
 __all__ = [
     "ALLOWED",
+    "APPROVED_BY",
+    "DENIED_BY",
     "HISTORY_LIMIT",
     "REDACTED_SECRET",
     "SECRET_FINGERPRINT",
@@ -27,6 +29,14 @@ __all__ = [
     "IllegalTransition",
     "Record",
     "State",
+    "approval_of",
+    "approve",
+    "approved_unclaimed",
+    "ask_again",
+    "ask_approval",
+    "asked_at",
+    "denial_of",
+    "deny",
     "holds_secret",
     "may_have_happened",
     "misplaced",
@@ -52,6 +62,7 @@ class State(enum.Enum):
     UNKNOWN = "unknown"  # sent, outcome unknown: must be settled, never re-run blindly
     NEEDS_REVIEW = "needs_review"  # parked for a person
     ABANDONED = "abandoned"  # attempts exhausted
+    AWAITING_APPROVAL = "awaiting_approval"  # a person's approval is asked for; nothing ran (approve=)
 
     # Enum hashes in Python (hash of the name); members are singletons compared by identity, so the
     # identity hash agrees with equality and keeps the state tables' lookups in C (~7 per call).
@@ -66,7 +77,10 @@ SETTLED = frozenset({State.CONFIRMED, State.FAILED, State.ABANDONED})
 
 # from → the states it may move to. A claim of a new key has no "from". CONFIRMED → IN_FLIGHT/PENDING
 # only happens once the record expired (its ttl passed): a fresh claim replaces it. ABANDONED →
-# IN_FLIGHT/PENDING only when none of its attempts may have happened (``restart``).
+# IN_FLIGHT/PENDING only when none of its attempts may have happened (``restart``). AWAITING_APPROVAL
+# holds no lease and is neither settled nor unsettled (nothing ran): ``approve`` moves it to PENDING
+# with a lease already run out (the next call takes it over), ``deny`` to FAILED; a record of an
+# ``approve=`` tool goes (back) to it when a new operation would start (``ask_approval``).
 ALLOWED: Mapping[State, frozenset[State]] = {
     State.PENDING: frozenset(
         {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.UNKNOWN, State.ABANDONED}
@@ -76,9 +90,14 @@ ALLOWED: Mapping[State, frozenset[State]] = {
         {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.NEEDS_REVIEW, State.ABANDONED}
     ),
     State.NEEDS_REVIEW: frozenset({State.CONFIRMED, State.FAILED}),
-    State.FAILED: frozenset({State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.ABANDONED}),
-    State.ABANDONED: frozenset({State.CONFIRMED, State.FAILED, State.PENDING, State.IN_FLIGHT}),
-    State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT}),
+    State.FAILED: frozenset(
+        {State.PENDING, State.IN_FLIGHT, State.CONFIRMED, State.FAILED, State.ABANDONED, State.AWAITING_APPROVAL}
+    ),
+    State.ABANDONED: frozenset(
+        {State.CONFIRMED, State.FAILED, State.PENDING, State.IN_FLIGHT, State.AWAITING_APPROVAL}
+    ),
+    State.CONFIRMED: frozenset({State.CONFIRMED, State.PENDING, State.IN_FLIGHT, State.AWAITING_APPROVAL}),
+    State.AWAITING_APPROVAL: frozenset({State.PENDING, State.FAILED, State.CONFIRMED}),
 }
 
 
@@ -481,6 +500,7 @@ def transition(
     effect: bool | None = None,
     similar_to: str | None = None,
     target: Mapping[str, str] | None = None,
+    note: Mapping[str, str] | None = None,
     **changes: Any,
 ) -> Record:
     """Move ``rec`` to ``to``: checks the table, bumps ``version``, appends one history entry.
@@ -491,7 +511,8 @@ def transition(
     ``changes`` sets other fields (``result_json``, ``error``, ``lease_until``…). ``effect=False`` marks
     the entry as the end of an attempt that cannot have had an effect (``may_have_happened``); ``None``
     (the default) and ``True`` leave it unmarked. ``similar_to`` links the entry to the key of another
-    record (a call taken for a near-duplicate of it, ``onceonly.Similar``).
+    record (a call taken for a near-duplicate of it, ``onceonly.Similar``). ``note`` adds text members
+    to the entry (a person's approval: ``approved_by``).
 
     Raises:
         IllegalTransition: the table in ``ALLOWED`` does not allow it, or a time is not finite.
@@ -512,6 +533,8 @@ def transition(
         mark += f',"similar_to":{_quote(_storable(similar_to))}'
     if target is not None:
         mark += ',"target":' + json.dumps({str(k): str(v) for k, v in target.items()}, ensure_ascii=True)
+    if note is not None:
+        mark += "".join(f",{_quote(str(k))}:{_quote(_storable(str(v)))}" for k, v in note.items())
     if changes.get("error") is not None:
         changes["error"] = _storable(changes["error"])
     return replace(
@@ -782,3 +805,171 @@ def late_success(
             conflicts=rec.conflicts + 1,
         )
     return note_conflict(rec, now=now, reason=f"late outcome of attempt {fence}: possible duplicate", by=by)
+
+
+# --- approvals (``@ledger.tool(approve=...)``): a person's yes or no, kept in the record ----------
+#
+# The request, the approval and the denial are transitions of the operation's own record, so every
+# store's compare-and-set carries them: racing first callers make one request, and racing callers
+# after an approval run one attempt. An approval is bound to the record's key and fingerprint and is
+# spent by the first attempt that may have had an effect (``approval_of``).
+
+#: The history member that names who approved an operation (the entry's ``reason`` is theirs).
+APPROVED_BY = "approved_by"
+#: The history member that names who denied one.
+DENIED_BY = "denied_by"
+
+_AWAITING = State.AWAITING_APPROVAL.value
+#: Where an attempt that may have had an effect ends, or a new request begins: the approval is spent.
+_SPENDS = frozenset(
+    {State.UNKNOWN.value, State.NEEDS_REVIEW.value, State.CONFIRMED.value, State.ABANDONED.value, _AWAITING}
+)
+
+
+def ask_approval(*, key: str, scope: str, tool: str, fingerprint: str, args_json: str, by: str, now: float) -> Record:
+    """The first call of an operation that needs a person's approval: its record, awaiting it. No lease,
+    no attempt, fence 0 (the approved call's claim is attempt 1, fence 1).
+
+    .. versionadded:: 0.1
+    """
+    if not _isfinite(now):
+        raise _not_finite(key, now=now)
+    entry = _entry(None, State.AWAITING_APPROVAL, now, "approval asked", 0, by)
+    return Record(
+        key, scope, tool, fingerprint, State.AWAITING_APPROVAL, 0, 0, 1, None, None, None, None, now, now,
+        None, None, args_json, f"[{entry}]", None, 0,
+    )  # fmt: skip
+
+
+def ask_again(
+    rec: Record, *, now: float, by: str, fingerprint: str, args_json: str, reason: str, fresh: bool = False
+) -> Record:
+    """An operation of an ``approve=`` tool would start again on ``rec`` (its approved run failed, its
+    confirmed record expired, its attempts ran out with no effect): it awaits a new approval, for the
+    arguments given. ``fresh``: its attempts start again at 0 and its result is dropped.
+
+    .. versionadded:: 0.1
+    """
+    changes: dict[str, Any] = {}
+    if fresh:
+        changes = {"attempts": 0, "result_json": None, "via": None, "conflicts": 0}
+    return transition(
+        rec, State.AWAITING_APPROVAL, now=now, reason=reason, by=by, lease_owner=None, lease_until=None,
+        next_attempt_at=None, expires_at=None, error=None, fingerprint=fingerprint, args_json=args_json, **changes,
+    )  # fmt: skip
+
+
+def _decision(rec: Record, by: object, reason: object, fingerprint: str | None, what: str) -> None:
+    """Refuse a person's approval or denial that does not fit ``rec``."""
+    if not isinstance(by, str) or not by.strip():
+        raise ValueError(f"{what} needs by=NAME: who decides is kept in the record's history")
+    if reason is not None and not isinstance(reason, str):
+        raise TypeError(f"reason={reason!r}: give a str, or None")
+    if rec.state is not State.AWAITING_APPROVAL:
+        if denial_of(rec) is not None:
+            said = " (it was denied)"
+        elif approval_of(rec) is not None:
+            said = " (it was approved, and waits for its next call to run it)"
+        else:
+            said = ""
+        raise IllegalTransition(
+            f"{rec.key!r} is {rec.state.value}{said}, not awaiting approval: there is nothing to {what}. "
+            "Only a tool with approve= asks for an approval, at its first call"
+        )
+    if fingerprint is not None and fingerprint != rec.fingerprint:
+        raise IllegalTransition(
+            f"{rec.key!r} awaits approval for other arguments (fingerprint {rec.fingerprint[:16]}, not "
+            f"{fingerprint[:16]}): nothing was changed; look at it again with `onceonly show`"
+        )
+
+
+def approve(rec: Record, *, now: float, by: str, reason: str | None = None, fingerprint: str | None = None) -> Record:
+    """A person approves the operation ``rec`` awaits approval for: ``pending`` with its lease already run
+    out, which the next call takes over by compare-and-set and runs once. The history entry holds
+    ``approved_by`` and the person's ``reason``.
+
+    Raises:
+        IllegalTransition: ``rec`` does not await approval, or ``fingerprint`` is not its own.
+
+    .. versionadded:: 0.1
+    """
+    _decision(rec, by, reason, fingerprint, "approve")
+    return transition(
+        rec, State.PENDING, now=now, reason=reason or "", by=by, note={APPROVED_BY: by},
+        lease_owner=None, lease_until=now, next_attempt_at=None,
+    )  # fmt: skip
+
+
+def deny(rec: Record, *, now: float, by: str, reason: str | None = None, fingerprint: str | None = None) -> Record:
+    """A person denies the operation ``rec`` awaits approval for: ``failed``, nothing ran (``effect:
+    false``), and every later call of it raises ``ApprovalDenied``. It never expires by itself.
+
+    Raises:
+        IllegalTransition: ``rec`` does not await approval, or ``fingerprint`` is not its own.
+
+    .. versionadded:: 0.1
+    """
+    _decision(rec, by, reason, fingerprint, "deny")
+    return transition(
+        rec, State.FAILED, now=now, reason=reason or "", by=by, effect=False, note={DENIED_BY: by},
+        error=f"denied by {by}" + (f": {reason}" if reason else ""), lease_owner=None, lease_until=None,
+        next_attempt_at=None, expires_at=None,
+    )  # fmt: skip
+
+
+def approval_of(rec: Record) -> dict[str, Any] | None:
+    """The approval that still stands for the operation of ``rec`` (its history entry), else ``None``.
+
+    Walking back from the newest entry, an approval counts when it comes before any end of an attempt
+    that may have had an effect (unknown, confirmed, parked, abandoned, a failure not marked ``effect:
+    false`` or given back as control flow) and before a new request. An attempt that never reached the
+    other side leaves it standing. A history trimmed past it has none: the careful answer.
+
+    .. versionadded:: 0.1
+    """
+    if APPROVED_BY not in rec.history_json:
+        return None  # nearly every record: decided without decoding the history
+    for entry in reversed(rec.history):
+        to = entry.get("to")
+        if APPROVED_BY in entry and entry.get("from") == _AWAITING:
+            found: dict[str, Any] = entry
+            return found
+        if to in _SPENDS:
+            return None
+        if to == State.FAILED.value and entry.get("effect") is not False and not _released(entry):
+            return None
+    return None
+
+
+def approved_unclaimed(rec: Record) -> bool:
+    """Whether ``rec`` was approved and no call has taken it over yet (its last entry is the approval).
+
+    .. versionadded:: 0.1
+    """
+    if rec.state is not State.PENDING or APPROVED_BY not in rec.history_json:
+        return False
+    last = rec.history[-1]
+    return last.get("from") == _AWAITING and APPROVED_BY in last
+
+
+def denial_of(rec: Record) -> dict[str, Any] | None:
+    """The history entry of the denial ``rec`` ends with (a failed record a person denied), else ``None``.
+
+    .. versionadded:: 0.1
+    """
+    if rec.state is not State.FAILED or DENIED_BY not in rec.history_json:
+        return None
+    last = rec.history[-1]
+    return last if last.get("from") == _AWAITING and DENIED_BY in last else None
+
+
+def asked_at(rec: Record) -> float | None:
+    """When the approval ``rec`` awaits was asked for (its newest request's time), else ``None``.
+
+    .. versionadded:: 0.1
+    """
+    for entry in reversed(rec.history):
+        if entry.get("to") == _AWAITING:
+            at: float = entry["at"]
+            return at
+    return None

@@ -31,13 +31,16 @@ from onceonly.plan import Call, Outcome, plan
 from onceonly.policy import Policy, Verdict, classify
 from onceonly.runtime import new_owner
 from onceonly.similar import Lookup, OnSimilar, Similar, field_text, group_of
-from onceonly.states import State
+from onceonly.states import Record, State, ask_approval
 from onceonly.tell import TOLD
 
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
 
-__all__ = ["EFFECTS", "AsyncTool", "Effect", "Tool", "ToolSpec", "Wrappers", "make_tool"]
+__all__ = ["EFFECTS", "Approve", "AsyncTool", "Effect", "Tool", "ToolSpec", "Wrappers", "make_tool"]
+
+#: ``approve=``: whether a call needs a person's approval, for every call or per call's arguments.
+Approve = bool | Callable[[dict[str, Any]], bool]
 
 #: What repeating a tool's call does: ``write`` (it happens again), ``idempotent`` (harmless), ``read`` (nothing).
 Effect = Literal["write", "idempotent", "read"]
@@ -264,6 +267,7 @@ class ToolSpec:
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
         effect: Effect | None = None,
+        approve: Approve = False,
     ) -> None:
         self.ledger = ledger
         self.runtime = ledger.runtime
@@ -299,6 +303,9 @@ class ToolSpec:
         self.on_similar = on_similar
         #: The plain call returns the model's text for every state but a fresh result (``tell_model=True``).
         self.tell_model = bool(tell_model)
+        #: Whether a call needs a person's approval before it runs: ``True``, or decided per call by a
+        #: function of the call's arguments (``approve=``).
+        self.approve: Approve = approve
         #: The key fields compared exactly when ``similar`` is set: they form a call's group.
         self.exact_fields: tuple[str, ...] = ()
         if similar is not None:
@@ -315,7 +322,7 @@ class ToolSpec:
             self.ledger, fn, name=self.name, key=self.key_fields, ignore=ignore, normalize=self.normalize,
             policy=self.policy, probe=self.probe, timeout=self.timeout, readonly=self.readonly,
             decode=self.decode, passthrough=self.passthrough, similar=self.similar, on_similar=self.on_similar,
-            tell_model=self.tell_model, effect=self.effect,
+            tell_model=self.tell_model, effect=self.effect, approve=self.approve,
         )  # fmt: skip
 
     def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
@@ -352,7 +359,35 @@ class ToolSpec:
                 sim, self.on_similar, group_of(scope, self.name, select(hashed, self.exact_fields)),
                 {name: field_text(fields[name]) for name in sim.fields},
             )  # fmt: skip
+        if self.approve is not False:
+            made.approve = self.approve is True or _asks(self.approve, fields, self.name)
         return made
+
+    def approve_call(self, call: Call, *, by: str, reason: str | None = None) -> Record | None:
+        """Record a person's approval of ``call``'s operation given elsewhere (a framework's own approval
+        flow, for a tool with ``approve=``): its request is made first if no call made it yet. The
+        approved record, or ``None`` when there is nothing to approve (it ran, it is held, another
+        decision came first, the record holds other arguments).
+
+        .. versionadded:: 0.1
+        """
+        store = self.runtime.store
+        rec = store.get(call.key)
+        if rec is None:
+            first = ask_approval(
+                key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
+                args_json=call.args_json, by=call.owner, now=self.runtime.clock(),
+            )  # fmt: skip
+            rec = store.claim(first)
+            if rec is None:
+                self.runtime.announce(first)
+                rec = first
+        if rec.state is not State.AWAITING_APPROVAL or rec.fingerprint != call.fingerprint:
+            return None
+        try:
+            return self.ledger.approve(call.key, by=by, reason=reason, fingerprint=call.fingerprint)
+        except OnceOnlyError:  # decided meanwhile by someone else: the plan goes by what is there
+            return None
 
     def tool_kwargs(self, call: Call, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.takes_key:
@@ -435,6 +470,17 @@ def _exact_fields(
             f"{fields!r}: the similar fields are the key fields compared by meaning, so add them to key="
         )
     return tuple(f for f in fields if f not in similar.fields)
+
+
+def _asks(decide: Callable[[dict[str, Any]], bool], fields: Mapping[str, Any], tool: str) -> bool:
+    """What an ``approve=`` function says of one call's arguments (a copy: it cannot change them)."""
+    said = decide(dict(fields))
+    if not isinstance(said, bool):
+        raise TypeError(
+            f"the approve= function of tool {tool!r} returned {said!r}: return True (this call needs a person's "
+            "approval) or False (it runs as it is)"
+        )
+    return said
 
 
 def _key_from_function(value: Any, tool: str) -> str:

@@ -35,7 +35,16 @@ from typing import Any, Literal
 
 from onceonly.errors import OnceOnlyError, StoreCorrupt
 from onceonly.keys import validate_name
-from onceonly.states import HELD, HISTORY_LIMIT, Record, State, mark_unknown, misplaced, replace
+from onceonly.states import (
+    HELD,
+    HISTORY_LIMIT,
+    Record,
+    State,
+    approved_unclaimed,
+    mark_unknown,
+    misplaced,
+    replace,
+)
 from onceonly.stores.base import Query, Store
 
 __all__ = [
@@ -137,7 +146,8 @@ def plan(source: Record, target: Record | None, *, in_flight: InFlight = "report
     Pure: reads nothing, writes nothing. ``now`` dates the entry of a held record copied as unknown.
     Raises ``StoreCorrupt`` when a history is not one onceonly writes.
     """
-    held = source.state in HELD
+    # An approved record no call took over yet holds no one's lease (nothing ran): copied as it is.
+    held = source.state in HELD and not approved_unclaimed(source)
     if target is None:
         if not held:
             return Step(Action.INSERT, source)
@@ -154,7 +164,7 @@ def plan(source: Record, target: Record | None, *, in_flight: InFlight = "report
     newer = _earlier(ours, _entries(target))
     if newer and not (older and theirs == ours):
         return Step(Action.NEWER, why=f"the target holds a later version ({target.state.value})")
-    if target.state in HELD:
+    if target.state in HELD and not approved_unclaimed(target):
         # A caller of the target holds it now: its attempt is not the source's to overwrite.
         return Step(Action.CONFLICT, why=f"{target.state.value} in the target, held by {target.lease_owner or '?'}")
     if not older:

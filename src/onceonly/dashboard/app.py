@@ -2,7 +2,9 @@
 
 It reads the ledger as ``onceonly ls``, ``show`` and ``stats`` do (``onceonly.ops``, the same JSON), and
 writes only through ``POST /api/resolve`` and ``/api/resolve-many`` (``Ledger.resolve`` with a reason
-and a name) and ``POST /api/reconcile`` (one reconciler run, ``onceonly reconcile --once``).
+and a name), ``POST /api/approve`` and ``/api/deny`` (``Ledger.approve`` / ``deny``, a person's
+decision on a record awaiting approval) and ``POST /api/reconcile`` (one reconciler run, ``onceonly
+reconcile --once``).
 
 Who may call it:
 
@@ -339,6 +341,36 @@ def _resolve_json(ledger: Ledger, body: Any) -> dict[str, Any]:
     return ops.record_json(ledger.resolve(key, **kwargs, version=rec.version))
 
 
+def _decide_json(ledger: Ledger, body: Any, what: str) -> dict[str, Any]:
+    """``POST /api/approve`` and ``/api/deny``: a person's decision on a record awaiting approval, as
+    ``onceonly approve`` / ``deny`` make it: only while it still awaits it, at the ``version`` the page
+    read (when given), for the arguments it showed (``fingerprint``, when given)."""
+    if not isinstance(body, dict):  # a client's body, answered 400: not a programming error
+        raise ValueError('send a JSON object: {"key": ..., "by": WHO, "reason": WHY (optional), "version"}')  # noqa: TRY004
+    key, by, reason = body.get("key"), body.get("by"), body.get("reason")
+    if not isinstance(key, str) or not key:
+        raise ValueError('"key": give the whole key of the record')
+    if not isinstance(by, str) or not by.strip():
+        raise ValueError(f'"by": give who decides to {what} it; it is kept in the record\'s history')
+    if reason is not None and not isinstance(reason, str):
+        raise ValueError('"reason": give it as text, or leave it out')
+    version, fp = body.get("version"), body.get("fingerprint")
+    if version is not None and type(version) is not int:
+        raise ValueError('"version": the record\'s version as the page read it, an integer')
+    if fp is not None and not isinstance(fp, str):
+        raise ValueError('"fingerprint": the record\'s fingerprint as the page read it, as text')
+    rec = ledger.get(key)
+    if rec is None:
+        raise KeyError(f"no record with key {key!r}")
+    if rec.state is not State.AWAITING_APPROVAL:
+        raise _Conflict(f"{key!r} is {rec.state.value}, not awaiting_approval: reload")
+    if version is not None and rec.version != version:
+        raise _Conflict(f"{key!r} changed since the page read it (version {version}, now {rec.version}): reload")
+    decide = ledger.approve if what == "approve" else ledger.deny
+    done = decide(key, by=by.strip(), reason=(reason or "").strip() or None, fingerprint=fp or rec.fingerprint)
+    return ops.record_json(done)
+
+
 def _resolve_many_json(ledger: Ledger, body: Any) -> dict[str, Any]:
     """``POST /api/resolve-many``: resolve each of ``"records"`` (``[{"key", "version"}]``) with the
     one outcome, reason and name the body gives, as ``/api/resolve`` resolves one. Each record is
@@ -473,7 +505,7 @@ def create_app(
 
     Args:
         ledger: the ledger shown; read through ``onceonly.ops``, written only by ``/api/resolve``,
-            ``/api/resolve-many`` and ``/api/reconcile``.
+            ``/api/resolve-many``, ``/api/reconcile``, ``/api/approve`` and ``/api/deny``.
         token: when given, every request must carry it (``Authorization: Bearer``, or ``?token=`` on
             a GET). Serving beyond loopback without one is refused by ``check_binding``.
         poll_seconds: how often the event stream asks the store whether anything changed (one count of
@@ -515,6 +547,8 @@ def create_app(
     resolve = _write(lambda body: _resolve_json(ledger, body))
     resolve_many = _write(lambda body: _resolve_many_json(ledger, body))
     reconcile_now = _write(reconciling.run)
+    approve = _write(lambda body: _decide_json(ledger, body, "approve"))
+    deny = _write(lambda body: _decide_json(ledger, body, "deny"))
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
@@ -529,6 +563,8 @@ def create_app(
         Route("/api/resolve", resolve, methods=["POST"]),
         Route("/api/resolve-many", resolve_many, methods=["POST"]),
         Route("/api/reconcile", reconcile_now, methods=["POST"]),
+        Route("/api/approve", approve, methods=["POST"]),
+        Route("/api/deny", deny, methods=["POST"]),
     ]
     return _Guard(Starlette(routes=routes), token, _csp(page))
 

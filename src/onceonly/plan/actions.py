@@ -246,6 +246,8 @@ class Call:
     created_at: float | None = None
     #: The near-duplicate lookup of a tool with ``similar=`` (``None``: exact keys only).
     similar: Lookup | None = None
+    #: Whether this call's operation needs a person's approval before it runs (``approve=``).
+    approve: bool = False
 
 
 def encode_result(value: Any, key: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+from onceonly.plan import approval
 from onceonly.plan.actions import Action, Call, Outcome, Plan, _outcome
 from onceonly.plan.attempt import attempt
 from onceonly.plan.states import (
@@ -68,6 +69,11 @@ def _existing(loop: Loop, rec: Record, now: float) -> Generator[Action, Any, Ste
     state = rec.state
     if state is State.CONFIRMED:
         return _outcome(rec, replayed=True, conflict=loop.conflict)
+    if state is not State.IN_FLIGHT:  # approve=: awaiting, denied, approved for other arguments
+        approval.refuse(rec, call, loop.conflict)
+        if approval.must_ask(call, rec, now):
+            loop.rec = yield from approval.ask_again(call, rec, now)
+            return False
     if state in HELD:
         return (yield from held(loop, rec, now))
     if state is State.UNKNOWN:

@@ -14,6 +14,7 @@ from typing import Any
 
 from onceonly import states as st
 from onceonly.errors import StoreError
+from onceonly.plan import approval
 from onceonly.plan.actions import (
     NOT_FOUND,
     Action,
@@ -74,6 +75,8 @@ class Loop:
 
 def _new_record(loop: Loop, now: float) -> Record:
     call = loop.call
+    if call.approve:
+        return approval.first_request(call, now)
     return st.new_record(
         key=call.key, scope=call.scope, tool=call.tool, fingerprint=call.fingerprint,
         args_json=call.args_json, state=loop.held_state, owner=call.owner, now=now,
@@ -89,6 +92,8 @@ def first_claim(loop: Loop) -> Generator[Action, Any, bool]:
     first = _new_record(loop, call.clock())
     if call.similar is not None:
         loop.rec, claimed = yield from _claim_similar(call, first)  # call.key: the earlier call's, if taken for it
+        if claimed and loop.rec is not None and loop.rec.state is State.AWAITING_APPROVAL:
+            approval.asked(loop.rec)
         return claimed
     try:
         rec = yield Claim(first)
@@ -101,6 +106,8 @@ def first_claim(loop: Loop) -> Generator[Action, Any, bool]:
         if rec is None:
             yield from _refused(call, exc, call.key)
     loop.rec = first if claimed else rec
+    if claimed and call.approve:
+        approval.asked(first)
     return claimed
 
 
@@ -121,12 +128,18 @@ def absent(loop: Loop, now: float) -> Generator[Action, Any, Step]:
         return False
     call.refusals = 0
     loop.rec = new
+    if call.approve:
+        approval.asked(new)
     return True
 
 
 def expired(loop: Loop, rec: Record, now: float) -> Generator[Action, Any, Step]:
-    """A confirmed record past its ``ttl``: the key is claimed again, for a call of its own."""
+    """A confirmed record past its ``ttl``: the key is claimed again, for a call of its own (an
+    operation that needs approval asks for it anew)."""
     call = loop.call
+    if approval.must_ask(call, rec, now):
+        loop.rec = yield from approval.ask_again(call, rec, now)
+        return False
     new = st.renew(
         rec,
         state=loop.held_state,
@@ -166,6 +179,8 @@ def held(loop: Loop, rec: Record, now: float) -> Generator[Action, Any, Step]:
         # Nothing was sent: the holder died before dispatch. Safe to run again.
         if rec.attempts >= call.policy.retry.attempts:
             yield from _give_up(rec, call.owner, now, "attempts exhausted before dispatch", loop.last_exc)
+        if st.approved_unclaimed(rec):  # a person approved it: this call runs it
+            return (yield from _claim_again(loop, rec, now, "run as approved"))
         return (yield from _claim_again(loop, rec, now, f"lease of {rec.lease_owner} expired before dispatch"))
     # The holder may have sent it and died: the outcome is unknown now, and this
     # caller settles it rather than waiting on a dead holder.

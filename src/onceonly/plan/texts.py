@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from onceonly import states as st
 from onceonly.errors import (
+    ApprovalDenied,
+    ApprovalPending,
     AttemptsExhausted,
     InProgress,
     KeyConflict,
@@ -246,4 +248,49 @@ def _all_unknown(rec: Record, parked: Record) -> OutcomeUnknown:
         ),
         key=rec.key,
         record=parked,
+    )
+
+
+# --- the errors of a tool with approve= ------------------------------------------------------------
+
+
+def _awaiting_approval(rec: Record, other_args: bool = False) -> ApprovalPending:
+    """``rec`` awaits a person's approval (or was approved for other arguments): nothing ran."""
+    asked = st.asked_at(rec)
+    when = f" since {_when(asked)}" if asked is not None else ""
+    if other_args:
+        what = "this key's operation was approved for other arguments, and waits for its own call to run it"
+    else:
+        what = f"this operation waits for a person's approval{when}; nothing ran"
+    return ApprovalPending(
+        _message(
+            rec,
+            what,
+            f"a person approves it (onceonly approve '{rec.key}' --by NAME [--reason TEXT]) or denies it "
+            f"(onceonly deny '{rec.key}' --by NAME); the next call after an approval runs it once. Calling "
+            "again before that asks no one twice",
+        ),
+        key=rec.key,
+        record=rec,
+        asked_at=asked,
+    )
+
+
+def _denied(rec: Record, entry: dict[str, object]) -> ApprovalDenied:
+    """A person denied the operation of ``rec`` (``entry``: the denial in its history)."""
+    by = str(entry.get(st.DENIED_BY) or "someone")
+    reason = entry.get("reason")
+    why = f" ({reason})" if isinstance(reason, str) and reason else ""
+    at = entry.get("at")
+    when = _when(at if isinstance(at, int | float) else rec.updated_at)
+    return ApprovalDenied(
+        _message(
+            rec,
+            f"{by} denied this operation{why} at {when}; it did not run",
+            "it will not run with these arguments; a call with other arguments asks for its own approval",
+        ),
+        key=rec.key,
+        record=rec,
+        by=by,
+        reason=reason if isinstance(reason, str) and reason else None,
     )

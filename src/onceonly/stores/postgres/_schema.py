@@ -24,7 +24,10 @@ from onceonly.stores.postgres._names import channel, ident, log
 from onceonly.stores.postgres._url import PostgresOptions
 
 #: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: The states version 1's CHECK allowed: its statements stay as they were, whatever ``State`` holds now.
+_V1_STATES = ("pending", "in_flight", "confirmed", "failed", "unknown", "needs_review", "abandoned")
 
 # The states the open-records index holds, in the enum's order: the index's text stays the same
 # from one run to the next (a frozenset's order may not).
@@ -63,7 +66,7 @@ def _migrations(schema: str) -> dict[int, list[str]]:
             scope           text NOT NULL,
             tool            text NOT NULL,
             fingerprint     text NOT NULL,
-            state           text NOT NULL CHECK (state IN ({state_literals(list(State))})),
+            state           text NOT NULL CHECK (state IN ({", ".join(map(_text, _V1_STATES))})),
             attempts        integer NOT NULL,
             fence           bigint NOT NULL,
             version         bigint NOT NULL,
@@ -102,7 +105,13 @@ def _migrations(schema: str) -> dict[int, list[str]]:
         f"""CREATE TRIGGER onceonly_records_deleted AFTER DELETE ON {t} FOR EACH ROW
             WHEN (OLD.watched) EXECUTE FUNCTION {s}.onceonly_notify({notify})""",
     ]
-    return {1: v1}
+    # Version 2: awaiting_approval (approve=). PostgreSQL names a column's CHECK <table>_<column>_check;
+    # the new one takes the same name. The table keeps its rows: the change only widens the list.
+    v2 = [
+        f"""ALTER TABLE {t} DROP CONSTRAINT onceonly_records_state_check,
+            ADD CONSTRAINT onceonly_records_state_check CHECK (state IN ({state_literals(list(State))}))""",
+    ]
+    return {1: v1, 2: v2}
 
 
 def lock_id(schema: str) -> int:
