@@ -19,6 +19,8 @@ from typing import Any, ParamSpec, TypeVar, get_args, overload
 from urllib.parse import urlsplit
 
 from onceonly import states as st
+from onceonly.budgets import Budget
+from onceonly.budgets import free as free_budget
 from onceonly.clock import StoreClock
 from onceonly.dryrun import DryRunLog, DryRuns
 from onceonly.edge import entered_task, scope_here
@@ -230,6 +232,7 @@ class Ledger:
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
+        budget: Budget | None = None,
     ) -> Callable[[Callable[P, R]], Any]: ...
 
     def tool(
@@ -259,6 +262,7 @@ class Ledger:
         similar: Similar | None = None,
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
+        budget: Budget | None = None,
     ) -> Any:
         """Guard a function with side effects so that each logical call happens once.
 
@@ -310,6 +314,9 @@ class Ledger:
                 exhausted, a retry scheduled), and a replay's text ("already done at …, not repeated;
                 its result: …") instead of the bare result; a fresh result is returned as it is. The
                 operator's next step goes to the ``onceonly`` log. ``.outcome()`` still raises.
+            budget: an ``onceonly.Budget``: a call whose amount would take its budget's window past the
+                limit is refused before it runs (``BudgetExceeded``); the window counts every call that
+                may have happened, and frees one only once it is settled as failed (docs/guardrails.md).
 
         Returns:
             A real function (``async def`` for a coroutine function) with the original's name,
@@ -343,6 +350,7 @@ class Ledger:
                 self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
                 probe=probe, timeout=timeout, readonly=readonly, effect=effect, decode=decode,
                 passthrough=tuple(passthrough), similar=similar, on_similar=on_similar, tell_model=tell_model,
+                budget=budget,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)
@@ -515,6 +523,8 @@ class Ledger:
                 )  # fmt: skip
             if self.store.swap(new, rec):
                 self.runtime.announce(new)
+                if failed is not None:
+                    free_budget(self.store, key)  # it did not happen: its budget amount is freed
                 return new
 
     def purge(self, *, before: float | None = None, batch: int = 500) -> int:
