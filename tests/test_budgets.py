@@ -6,6 +6,7 @@ slip past the limit together. Side effects are counted in a SQLite file of their
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import multiprocessing
 import sqlite3
@@ -352,3 +353,73 @@ def test_a_bad_amount_is_refused_before_anything_runs(tmp_path: Path, bad: Any) 
 
 def test_budget_is_exported() -> None:
     assert onceonly.Budget is Budget
+
+
+# --- a person frees an amount; stats and the dashboard show the windows --------------------------
+
+
+def _parked(url: str, order: str) -> str:
+    """A charge of 8 of 10 whose outcome is unknown, parked for review: its key."""
+    with Ledger.open(url) as ledger:
+
+        @ledger.tool(name="charge", on_unknown="review", budget=Budget(amount="cents", limit=10, per="1d", by="tool"))
+        def charge(order: str, cents: int) -> str:
+            raise TimeoutError("the answer was lost")
+
+        with pytest.raises(OutcomeUnknown) as unknown:
+            charge(order, 8)
+        return unknown.value.key
+
+
+def _used_at(url: str) -> dict[str, float]:
+    with Ledger.open(url) as ledger:
+        return _used(ledger)
+
+
+def test_onceonly_resolve_failed_frees_and_stats_show_the_windows(url: str) -> None:
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    key = _parked(url, "o-1")
+    shown = CliRunner().invoke(cli, ["stats", "--url", url, "--json"])
+    assert shown.exit_code == 0, shown.output
+    (window,) = json.loads(shown.output)["budgets"]
+    assert (window["budget"], window["used"], window["limit"]) == ("tool:charge", 8, 10)
+    assert window["window_start"].endswith("T00:00:00.000Z") and window["window_end"].endswith("T00:00:00.000Z")
+    table = CliRunner().invoke(cli, ["stats", "--url", url])
+    assert table.exit_code == 0 and "budgets" in table.output and "tool:charge" in table.output, table.output
+
+    done = CliRunner().invoke(cli, ["resolve", key, "--url", url, "--failed", "the bank shows no charge"])
+    assert done.exit_code == 0, done.output
+    assert _used_at(url) == {"tool:charge": 0}
+
+
+def test_the_dashboards_resolve_frees_and_its_stats_show_the_windows(url: str) -> None:
+    from starlette.testclient import TestClient
+
+    from onceonly.dashboard.app import create_app
+
+    key = _parked(url, "o-1")
+    with Ledger.open(url) as ledger, TestClient(create_app(ledger), base_url="http://127.0.0.1:8765") as client:
+        budgets = client.get("/api/stats").json()["budgets"]
+        assert [(b["budget"], b["used"]) for b in budgets] == [("tool:charge", 8)]
+        version = ledger.get(key).version  # type: ignore[union-attr]
+        body = {"key": key, "version": version, "by": "ana", "why": "no charge", "failed": "no charge"}
+        answer = client.post("/api/resolve", json=body)
+        assert answer.status_code == 200, answer.text
+        assert _used(ledger) == {"tool:charge": 0}
+
+
+def test_a_conflict_frees_what_it_reserved(ledger: Ledger, effects: sqlite3.Connection, clock: FakeClock) -> None:
+    @ledger.tool(name="order", key=("order_id",), budget=Budget(amount="cents", limit=10, per="1h"))
+    def order(order_id: str, cents: int) -> str:
+        effects.execute("INSERT INTO effects VALUES (?, 'order', 0)", (order_id,))
+        return order_id
+
+    order("o-1", 4)
+    clock.now += 3600  # the next window: the same key with other arguments is a conflict, and costs nothing
+    with pytest.raises(onceonly.KeyConflict):
+        order("o-1", 6)
+    assert _used(ledger) == {"tool:order:scope:default": 0}
+    assert _ran(effects) == 1
