@@ -423,3 +423,15 @@ def test_a_conflict_frees_what_it_reserved(ledger: Ledger, effects: sqlite3.Conn
         order("o-1", 6)
     assert _used(ledger) == {"tool:order:scope:default": 0}
     assert _ran(effects) == 1
+
+
+def test_a_dry_run_says_refuse_past_the_limit_and_reserves_nothing(ledger: Ledger, effects: sqlite3.Connection) -> None:
+    pay = _pay_tool(ledger, effects, Budget(amount="cents", limit=10, per="1d"))
+    pay("a", 6)
+    with ledger.dry_run() as seen:
+        pay("b", 4)
+        pay("c", 5)
+        pay("a", 6)
+    assert [(call.arguments["order"], call.would) for call in seen] == [("b", "run"), ("c", "refuse"), ("a", "replay")]
+    assert _used(ledger) == {"tool:pay:scope:default": 6}
+    assert _ran(effects) == 1

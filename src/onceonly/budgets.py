@@ -231,6 +231,15 @@ class BudgetGuard:
             key=call.key, budget=name, limit=limit, used=got.used, amount=amount, resets_at=until,
         )  # fmt: skip
 
+    def over_limit(self, spec: ToolSpec, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the call's amount would take its window past the limit now: a read for a dry run, which
+        reserves nothing."""
+        amount = self.amount(spec.binder.bind(args, kwargs))
+        name = self.name(call.scope)
+        store: Any = spec.runtime.store
+        used = next((u.used for u in store.budget_usage(call.clock()) if u.budget == name), 0.0)
+        return bool(used + amount > float(self.budget.limit))
+
     def run(self, spec: ToolSpec, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], go: Drive) -> Outcome:
         """Reserve, run the call (``go``), free the amount if the call did not happen."""
         store = spec.runtime.store

@@ -394,7 +394,8 @@ class ToolSpec:
         if self.runtime.dry is not None:  # a dry run is on somewhere: one read, no claim, nothing run
             log = self.runtime.dry.log_here()
             if log is not None:
-                return dry_outcome(call, self.runtime.store.get(call.key), log)
+                over = self.budget is not None and self.budget.over_limit(self, call, args, kwargs)  # a read
+                return dry_outcome(call, self.runtime.store.get(call.key), log, over_budget=over)
         if self.budget is not None:  # reserve its amount first; free it after if it did not happen
             return self.budget.run(self, call, args, kwargs, self.drive)
         counted = self.runtime.count_call
@@ -413,7 +414,10 @@ class ToolSpec:
             log = self.runtime.dry.log_here()
             if log is not None:
                 store: Any = self.runtime.store
-                return dry_outcome(call, await store.aget(call.key), log)
+                over = self.budget is not None and await asyncio.to_thread(
+                    self.budget.over_limit, self, call, args, kwargs
+                )
+                return dry_outcome(call, await store.aget(call.key), log, over_budget=over)
         if self.budget is not None:
             return await self.budget.arun(self, call, args, kwargs, self.adrive)
         counted = self.runtime.count_call
