@@ -126,8 +126,9 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _number(value: float) -> str:
-    return f"{value:g}" if not float(value).is_integer() else str(int(value))
+def number_text(value: float) -> str:
+    """An amount as a person reads it: ``1000000``, ``2.5`` (never ``1e+06``)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.10g}"
 
 
 def bind(
@@ -223,11 +224,12 @@ class BudgetGuard:
         rec = store.get(call.key)
         if rec is not None and rec.state is State.CONFIRMED and not rec.is_expired(call.clock()):
             return None
+        used, wanted, most = number_text(got.used), number_text(amount), number_text(limit)
         raise BudgetExceeded(
-            f"{call.key}: refused by budget {name!r}: {_number(got.used)} of {_number(limit)} used in the window "
-            f"{_iso(start)} to {_iso(until)} (per={self.budget.per!r}), and this call needs {_number(amount)}. Nothing "
-            f"ran or was recorded. It resets at {_iso(until)}; see what holds it with `onceonly stats`, free a call "
-            "that did not happen with `onceonly resolve KEY --failed`, or raise limit=",
+            f"{call.key}: refused by budget {name!r}: {used} of {most} used in the window {_iso(start)} to "
+            f"{_iso(until)} (per={self.budget.per!r}), and this call needs {wanted}. Nothing ran or was recorded. It "
+            f"resets at {_iso(until)}; see what holds it with `onceonly stats`, free a call that did not happen with "
+            "`onceonly resolve KEY --failed`, or raise limit=",
             key=call.key, budget=name, limit=limit, used=got.used, amount=amount, resets_at=until,
         )  # fmt: skip
 

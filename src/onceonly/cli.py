@@ -58,6 +58,7 @@ if _MISSING_CLI is None:
         url_option,
         working,
     )
+    from onceonly.budgets import number_text
 
     _url_option = url_option()
 
@@ -574,7 +575,7 @@ if _MISSING_CLI is None:
             table.add_column(head, justify="left" if head in ("budget", "window (UTC)") else "right")
         for b in budgets:
             window = f"{b['window_start']} to {b['window_end']}"
-            table.add_row(cell(printable(b["budget"])), cell(window), f"{b['used']:g}", f"{b['limit']:g}")
+            table.add_row(cell(printable(b["budget"])), cell(window), number_text(b["used"]), number_text(b["limit"]))
         console.print(table)
 
     def _stats_check(by_state: dict[str, int], oldest: Record | None, now: float, max_age: float | None) -> None:

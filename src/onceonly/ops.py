@@ -394,7 +394,7 @@ def budget_json(use: BudgetUse) -> dict[str, Any]:
         "budget": use.budget,
         "window_start": iso(use.start),
         "window_end": iso(use.until),
-        "used": use.used,
+        "used": round(use.used, 9),  # float sums of added and freed amounts: no 1e-17 left over
         "limit": use.limit,
     }
 

@@ -36,7 +36,8 @@ local f = 'k:' .. ARGV[1]
 local held = redis.call('HGET', KEYS[1], f)
 if not held then return 0 end
 redis.call('HDEL', KEYS[1], f)
-redis.call('HINCRBYFLOAT', KEYS[1], 'used', -tonumber(held))
+local left = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], 'used', -tonumber(held)))
+if left < 0 then redis.call('HSET', KEYS[1], 'used', '0') end
 return 1
 """
 
