@@ -70,7 +70,7 @@ def cases(done: Record, running: Record) -> list[errors.OnceOnlyError]:
             used=990,
             amount=20,
             resets_at=1.7e9 + 86400,
-        ),  # fmt: skip
+        ),
         errors.ApprovalDenied(f"{key!r} was denied by ana", key=key, by="ana", reason="wrong customer"),
         errors.InvalidKey("the key is empty: give a non-empty name such as 'order-42'"),
         errors.NotSerializable("args.order.items[2] is a set: no JSON form", path="args.order.items[2]", value={1}),
