@@ -435,3 +435,30 @@ def test_a_dry_run_says_refuse_past_the_limit_and_reserves_nothing(ledger: Ledge
     assert [(call.arguments["order"], call.would) for call in seen] == [("b", "run"), ("c", "refuse"), ("a", "replay")]
     assert _used(ledger) == {"tool:pay:scope:default": 6}
     assert _ran(effects) == 1
+
+
+def test_a_langchain_tool_over_its_budget_tells_the_model(tmp_path: Path) -> None:
+    """Through an integration (LangChain's real ``@tool``, guarded): the call past the limit reaches the
+    model as an error ToolMessage saying it was not done, and its body never ran."""
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import ToolMessage
+    from langchain_core.tools import tool
+
+    from onceonly.langchain import guard
+
+    ran: list[str] = []
+
+    @tool
+    def pay(order: str, cents: int) -> str:
+        """Pay an order."""
+        ran.append(order)
+        return f"paid {order}"
+
+    with Ledger.open(f"sqlite:///{tmp_path / 'l.db'}") as ledger:
+        guarded = guard(pay, ledger, budget=Budget(amount="cents", limit=10, per="1d", by="tool"))
+        first = guarded.invoke({"type": "tool_call", "name": "pay", "args": {"order": "a", "cents": 8}, "id": "c1"})
+        second = guarded.invoke({"type": "tool_call", "name": "pay", "args": {"order": "b", "cents": 3}, "id": "c2"})
+    assert isinstance(first, ToolMessage) and first.status == "success" and first.content == "paid a"
+    assert isinstance(second, ToolMessage) and second.status == "error"
+    assert str(second.content).startswith("This action was not done: it would exceed its limit (8 of 10 used")
+    assert ran == ["a"]
