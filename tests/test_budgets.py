@@ -462,3 +462,30 @@ def test_a_langchain_tool_over_its_budget_tells_the_model(tmp_path: Path) -> Non
     assert isinstance(second, ToolMessage) and second.status == "error"
     assert str(second.content).startswith("This action was not done: it would exceed its limit (8 of 10 used")
     assert ran == ["a"]
+
+
+def crash_before_claim(url: str) -> None:
+    """A process that dies after its reservation, at the claim (nothing of the record written)."""
+    import os
+
+    ledger = Ledger.open(url)
+    store: Any = ledger.store
+    store.claim = lambda record: os._exit(3)  # the claim never happens: the process is gone
+
+    @ledger.tool(name="crash", budget=Budget(amount="cents", limit=10, per="1d", by="tool"))
+    def crash(order: str, cents: int) -> str:
+        return order
+
+    crash("a", 7)
+
+
+def test_a_crash_between_reserve_and_claim_keeps_the_amount_held(url: str) -> None:
+    """The safe side: the amount stays held (until its window ends) though no record was made."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=crash_before_claim, args=(url,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 3
+    with Ledger.open(url) as ledger:
+        assert ledger.list() == []
+        assert _used(ledger) == {"tool:crash": 7}
