@@ -389,3 +389,34 @@ def test_a_person_approves_an_operation_through_the_page(browser: Any, sqlite_ur
         assert (rec.history[-1][st.APPROVED_BY], rec.history[-1]["reason"]) == ("maria", "known customer")
         assert pay("ana", 50) == "paid ana" and pay("ana", 50) == "paid ana"
         assert effects == ["ana"]
+
+
+def test_the_page_shows_each_budgets_use(browser: Any, sqlite_url: str) -> None:
+    """A budgeted tool's window is shown with what it holds of its limit, and follows a new call live."""
+    from playwright.sync_api import expect
+
+    from onceonly import Budget
+
+    def spend(order: str) -> None:
+        with Ledger.open(sqlite_url) as ledger:
+
+            @ledger.tool(name="pay", budget=Budget(amount="cents", limit=500, per="1d", by="tool"))
+            def pay(order: str, cents: int) -> str:
+                return order
+
+            pay(order, 120)
+
+    spend("o-1")
+    with running(sqlite_url, "--poll", "0.2", env={"ONCEONLY_DASHBOARD_TOKEN": TOKEN}) as dashboard:
+        page, problems = _open(browser, dashboard.url)
+        try:
+            row = page.locator("#budget-rows tr[data-budget='tool:pay']")
+            expect(page.locator("#budgets")).to_be_visible()
+            expect(row.locator("td.used")).to_have_text("120")
+            assert "500" in row.inner_text()
+            spend("o-2")
+            expect(row.locator("td.used")).to_have_text("240")
+            assert row.locator("progress").get_attribute("value") == "48"
+            assert problems == []
+        finally:
+            page.close()

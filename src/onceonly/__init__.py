@@ -13,6 +13,7 @@ idempotency key or by asking the other side, never by guessing.
 
 from __future__ import annotations
 
+from onceonly.budgets import Budget
 from onceonly.dryrun import DryRun, DryRunLog
 from onceonly.errors import (
     ApprovalDenied,
@@ -53,6 +54,7 @@ __all__ = [
     "ApprovalPending",
     "AsyncTool",
     "AttemptsExhausted",
+    "Budget",
     "BudgetExceeded",
     "CallInfo",
     "Classification",

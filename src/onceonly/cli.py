@@ -57,6 +57,7 @@ if _MISSING_CLI is None:
         run_every,
         url_option,
     )
+    from onceonly.budgets import number_text
 
     _url_option = url_option()
 
@@ -564,6 +565,18 @@ if _MISSING_CLI is None:
         if check:
             _stats_check(figures.states, oldest_rec, now, max_age)
 
+    def _print_budgets(console: Console, budgets: list[dict[str, Any]]) -> None:
+        """The budgets' current windows (``budget=``), when there are any."""
+        if not budgets:
+            return
+        table = Table(title="budgets", **_TABLE)
+        for head in ("budget", "window (UTC)", "used", "limit"):
+            table.add_column(head, justify="left" if head in ("budget", "window (UTC)") else "right")
+        for b in budgets:
+            window = f"{b['window_start']} to {b['window_end']}"
+            table.add_row(cell(printable(b["budget"])), cell(window), number_text(b["used"]), number_text(b["limit"]))
+        console.print(table)
+
     def _stats_check(by_state: dict[str, int], oldest: Record | None, now: float, max_age: float | None) -> None:
         """Exit ``ATTENTION_EXIT`` when a person is needed, saying why on stderr."""
         from onceonly.settle_cli import ATTENTION_EXIT
@@ -597,6 +610,7 @@ if _MISSING_CLI is None:
             click.echo(
                 f"conflicts: {figures.conflicts} in {figures.records_with_conflicts} record(s), marked in `onceonly ls`"
             )
+        _print_budgets(console, data["budgets"])
         if not figures.tools:
             return
         # Fits the terminal (80 columns in cron mail): "open" counts the unsettled records, "dup" the

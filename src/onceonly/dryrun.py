@@ -27,7 +27,8 @@ DRY_VIA = "dry_run"
 #: ``run`` (no record, or one that may run again), ``replay`` (confirmed: its result is returned),
 #: ``conflict`` (a record of other arguments, refused with ``KeyConflict``), ``wait`` (a caller holds it),
 #: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``), ``refuse`` (parked for
-#: review, its attempts used up, or denied) and ``ask`` (it would wait for a person's approval: ``approve=``).
+#: review, its attempts used up, denied, or over its budget: ``budget=``) and ``ask`` (it would wait for
+#: a person's approval: ``approve=``).
 Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse", "ask"]
 
 
@@ -116,8 +117,12 @@ def would_do(call: Call, rec: Record | None) -> Would:
     return "refuse"  # needs_review, abandoned: a person's turn
 
 
-def dry_outcome(call: Call, rec: Record | None, log: DryRunLog) -> Outcome:
-    """The ``Outcome`` of a call a dry run did not run (its result is the ``DryRun``), listed in ``log``."""
-    seen = DryRun(call.tool, json.loads(call.args_json), call.key, would_do(call, rec))
+def dry_outcome(call: Call, rec: Record | None, log: DryRunLog, *, over_budget: bool = False) -> Outcome:
+    """The ``Outcome`` of a call a dry run did not run (its result is the ``DryRun``), listed in ``log``;
+    ``over_budget``: its amount would take its budget past the limit, so a call that would run is refused."""
+    would = would_do(call, rec)
+    seen = DryRun(
+        call.tool, json.loads(call.args_json), call.key, "refuse" if over_budget and would == "run" else would
+    )
     log.add(seen)
     return Outcome(result=seen, key=call.key, state=State.PENDING, replayed=False, attempts=0, via=DRY_VIA)

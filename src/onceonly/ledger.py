@@ -19,6 +19,8 @@ from typing import Any, ParamSpec, TypeVar, get_args, overload
 from urllib.parse import urlsplit
 
 from onceonly import states as st
+from onceonly.budgets import Budget
+from onceonly.budgets import free as free_budget
 from onceonly.clock import StoreClock
 from onceonly.dryrun import DryRunLog, DryRuns
 from onceonly.edge import entered_task, scope_here
@@ -232,6 +234,7 @@ class Ledger:
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
         approve: Approve = False,
+        budget: Budget | None = None,
     ) -> Callable[[Callable[P, R]], Any]: ...
 
     def tool(
@@ -262,6 +265,7 @@ class Ledger:
         on_similar: OnSimilar = "replay",
         tell_model: bool = False,
         approve: Approve = False,
+        budget: Budget | None = None,
     ) -> Any:
         """Guard a function with side effects so that each logical call happens once.
 
@@ -317,6 +321,9 @@ class Ledger:
                 approval before it runs (docs/guardrails.md#approvals). Its first call records the request
                 and raises ``ApprovalPending``; ``ledger.approve(key, by=...)`` (or ``onceonly approve``)
                 lets the next call run it once; ``ledger.deny`` makes every call of it ``ApprovalDenied``.
+            budget: an ``onceonly.Budget``: a call whose amount would take its budget's window past the
+                limit is refused before it runs (``BudgetExceeded``); the window counts every call that
+                may have happened, and frees one only once it is settled as failed (docs/guardrails.md).
 
         Returns:
             A real function (``async def`` for a coroutine function) with the original's name,
@@ -352,6 +359,7 @@ class Ledger:
                 probe=probe, timeout=timeout, readonly=readonly, effect=effect, decode=decode,
                 passthrough=tuple(passthrough), similar=similar, on_similar=on_similar, tell_model=tell_model,
                 approve=approve,
+                budget=budget,
             )  # fmt: skip
             self._register(spec)
             made = make_tool(spec)
@@ -524,6 +532,8 @@ class Ledger:
                 )  # fmt: skip
             if self.store.swap(new, rec):
                 self.runtime.announce(new)
+                if failed is not None:
+                    free_budget(self.store, key)  # it did not happen: its budget amount is freed
                 return new
 
     def approve(self, key: str, *, by: str, reason: str | None = None, fingerprint: str | None = None) -> Record:

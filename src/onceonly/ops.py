@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
+from onceonly.budgets import usage as budget_usage
 from onceonly.drivers import aprobe, probe
 from onceonly.errors import StoreError
 from onceonly.events import alert
@@ -30,7 +31,7 @@ from onceonly.keys import canonical_json, fingerprint
 from onceonly.plan import NOT_FOUND
 from onceonly.settle import _spec_of
 from onceonly.states import Record, State
-from onceonly.stores.base import Query
+from onceonly.stores.base import BudgetUse, Query
 
 if TYPE_CHECKING:
     from onceonly.ledger import Ledger
@@ -364,6 +365,8 @@ class LedgerStats:
     records_with_conflicts: int
     oldest_unsettled: Record | None
     now: float
+    #: Each budget's current window (``budget=``): what it holds of its limit.
+    budgets: list[BudgetUse] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         oldest = self.oldest_unsettled
@@ -381,7 +384,19 @@ class LedgerStats:
                 "age_seconds": round(self.now - oldest.created_at, 3),
             },
             "tools": [t.to_dict() for t in sorted(self.tools.values(), key=lambda t: t.tool)],
+            "budgets": [budget_json(u) for u in self.budgets],
         }
+
+
+def budget_json(use: BudgetUse) -> dict[str, Any]:
+    """One budget's current window, as ``stats --json`` and the dashboard show it."""
+    return {
+        "budget": use.budget,
+        "window_start": iso(use.start),
+        "window_end": iso(use.until),
+        "used": round(use.used, 9),  # float sums of added and freed amounts: no 1e-17 left over
+        "limit": use.limit,
+    }
 
 
 def stats(ledger: Ledger, *, tool: str | None = None, scope: str | None = None) -> LedgerStats:
@@ -404,7 +419,8 @@ def stats(ledger: Ledger, *, tool: str | None = None, scope: str | None = None) 
         t.durations.extend(took for _, took in spans)
         if rec.state in st.UNSETTLED and (oldest is None or rec.created_at < oldest.created_at):
             oldest = rec
-    return LedgerStats(states, tools, conflicts, with_conflicts, oldest, ledger.clock())
+    now = ledger.clock()
+    return LedgerStats(states, tools, conflicts, with_conflicts, oldest, now, budget_usage(ledger.store, now))
 
 
 #: Bucket sizes ``latency`` picks from, in seconds: a minute up to a day.

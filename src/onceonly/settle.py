@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from onceonly import states as st
+from onceonly.budgets import free as free_budget
 from onceonly.drivers import adrive, aprobe, drive, probe
 from onceonly.errors import AttemptsExhausted, InProgress, KeyConflict, OutcomeUnknown, StoreError
 from onceonly.keystatus import ServerSays, Told, read_status
@@ -567,6 +568,12 @@ class _Reconciler:
         return ok, cur
 
     def settle(self, rec: Record) -> ReconcileLine:
+        done = self._settle(rec)
+        if done.settlement is Settlement.FAILED and done.after is State.FAILED:
+            free_budget(self.ledger.store, rec.key)  # it did not happen: its budget amount is freed
+        return done
+
+    def _settle(self, rec: Record) -> ReconcileLine:
         before = rec.state
         tool = self.tools.get(rec.tool)
         policy = None if tool is None else tool.policy

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, get_args, runtime_checkable
 
 from onceonly import drivers
+from onceonly.budgets import Budget, BudgetGuard, bind
 from onceonly.dryrun import DRY_VIA, dry_outcome
 from onceonly.edge import KEY_PARAM, envelope, scope_here
 from onceonly.errors import InvalidKey, OnceOnlyError
@@ -268,6 +269,7 @@ class ToolSpec:
         tell_model: bool = False,
         effect: Effect | None = None,
         approve: Approve = False,
+        budget: Budget | None = None,
     ) -> None:
         self.ledger = ledger
         self.runtime = ledger.runtime
@@ -310,6 +312,11 @@ class ToolSpec:
         self.exact_fields: tuple[str, ...] = ()
         if similar is not None:
             self.exact_fields = _exact_fields(similar, key, self.binder, name)
+        #: ``budget=``: reserves each call's amount before it runs (``onceonly.budgets``).
+        self.budget: BudgetGuard | None = None
+        if budget is not None:
+            self.budget = bind(budget, store=ledger.store, tool=self.name, params=list(params), ignore=ignore,
+                               others=ledger.tools.values(), readonly=self.readonly)  # fmt: skip
 
     def over(self, fn: Callable[..., Any], *, ignore: Sequence[str] = ()) -> ToolSpec:
         """The same operation, with every setting of this spec, over another function with the same
@@ -323,6 +330,7 @@ class ToolSpec:
             policy=self.policy, probe=self.probe, timeout=self.timeout, readonly=self.readonly,
             decode=self.decode, passthrough=self.passthrough, similar=self.similar, on_similar=self.on_similar,
             tell_model=self.tell_model, effect=self.effect, approve=self.approve,
+            budget=None if self.budget is None else self.budget.budget,
         )  # fmt: skip
 
     def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str | None, occurrence: int) -> Call:
@@ -422,7 +430,10 @@ class ToolSpec:
         if self.runtime.dry is not None:  # a dry run is on somewhere: one read, no claim, nothing run
             log = self.runtime.dry.log_here()
             if log is not None:
-                return dry_outcome(call, self.runtime.store.get(call.key), log)
+                over = self.budget is not None and self.budget.over_limit(self, call, args, kwargs)  # a read
+                return dry_outcome(call, self.runtime.store.get(call.key), log, over_budget=over)
+        if self.budget is not None:  # reserve its amount first; free it after if it did not happen
+            return self.budget.run(self, call, args, kwargs, self.drive)
         counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
@@ -439,7 +450,30 @@ class ToolSpec:
             log = self.runtime.dry.log_here()
             if log is not None:
                 store: Any = self.runtime.store
-                return dry_outcome(call, await store.aget(call.key), log)
+                over = self.budget is not None and await asyncio.to_thread(
+                    self.budget.over_limit, self, call, args, kwargs
+                )
+                return dry_outcome(call, await store.aget(call.key), log, over_budget=over)
+        if self.budget is not None:
+            return await self.budget.arun(self, call, args, kwargs, self.adrive)
+        counted = self.runtime.count_call
+        if counted is None:
+            return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
+        with counted(self, call) as seen:
+            seen.outcome = out = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
+        return self.finish(out, call)
+
+    def drive(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+        """The end of ``run`` once its call is built (a budgeted call runs it between reserve and free)."""
+        counted = self.runtime.count_call
+        if counted is None:
+            return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
+        with counted(self, call) as seen:
+            seen.outcome = out = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
+        return self.finish(out, call)
+
+    async def adrive(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+        """``drive``, awaited: the end of ``arun``."""
         counted = self.runtime.count_call
         if counted is None:
             return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)

@@ -644,6 +644,30 @@ def test_records_whose_metadata_is_gone_are_refused_whatever_the_shard_count(url
         store.close()
 
 
+def test_a_new_prefix_opened_by_two_processes_at_once_opens_for_both(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One opener reads no metadata; before it looks for records, another opens the new prefix (writing
+    the metadata) and claims a record: the first finds the record filed under that metadata and opens,
+    rather than taking it for records whose metadata was lost."""
+    looked = RedisStore._first_shard_with_records
+    other: list[RedisStore] = []
+    first = [True]
+
+    def meanwhile(self: RedisStore) -> int | None:
+        if first[0]:
+            first[0] = False
+            other.append(RedisStore(url))  # the other process: metadata written, then a record
+            assert other[0].claim(make("k")) is None
+        return looked(self)
+
+    monkeypatch.setattr(RedisStore, "_first_shard_with_records", meanwhile)
+    store = RedisStore(url)
+    try:
+        assert other and store.get("k") == make("k")
+    finally:
+        store.close()
+        other[0].close()
+
+
 def test_a_cluster_node_refuses_records_without_metadata(cluster_url: str) -> None:
     """The same check on a node in cluster mode, which refuses the one-script look over every shard:
     the store asks the same question in one pipeline."""

@@ -39,6 +39,18 @@ Tools with ``similar=`` need three more, in ``SimilarStore`` / ``AsyncSimilarSto
   Filed records leave their group with the record (purge), or, on Redis, once older than the window.
 - ``similar_unlock(group, token)``: free the lock if ``token`` holds it.
   Only tools with ``similar=`` call these three: the other tools' calls cost what they did.
+Tools with ``budget=`` (``onceonly.Budget``) need three more, in ``BudgetStore`` (sync only: an async
+tool calls them in a worker thread):
+
+- ``budget_reserve(budget, window, key, amount, limit, start, until)``: add ``amount`` to the window's
+  total for operation ``key`` only if the total stays within ``limit``, checked and recorded in one
+  atomic step (one Lua script on one Redis key, one transaction in SQL). Idempotent per key within a
+  window: a key the window holds already is granted again, not counted twice. Returns a
+  ``Reservation`` (granted, the window's total, whether this call added it).
+- ``budget_release(key)``: free whatever ``key`` holds, in any window (the store keeps key → windows,
+  so a caller that knows only the key can release it); ``True`` when something was freed.
+- ``budget_usage(now)``: the windows of every budget that are current at ``now`` (``BudgetUse``).
+  Windows that ended are dropped by the store (expiry on Redis, on the next window's first call in SQL).
 - ``lease_survey(now, full_every)`` (optional, not part of the protocol): a store that cannot find
   held records with an expired lease without reading every record (SQLite) says whether any can
   have run out by ``now``; a reconcile pass then reads them only when one can
@@ -58,7 +70,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
 
 from onceonly.errors import InvalidKey
 from onceonly.similar import Candidate
@@ -70,10 +82,13 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncSimilarStore",
     "AsyncStore",
+    "BudgetStore",
+    "BudgetUse",
     "Candidate",
     "ClockedStore",
     "InlineStore",
     "Query",
+    "Reservation",
     "SimilarStore",
     "Store",
     "SurveyingStore",
@@ -215,6 +230,52 @@ class AsyncSimilarStore(Protocol):
     async def asimilar_claim(self, record: Record, group: str, token: str) -> Record | Literal[False] | None: ...
 
     async def asimilar_unlock(self, group: str, token: str) -> None: ...
+
+
+class Reservation(NamedTuple):
+    """What ``BudgetStore.budget_reserve`` answers.
+
+    Attributes:
+        granted: the amount is held for the key (now, or already before).
+        used: the window's total: with this amount when granted, without it when refused.
+        new: this call added the amount (``False``: refused, or the key held it already).
+
+    .. versionadded:: 0.1
+    """
+
+    granted: bool
+    used: float
+    new: bool
+
+
+class BudgetUse(NamedTuple):
+    """One budget's current window, as ``BudgetStore.budget_usage`` lists it.
+
+    .. versionadded:: 0.1
+    """
+
+    budget: str
+    start: float
+    until: float
+    used: float
+    limit: float
+
+
+@runtime_checkable
+class BudgetStore(Protocol):
+    """The primitives of budgets (``onceonly.Budget``): a store that offers them guards tools with
+    ``budget=``. All three stores of onceonly have them.
+
+    .. versionadded:: 0.1
+    """
+
+    def budget_reserve(
+        self, budget: str, window: int, key: str, amount: float, limit: float, start: float, until: float
+    ) -> Reservation: ...
+
+    def budget_release(self, key: str) -> bool: ...
+
+    def budget_usage(self, now: float) -> list[BudgetUse]: ...
 
 
 @runtime_checkable

@@ -42,6 +42,7 @@ from onceonly.stores._sql import (
     scan_sql,
     swap_fields,
 )
+from onceonly.stores._sqlite_budgets import SQLiteBudgets, in_transaction
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 
@@ -187,7 +188,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class SQLiteStore:
+class SQLiteStore(SQLiteBudgets):
     """An onceonly ledger in one SQLite file.
 
     Args:
@@ -554,22 +555,16 @@ class SQLiteStore:
     # --- near-duplicate calls (onceonly.Similar): only tools with similar= come here ---------------------
 
     def _ensure_similar(self, conn: sqlite3.Connection) -> None:
-        if getattr(self, "_similar_ready", False):
-            return
+        if not getattr(self, "_similar_ready", False):
+            self.transaction(lambda c: [c.execute(statement) for statement in _SIMILAR_TABLES])
+            self._similar_ready = True
 
-        def make() -> None:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in _SIMILAR_TABLES:
-                    conn.execute(statement)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-
+    def transaction(self, fn: Callable[[sqlite3.Connection], T], *, write: bool = True) -> T:
+        """``fn(connection)`` on this thread's connection in one ``BEGIN IMMEDIATE`` transaction, retried while
+        the file is locked (``write=False``: as it is); errors as the store's. Budgets write through it."""
+        conn = self._conn()
         with self._errors():
-            self._retry_locked(make)
-        self._similar_ready = True
+            return self._retry_locked(lambda: in_transaction(conn, fn, write))
 
     def similar_lock(
         self, group: str, token: str, now: float, until: float, since: float, limit: int

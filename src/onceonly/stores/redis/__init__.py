@@ -44,8 +44,9 @@ change nothing.
 
 The package's parts, each importing only those listed before it: ``_layout`` (constants), ``_scripts``
 (the Lua), ``_codec`` (the record as stored), ``_url`` (the URL), ``_plans`` (the read plans, sans I/O),
-``_notify`` (change notifications), ``_setup``, ``_similar`` and ``_async`` (the opening checks, the
-near-duplicate calls and the async primitives of ``RedisStore``), and ``store`` (``RedisStore``).
+``_notify`` (change notifications), ``_setup``, ``_similar``, ``_budgets`` and ``_async`` (the opening
+checks, the near-duplicate calls, the budgets and the async primitives of ``RedisStore``), and ``store``
+(``RedisStore``).
 """
 
 from __future__ import annotations

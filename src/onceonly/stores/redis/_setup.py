@@ -180,7 +180,7 @@ class Opening:
         accepting this URL's count would look them up in the wrong shards and run their calls again.
         """
         found = self._first_shard_with_records()
-        if found is not None:
+        if found is not None and not self._made_meanwhile(meta):
             raise StoreCorrupt(
                 f"{self._where}: the ledger under prefix {self.prefix!r} holds records (shard {found} has some) "
                 f"but its metadata {meta} is gone (deleted, evicted, or lost in a restart while a process kept "
@@ -197,6 +197,15 @@ class Opening:
         except FAILURES as exc:
             raise self._unavailable(exc, "opening the ledger") from exc
         return self._meta(answers[2])
+
+    def _made_meanwhile(self, meta: str) -> bool:
+        """Whether another process opening the new prefix at the same time wrote its metadata (and then its
+        first records) since this one read it: the records found are then filed under that metadata."""
+        try:
+            stored = self._meta(self._client.hgetall(meta))
+        except FAILURES as exc:
+            raise self._unavailable(exc, "opening the ledger") from exc
+        return b"schema" in stored and b"shards" in stored
 
     def _first_shard_with_records(self) -> int | None:
         """The first shard, under any shard count the prefix may have had, whose all-keys index holds a
