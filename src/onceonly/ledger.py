@@ -267,68 +267,40 @@ class Ledger:
         approve: Approve = False,
         budget: Budget | None = None,
     ) -> Any:
-        """Guard a function with side effects so that each logical call happens once.
+        """Guard a function with side effects so that each logical call happens once (every option, its
+        default and what it means for the guarantee: docs/reference.md, "@ledger.tool").
 
         Args:
-            name: the tool's name in keys; default the function's ``__qualname__`` (no module, so that a
-                script run directly and imported gets one name). One name, one function per ledger.
-            key: the fields that identify the operation (default: all arguments but ``ignore``),
-                or a function of the arguments that returns the key.
+            name: the tool's name in keys; default the function's ``__qualname__``. One name, one function.
+            key: the fields that identify the operation (default: all but ``ignore``), or a function of them.
             ignore: fields left out of the key and the fingerprint.
             normalize: field → function applied before hashing (``onceonly.normalize_text``…).
-            retry: persisted attempt limit and backoff; default ``Retry()``: 3 attempts, base 1 s, cap 30 s.
-            on_unknown: how an unknown outcome is settled: ``"review"`` (the default of a ``write``),
-                ``"probe"``, ``"resend"`` or ``"retry"`` (the default of an ``idempotent`` tool): run again
-                with the same key (one behaviour; ``resend`` says the other side honours the key,
-                ``retry`` that the tool is idempotent by nature).
+            retry: the persisted attempt limit and backoff; default ``Retry()`` (3 attempts, 1 s, cap 30 s).
+            on_unknown: how an unknown outcome is settled: ``"review"`` (a write's default), ``"probe"``,
+                ``"resend"`` or ``"retry"`` (an idempotent tool's default: run again with the same key).
             on_conflict: same key, other arguments: ``"raise"`` ``KeyConflict``, or ``"replay"``.
             probe: ``(args, key) -> result | onceonly.NOT_FOUND``: asks the other side.
-            settle: seconds to wait after an unknown before probing; default 0.
-            ttl: seconds a settled record is kept and replayed, default 86400 (a day); after it the same
-                call runs again (``None``: forever).
+            settle: seconds to wait after an unknown before probing or re-sending; default 0.
+            ttl: seconds a settled record is kept and replayed (default a day; ``None``: forever).
             lease: seconds a claim holds; heartbeats extend it while the tool runs.
-            wait: the most seconds any one wait of a call lasts: for an in-flight outcome (then
-                ``InProgress``), a backoff or ``Retry-After`` (then ``RetryScheduled``, with its time), a
-                settle time or re-send backoff of an unknown (then ``OutcomeUnknown``, saying when).
-            timeout: seconds per attempt; past it the outcome is unknown, the call runs on and its
-                late result still confirms the record.
-            readonly: no side effect: skip the ledger, plain retry; the same as ``effect="read"``.
-            effect: what repeating the call does (docs/guardrails.md): ``"write"`` (the default: it
-                happens again, so the call runs once and an unknown outcome goes to review),
-                ``"idempotent"`` (repeating it is harmless: an unknown outcome is run again with the
-                same key, ``on_unknown="retry"``, unless ``on_unknown=`` says otherwise) or ``"read"``
-                (no side effect: no record, no lease; run as it is, within ``timeout=``).
-            reports_dispatch: the tool calls ``onceonly.mark_sent()`` before its side effect, so a
-                crash before that is retried without a probe.
+            wait: the most seconds any one wait of a call lasts (then ``InProgress``, ``RetryScheduled``
+                or ``OutcomeUnknown``, saying when).
+            timeout: seconds per attempt; past it the outcome is unknown, and a late result still confirms.
+            readonly: the same as ``effect="read"``.
+            effect: ``"write"`` (default), ``"idempotent"`` or ``"read"`` (no record): docs/guardrails.md.
+            reports_dispatch: the tool calls ``onceonly.mark_sent()`` before its side effect.
             classify: ``exception -> Classification | None``, asked before the built-in rules.
             decode: applied to a replayed result (stored as JSON), e.g. ``Ticket.model_validate``.
-            passthrough: exception types that are control flow, not outcomes: they propagate, the
-                claim is given back and no attempt is counted. LangGraph's ``GraphBubbleUp`` family
-                (``interrupt()``) always is.
-            similar: an ``onceonly.Similar``: a call whose other key fields match an earlier call's
-                within its window, and whose ``Similar.fields`` are alike above its threshold, is taken
-                for that earlier operation (docs/similar.md). Default ``None``: exact keys only.
-            on_similar: what such a call does: ``"replay"`` (default) the earlier outcome (waiting while
-                it runs), flagged ``Outcome.similar_to``; ``"review"`` park it as ``needs_review`` for a
-                person (``OutcomeUnknown``); ``"raise"`` ``SimilarCall`` with the earlier outcome.
-            tell_model: for a framework that onceonly has no integration for, which hands a tool's return
-                value or ``str(exception)`` to the model: the plain call returns ``onceonly.tell_model``'s
-                text instead of raising an outcome error (unknown, in progress, a conflict, attempts
-                exhausted, a retry scheduled), and a replay's text ("already done at …, not repeated;
-                its result: …") instead of the bare result; a fresh result is returned as it is. The
-                operator's next step goes to the ``onceonly`` log. ``.outcome()`` still raises.
-            approve: ``True``, or ``(args) -> bool`` deciding per call: the operation needs a person's
-                approval before it runs (docs/guardrails.md#approvals). Its first call records the request
-                and raises ``ApprovalPending``; ``ledger.approve(key, by=...)`` (or ``onceonly approve``)
-                lets the next call run it once; ``ledger.deny`` makes every call of it ``ApprovalDenied``.
-            budget: an ``onceonly.Budget``: a call whose amount would take its budget's window past the
-                limit is refused before it runs (``BudgetExceeded``); the window counts every call that
-                may have happened, and frees one only once it is settled as failed (docs/guardrails.md).
+            passthrough: exception types that are control flow, not outcomes (LangGraph's always are).
+            similar: an ``onceonly.Similar``: near-duplicates are taken for the earlier call (docs/similar.md).
+            on_similar: ``"replay"`` (default), ``"review"`` or ``"raise"`` (``SimilarCall``).
+            tell_model: the plain call returns the model's text (``onceonly.tell_model``) for every outcome
+                but a fresh result, instead of raising; ``.outcome()`` still raises.
+            approve: ``True`` or ``(args) -> bool``: a person approves the operation before it runs.
+            budget: an ``onceonly.Budget``: a call over its window's limit is refused before it runs.
 
         Returns:
-            A real function (``async def`` for a coroutine function) with the original's name,
-            docstring and signature less ``idempotency_key``; it has ``.outcome()``, ``.using()``,
-            ``.key_for()``, ``.name`` and ``.ledger``.
+            The guarded function (``async`` for a coroutine function), with ``.outcome()``, ``.using()``…
 
         .. versionadded:: 0.1
         """
@@ -345,28 +317,30 @@ class Ledger:
             retry=retry or Retry(), on_unknown=on_unknown, on_conflict=on_conflict, has_probe=probe is not None,
             settle=settle, ttl=ttl, lease=lease, wait=wait, reports_dispatch=reports_dispatch, classify=classify,
         )  # fmt: skip
+        options: dict[str, Any] = {
+            "key": key, "ignore": ignore, "normalize": normalize, "policy": policy, "probe": probe,
+            "timeout": timeout, "readonly": readonly, "effect": effect, "decode": decode,
+            "passthrough": tuple(passthrough), "similar": similar, "on_similar": on_similar,
+            "tell_model": tell_model, "approve": approve, "budget": budget,
+        }  # fmt: skip
+        if fn is not None:
+            return self._decorate(fn, name, options)
+        return lambda f: self._decorate(f, name, options)
 
-        def wrap(f: Callable[..., Any]) -> Any:
-            refuse_framework_object(f)
-            if not callable(f):
-                raise TypeError(f"@ledger.tool decorates a function, and got {type(f).__name__}: {f!r}")
-            if probe is not None and not inspect.iscoroutinefunction(f) and inspect.iscoroutinefunction(probe):
-                raise TypeError(f"{default_name(f)} is sync, so its probe must be sync too")
-            # name="" is refused as an empty name (ToolSpec), not taken as "no name given".
-            named = default_name(f) if name is None else name
-            spec = ToolSpec(
-                self, f, name=named, key=key, ignore=ignore, normalize=normalize, policy=policy,
-                probe=probe, timeout=timeout, readonly=readonly, effect=effect, decode=decode,
-                passthrough=tuple(passthrough), similar=similar, on_similar=on_similar, tell_model=tell_model,
-                approve=approve,
-                budget=budget,
-            )  # fmt: skip
-            self._register(spec)
-            made = make_tool(spec)
-            self.tools[spec.name] = made
-            return made
-
-        return wrap(fn) if fn is not None else wrap
+    def _decorate(self, f: Callable[..., Any], name: str | None, options: dict[str, Any]) -> Any:
+        """The guarded tool of ``f`` under ``name``, with ``tool()``'s checked ``options``."""
+        refuse_framework_object(f)
+        if not callable(f):
+            raise TypeError(f"@ledger.tool decorates a function, and got {type(f).__name__}: {f!r}")
+        probe = options["probe"]
+        if probe is not None and not inspect.iscoroutinefunction(f) and inspect.iscoroutinefunction(probe):
+            raise TypeError(f"{default_name(f)} is sync, so its probe must be sync too")
+        # name="" is refused as an empty name (ToolSpec), not taken as "no name given".
+        spec = ToolSpec(self, f, name=default_name(f) if name is None else name, **options)
+        self._register(spec)
+        made = make_tool(spec)
+        self.tools[spec.name] = made
+        return made
 
     def _register(self, spec: ToolSpec) -> None:
         """Refuse a second function under a name this ledger has: the two would share records, and one

@@ -205,27 +205,7 @@ def decide(
     .. versionadded:: 0.1
     """
     if rec.state in HELD:
-        if not rec.lease_expired(now):
-            return Leave(Settlement.SKIPPED, f"held by {rec.lease_owner}; its lease is alive")
-        if st.approved_unclaimed(rec):  # nothing ran: its next call runs it (approve=)
-            return Leave(Settlement.SKIPPED, "approved by a person; its next call runs it")
-        if rec.state is State.PENDING:
-            # The tool reports its dispatch and had not: nothing left this process.
-            return Write(
-                st.fail(
-                    rec,
-                    error=f"the lease of {rec.lease_owner} expired before dispatch: nothing was sent",
-                    now=now,
-                    retry_at=None,
-                    ttl=DEFAULT_TTL if policy is None else policy.ttl,
-                    by=by,
-                    effect=False,
-                ),
-                Settlement.FAILED,
-                "nothing was sent (its holder died before dispatch); a new call may run it",
-            )
-        # It may have been sent before its holder died: unknown, as a waiting caller would mark it.
-        return Write(st.mark_unknown(rec, now=now, reason=f"lease of {rec.lease_owner} expired", by=by), None, "")
+        return _held(rec, policy, now=now, by=by)
 
     if rec.state is State.NEEDS_REVIEW:
         return _parked(rec, policy, server, now=now, by=by)
@@ -270,6 +250,31 @@ def decide(
         Settlement.PARKED,
         f"waiting for a person ({why}): onceonly resolve KEY --confirmed JSON | --failed REASON",
     )
+
+
+def _held(rec: Record, policy: Policy | None, *, now: float, by: str) -> Decision:
+    """A held record: left while its lease lives; once it ran out, failed if nothing was sent, else unknown."""
+    if not rec.lease_expired(now):
+        return Leave(Settlement.SKIPPED, f"held by {rec.lease_owner}; its lease is alive")
+    if st.approved_unclaimed(rec):  # nothing ran: its next call runs it (approve=)
+        return Leave(Settlement.SKIPPED, "approved by a person; its next call runs it")
+    if rec.state is State.PENDING:
+        # The tool reports its dispatch and had not: nothing left this process.
+        return Write(
+            st.fail(
+                rec,
+                error=f"the lease of {rec.lease_owner} expired before dispatch: nothing was sent",
+                now=now,
+                retry_at=None,
+                ttl=DEFAULT_TTL if policy is None else policy.ttl,
+                by=by,
+                effect=False,
+            ),
+            Settlement.FAILED,
+            "nothing was sent (its holder died before dispatch); a new call may run it",
+        )
+    # It may have been sent before its holder died: unknown, as a waiting caller would mark it.
+    return Write(st.mark_unknown(rec, now=now, reason=f"lease of {rec.lease_owner} expired", by=by), None, "")
 
 
 def _parked(rec: Record, policy: Policy | None, server: ServerSays | None, *, now: float, by: str) -> Decision:
