@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 try:
     import prometheus_client
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - the extra is missing
@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(f"onceonly.metrics needs prometheus-client: {install_hint('metrics')}") from exc
 
 from onceonly import __version__, events, ops
+from onceonly._metricvalues import CounterFamily, HistogramFamily
 from onceonly.errors import StoreError, outcome_label
 from onceonly.events import TransitionEvent
 from onceonly.states import UNSETTLED, Record, State
@@ -145,27 +146,27 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         r = registry
-        self.calls = Counter(
+        # The series every guarded call writes: kept behind one lock per value (_metricvalues).
+        self.calls = CounterFamily(
             "onceonly_calls", "Guarded calls by tool and outcome (a replay counts as confirmed).",
-            ["tool", "outcome"], registry=r,
+            ["tool", "outcome"], r,
         )  # fmt: skip
-        self.call_seconds = Histogram(
-            "onceonly_call_duration_seconds", "Guarded calls' duration, replays included.", ["tool"],
-            buckets=CALL_BUCKETS, registry=r,
+        self.call_seconds = HistogramFamily(
+            "onceonly_call_duration_seconds", "Guarded calls' duration, replays included.", ["tool"], r,
+            buckets=CALL_BUCKETS,
         )  # fmt: skip
-        self.replays = Counter(
+        self.replays = CounterFamily(
             "onceonly_replays",
             "Calls whose result is not their own run's (Outcome.replayed): the ledger's or a probe's.",
             ["tool"],
-            registry=r,
+            r,
         )
         self.unknowns = Counter(
             "onceonly_unknowns", "Records that became unknown: sent, outcome not known.", ["tool"], registry=r
         )
-        self.settles = Counter(
-            "onceonly_settles", "Records settled, by how (via) and into which state.", ["tool", "via", "state"],
-            registry=r,
-        )  # fmt: skip
+        self.settles = CounterFamily(
+            "onceonly_settles", "Records settled, by how (via) and into which state.", ["tool", "via", "state"], r
+        )
         self.takeovers = Counter(
             "onceonly_lease_takeovers", "Records taken from a holder whose lease ran out.", ["tool"], registry=r
         )
@@ -177,9 +178,9 @@ class Metrics:
             "onceonly_audit_disagreements", "Settled records the tool's probe contradicts.", ["tool"], registry=r
         )
         self.alerts = Counter("onceonly_alerts", "Alerts logged on onceonly.alerts, by name.", ["event"], registry=r)
-        self.store_seconds = Histogram(
-            "onceonly_store_operation_duration_seconds", "Store operations' latency.", ["store", "operation"],
-            buckets=STORE_BUCKETS, registry=r,
+        self.store_seconds = HistogramFamily(
+            "onceonly_store_operation_duration_seconds", "Store operations' latency.", ["store", "operation"], r,
+            buckets=STORE_BUCKETS,
         )  # fmt: skip
         self.store_errors = Counter(
             "onceonly_store_errors", "Store operations that failed.", ["store", "operation"], registry=r
@@ -232,6 +233,12 @@ class Metrics:
         ``on_transition``, with the two transitions of every first call told apart from the rest
         without decoding an event (a claim counts nothing; a run's confirm is one settle)."""
         state = record.state
+        if record.version <= 2:  # a first call's two writes, told by the version alone (the common case)
+            if state is _CONFIRMED and record.version == 2 and record.via == "run":
+                self.tool(record.tool).settled_run.inc()  # version 1 was its claim: no takeover, no replay
+                return
+            if record.version == 1 and (state is _PENDING or state is _IN_FLIGHT):
+                return  # a claim of a new record (only an insert makes version 1): nothing counted
         if state is _CONFIRMED:
             if record.via == "run":
                 frm = events.moved_from(record)
