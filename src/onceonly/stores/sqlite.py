@@ -20,17 +20,18 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from itertools import compress
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
 from onceonly.states import HELD as HELD_STATES
 from onceonly.states import Record, State
+from onceonly.stores._controls import SQLITE_CONTROLS, sqlite_controls, sqlite_delete, sqlite_put
 from onceonly.stores._holders import Holder, Survey, UnsafeOwnersDir, owners_dir, survey
 from onceonly.stores._sql import (
     COLUMN_OF,
@@ -52,7 +53,7 @@ T = TypeVar("T")
 #: ``PRAGMA application_id`` of an onceonly ledger file: "once" in ASCII.
 APPLICATION_ID = 0x6F6E6365
 #: ``PRAGMA user_version``: bumped with every schema change; ``_MIGRATIONS`` brings older files up.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS onceonly_records (
@@ -123,7 +124,7 @@ _SIMILAR_READ = (
 _SIMILAR_UNLOCK = "DELETE FROM onceonly_similar_locks WHERE grp = ? AND token = ?"
 
 # version reached → the statements that reach it from the one before.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _REVIEW_INDEX}
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _REVIEW_INDEX, 3: SQLITE_CONTROLS}
 
 _SELECT = f"SELECT {COLUMNS} FROM onceonly_records WHERE key = ?"
 _INSERT = f"INSERT OR IGNORE INTO onceonly_records ({COLUMNS}) VALUES ({','.join('?' * 20)})"
@@ -619,6 +620,23 @@ class SQLiteStore:
     def similar_unlock(self, group: str, token: str) -> None:
         with self._errors():
             self._conn().execute(_SIMILAR_UNLOCK, (group, token))
+
+    # --- operators' control documents (stores.base.ControlStore; the SQL is in stores/_controls.py) -----
+
+    def controls(self, namespace: str) -> dict[str, dict[str, Any]]:
+        with self._errors():
+            return sqlite_controls(self._conn(), namespace, str(self.path))
+
+    def put_control(self, namespace: str, name: str, doc: Mapping[str, Any]) -> None:
+        with self._errors():
+            sqlite_put(self._conn(), namespace, name, doc, str(self.path))
+
+    def delete_control(self, namespace: str, name: str) -> bool:
+        with self._errors():
+            return sqlite_delete(self._conn(), namespace, name, str(self.path))
+
+    async def acontrols(self, namespace: str) -> dict[str, dict[str, Any]]:
+        return await asyncio.to_thread(self.controls, namespace)
 
     # --- on an event loop (stores.base.InlineStore) -----------------------------------------------
 

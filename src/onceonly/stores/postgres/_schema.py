@@ -19,12 +19,13 @@ from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import UNSETTLED, State
 from onceonly.stores._sql import COLUMNS, state_literals
 from onceonly.stores._url import scrub
+from onceonly.stores.postgres._controls import controls_ddl
 from onceonly.stores.postgres._errors import translate
 from onceonly.stores.postgres._names import channel, ident, log
 from onceonly.stores.postgres._url import PostgresOptions
 
 #: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # The states the open-records index holds, in the enum's order: the index's text stays the same
 # from one run to the next (a frozenset's order may not).
@@ -102,7 +103,8 @@ def _migrations(schema: str) -> dict[int, list[str]]:
         f"""CREATE TRIGGER onceonly_records_deleted AFTER DELETE ON {t} FOR EACH ROW
             WHEN (OLD.watched) EXECUTE FUNCTION {s}.onceonly_notify({notify})""",
     ]
-    return {1: v1}
+    # 2: operators' control documents (pauses: ``onceonly.pause``), a table of their own.
+    return {1: v1, 2: controls_ddl(schema)}
 
 
 def lock_id(schema: str) -> int:
