@@ -26,9 +26,9 @@ DRY_VIA = "dry_run"
 #: What a call would have done, read from its record as it is now:
 #: ``run`` (no record, or one that may run again), ``replay`` (confirmed: its result is returned),
 #: ``conflict`` (a record of other arguments, refused with ``KeyConflict``), ``wait`` (a caller holds it),
-#: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``) and ``refuse`` (parked for
-#: review, or its attempts used up).
-Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse"]
+#: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``), ``refuse`` (parked for
+#: review, or its attempts used up) and ``paused`` (an operator paused it: ``onceonly.pause``).
+Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse", "paused"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,8 @@ class DryRun:
     would: Would
 
     def __str__(self) -> str:
-        return f"not run: dry run ({self.tool} would {self.would}; nothing was done or recorded)"
+        would = "be paused" if self.would == "paused" else self.would
+        return f"not run: dry run ({self.tool} would {would}; nothing was done or recorded)"
 
 
 #: One entry of a ``DryRunLog``: the same fields as the call's ``DryRun``.
@@ -110,8 +111,9 @@ def would_do(call: Call, rec: Record | None) -> Would:
     return "refuse"  # needs_review, abandoned: a person's turn
 
 
-def dry_outcome(call: Call, rec: Record | None, log: DryRunLog) -> Outcome:
-    """The ``Outcome`` of a call a dry run did not run (its result is the ``DryRun``), listed in ``log``."""
-    seen = DryRun(call.tool, json.loads(call.args_json), call.key, would_do(call, rec))
+def dry_outcome(call: Call, rec: Record | None, log: DryRunLog, *, paused: bool = False) -> Outcome:
+    """The ``Outcome`` of a call a dry run did not run (its result is the ``DryRun``), listed in ``log``;
+    ``paused``: an operator's pause would refuse it."""
+    seen = DryRun(call.tool, json.loads(call.args_json), call.key, "paused" if paused else would_do(call, rec))
     log.add(seen)
     return Outcome(result=seen, key=call.key, state=State.PENDING, replayed=False, attempts=0, via=DRY_VIA)

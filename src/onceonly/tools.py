@@ -384,10 +384,13 @@ class ToolSpec:
         if self.readonly:
             return _readonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        paused = self.runtime.pauses.matching(call)  # a clock read; the store's pauses every 0.5 s (pause.py)
         if self.runtime.dry is not None:  # a dry run is on somewhere: one read, no claim, nothing run
             log = self.runtime.dry.log_here()
             if log is not None:
-                return dry_outcome(call, self.runtime.store.get(call.key), log)
+                return dry_outcome(call, self.runtime.store.get(call.key), log, paused=paused is not None)
+        if paused is not None:
+            raise paused
         counted = self.runtime.count_call
         if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
@@ -400,11 +403,15 @@ class ToolSpec:
         if self.readonly:
             return await _areadonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        watch = self.runtime.pauses
+        paused = await watch.amatching(call) if watch.due() else watch.matching(call)
         if self.runtime.dry is not None:
             log = self.runtime.dry.log_here()
             if log is not None:
                 store: Any = self.runtime.store
-                return dry_outcome(call, await store.aget(call.key), log)
+                return dry_outcome(call, await store.aget(call.key), log, paused=paused is not None)
+        if paused is not None:
+            raise paused
         counted = self.runtime.count_call
         if counted is None:
             return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
