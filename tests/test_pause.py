@@ -102,7 +102,9 @@ def test_a_paused_tool_is_refused_before_it_claims(ledger: Ledger, effects: Effe
     err = refused.value
     assert (err.tool, err.scope, err.reason) == ("send_email", None, "provider incident 4411")
     assert err.key == send_email.key_for("b@example.com")
-    assert "alice" in str(err) and "provider incident 4411" in str(err) and "onceonly resume --tool send_email" in str(err)
+    assert (
+        "alice" in str(err) and "provider incident 4411" in str(err) and "onceonly resume --tool send_email" in str(err)
+    )
     told = onceonly.tell_model(err)
     assert "paused by an operator" in told and "4411" not in told
 
@@ -257,7 +259,10 @@ def _python(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def _rows(path: Path) -> list[tuple[str, str, float]]:
@@ -284,7 +289,10 @@ def test_a_pause_from_the_cli_stops_four_processes_within_a_second(url: str, tmp
     workers = [
         subprocess.Popen(
             _python("-m", "tests._pause_worker", url, str(effects), name),
-            cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=log,
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )  # fmt: skip
         for name, log in zip(names, logs, strict=True)
     ]

@@ -170,7 +170,8 @@ def test_many_processes_create_one_schema_at_once(pg_url: str, admin: Any, tag: 
         with ctx.Pool(n) as pool:
             roles = pool.starmap(_open_and_claim, [(pg_url, barrier, i) for i in range(n)], chunksize=1)
     assert sorted(roles) == ["holder"] + ["reader"] * (n - 1)
-    assert admin.execute(f'SELECT version FROM "{tag}".onceonly_schema').fetchall() == [(SCHEMA_VERSION,)]
+    made = admin.execute(f'SELECT version FROM "{tag}".onceonly_schema ORDER BY version').fetchall()
+    assert made == [(v,) for v in range(1, SCHEMA_VERSION + 1)]  # each step once
     keys = [r[0] for r in admin.execute(f'SELECT key FROM "{tag}".onceonly_records ORDER BY key')]
     assert keys == sorted([f"proc-{i}" for i in range(n)] + ["shared"])
 
@@ -198,13 +199,34 @@ def test_a_foreign_version_table_is_refused(pg_url: str, admin: Any, tag: str) -
     assert catalog(admin, tag) == before
 
 
+def test_a_ledger_of_schema_1_is_brought_up_with_its_records(store: PostgresStore, admin: Any, tag: str) -> None:
+    """A ledger made before the control documents (schema 1): the next open adds their table (schema 2),
+    its records stay as they were, and a pause can be set on it."""
+    store.insert(make("kept"))
+    store.close()
+    admin.execute(f'DROP TABLE "{tag}".onceonly_controls')
+    admin.execute(f'DELETE FROM "{tag}".onceonly_schema WHERE version > 1')
+    again = PostgresStore(store.url)
+    try:
+        versions = admin.execute(f'SELECT version FROM "{tag}".onceonly_schema ORDER BY version').fetchall()
+        assert versions == [(1,), (2,)] == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+        assert again.get("kept") == make("kept")
+        assert again.controls("pause") == {}
+        again.put_control("pause", "all", {"reason": "drill"})
+        assert again.controls("pause") == {"all": {"reason": "drill"}}
+    finally:
+        again.close()
+
+
 def test_a_newer_schema_is_refused_and_left_alone(store: PostgresStore, admin: Any, tag: str) -> None:
     """A ledger migrated by a newer onceonly: StoreCorrupt saying to upgrade, and no change at all."""
     store.insert(make("kept"))
     admin.execute(f"INSERT INTO \"{tag}\".onceonly_schema (version, installed_by) VALUES (99, 'onceonly 9.0')")
     before = catalog(admin, tag)
     rows = admin.execute(f'SELECT * FROM "{tag}".onceonly_records').fetchall()
-    with pytest.raises(StoreCorrupt, match=r"version 99, newer than this onceonly knows \(1\).*upgrade"):
+    with pytest.raises(
+        StoreCorrupt, match=rf"version 99, newer than this onceonly knows \({SCHEMA_VERSION}\).*upgrade"
+    ):
         PostgresStore(store.url)
     assert catalog(admin, tag) == before
     assert admin.execute(f'SELECT * FROM "{tag}".onceonly_records').fetchall() == rows
