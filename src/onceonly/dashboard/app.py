@@ -2,7 +2,8 @@
 
 It reads the ledger as ``onceonly ls``, ``show`` and ``stats`` do (``onceonly.ops``, the same JSON), and
 writes only through ``POST /api/resolve`` and ``/api/resolve-many`` (``Ledger.resolve`` with a reason
-and a name) and ``POST /api/reconcile`` (one reconciler run, ``onceonly reconcile --once``).
+and a name), ``POST /api/reconcile`` (one reconciler run, ``onceonly reconcile --once``) and
+``POST /api/pause`` / ``/api/resume`` (the kill switch, ``dashboard/pauses.py``).
 
 Who may call it:
 
@@ -51,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - the dashboard extra is not inst
 
 from onceonly import ops
 from onceonly._cli import Since
+from onceonly.dashboard.pauses import pause_json, pauses_json, resume_json
 from onceonly.errors import InProgress, InvalidKey, NotSerializable, OnceOnlyError, StoreError
 from onceonly.ledger import Ledger
 from onceonly.settle import reconcile
@@ -515,6 +517,11 @@ def create_app(
     resolve = _write(lambda body: _resolve_json(ledger, body))
     resolve_many = _write(lambda body: _resolve_many_json(ledger, body))
     reconcile_now = _write(reconciling.run)
+    pause = _write(lambda body: pause_json(ledger, body))
+    resume = _write(lambda body: resume_json(ledger, body))
+
+    async def pauses(request: Request) -> Response:
+        return await _answer(lambda: pauses_json(ledger))
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
@@ -529,6 +536,9 @@ def create_app(
         Route("/api/resolve", resolve, methods=["POST"]),
         Route("/api/resolve-many", resolve_many, methods=["POST"]),
         Route("/api/reconcile", reconcile_now, methods=["POST"]),
+        Route("/api/pauses", pauses, methods=["GET"]),
+        Route("/api/pause", pause, methods=["POST"]),
+        Route("/api/resume", resume, methods=["POST"]),
     ]
     return _Guard(Starlette(routes=routes), token, _csp(page))
 
