@@ -254,6 +254,48 @@ def test_another_ledger_on_the_store_sees_a_pause_within_its_refresh(url: str, e
         assert effects.count("notify") == ran + 1
 
 
+class _CountedReads:
+    """A store's control documents, with each read of a namespace counted."""
+
+    def __init__(self, store: ControlStore) -> None:
+        self.store = store
+        self.reads = 0
+
+    def controls(self, namespace: str) -> dict[str, dict[str, object]]:
+        self.reads += 1
+        return self.store.controls(namespace)
+
+    def put_control(self, namespace: str, name: str, doc: dict[str, object]) -> None:
+        self.store.put_control(namespace, name, doc)
+
+    def delete_control(self, namespace: str, name: str) -> bool:
+        return self.store.delete_control(namespace, name)
+
+
+def test_calls_read_the_pauses_once_per_half_second_whatever_their_rate(ledger: Ledger, effects: Effects) -> None:
+    """Many calls, few reads: the pauses are read when half a second has passed since the last reading,
+    never per call (the ledger read them as it opened)."""
+
+    @ledger.tool(name="tick")
+    def tick(n: int) -> int:
+        effects.add("tick")
+        return n
+
+    watch = ledger.runtime.pauses
+    assert watch.store is not None
+    counted = _CountedReads(watch.store)
+    watch.store = counted
+    started = time.monotonic()
+    calls = 0
+    while time.monotonic() - started < 3 * REFRESH_SECONDS or calls < 20:
+        calls += 1
+        tick(calls)
+    elapsed = time.monotonic() - started
+    assert effects.count("tick") == calls
+    assert 1 <= counted.reads <= elapsed / REFRESH_SECONDS + 1, (counted.reads, calls, elapsed)
+    assert counted.reads < calls / 5
+
+
 def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 

@@ -6,6 +6,7 @@ one per (tool or every tool, scope or every scope). Each ledger keeps the pauses
 (``PauseWatch``) and reads them again at most every ``REFRESH_SECONDS``, lazily, on the call that finds
 the reading due: a call pays a clock read, and a process one store read per half second while it calls.
 A pause set anywhere therefore refuses calls everywhere within ``REFRESH_SECONDS`` (plus that read).
+The first reading is made as the ledger opens, so a process's first call pays no read either.
 
 What a pause does: a matching call raises ``Paused`` (a model is told "paused by an operator") before
 its claim, so its tool does not run and nothing is written, no record, no attempt. Calls that had
@@ -176,7 +177,15 @@ class PauseWatch:
         #: The pauses last read.
         self.current: tuple[Pause, ...] = ()
         #: When (monotonic clock) the pauses are read again; never, on a store without them.
-        self.due_at = -math.inf if self.store is not None else math.inf
+        self.due_at = math.inf
+        if self.store is not None:
+            # Read once now, as the ledger opens (it reads the store's clock then too), so that a
+            # process's first call pays no read either. A store that fails now is read on the first call.
+            self.due_at = -math.inf
+            try:
+                self.read()
+            except Exception as exc:  # a store of one's own may raise anything: opening must not fail on it
+                _unread(exc)
 
     def matching(self, call: Call) -> Paused | None:
         """The ``Paused`` that refuses ``call``, or ``None``; reads the store when the reading is due."""
