@@ -7,6 +7,7 @@ functions. This module is the facade over them.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import inspect
 import logging
@@ -590,7 +591,7 @@ class Ledger:
         check_target(tool, scope)
         return len(self.runtime.pauses.lift(tool, scope, every))
 
-    def pauses(self) -> list[Pause]:
+    def pauses(self) -> builtins.list[Pause]:  # `list` here is Ledger.list
         """The pauses in force now, read from the store, oldest first.
 
         .. versionadded:: 0.1

@@ -7,14 +7,17 @@ pause), so it is read in one statement or command, and never per call.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from collections.abc import Mapping
-from typing import Any
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from onceonly.errors import StoreCorrupt, StoreError
 
-__all__ = ["SQLITE_CONTROLS", "decode_doc", "encode_doc", "sqlite_controls", "sqlite_delete", "sqlite_put"]
+__all__ = ["SQLITE_CONTROLS", "SQLiteControls", "decode_doc", "encode_doc"]
 
 #: The SQLite table (schema version 3, ``sqlite._MIGRATIONS``).
 SQLITE_CONTROLS = """
@@ -96,3 +99,28 @@ def _older(where: str) -> StoreError:
         f"{where} is a ledger of an older onceonly, opened as it is: it has no table of control documents "
         "yet. Open it once with Ledger.open (your app does) to bring it up, then try again"
     )
+
+
+class SQLiteControls:
+    """``SQLiteStore``'s control documents: its table ``onceonly_controls``, through this thread's connection."""
+
+    if TYPE_CHECKING:  # the store's
+        path: Path
+
+        def _conn(self) -> sqlite3.Connection: ...
+        def _errors(self) -> AbstractContextManager[None]: ...
+
+    def controls(self, namespace: str) -> dict[str, dict[str, Any]]:
+        with self._errors():
+            return sqlite_controls(self._conn(), namespace, str(self.path))
+
+    def put_control(self, namespace: str, name: str, doc: Mapping[str, Any]) -> None:
+        with self._errors():
+            sqlite_put(self._conn(), namespace, name, doc, str(self.path))
+
+    def delete_control(self, namespace: str, name: str) -> bool:
+        with self._errors():
+            return sqlite_delete(self._conn(), namespace, name, str(self.path))
+
+    async def acontrols(self, namespace: str) -> dict[str, dict[str, Any]]:
+        return await asyncio.to_thread(self.controls, namespace)

@@ -20,18 +20,18 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import compress
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
 from onceonly.states import HELD as HELD_STATES
 from onceonly.states import Record, State
-from onceonly.stores._controls import SQLITE_CONTROLS, sqlite_controls, sqlite_delete, sqlite_put
+from onceonly.stores._controls import SQLITE_CONTROLS, SQLiteControls
 from onceonly.stores._holders import Holder, Survey, UnsafeOwnersDir, owners_dir, survey
 from onceonly.stores._sql import (
     COLUMN_OF,
@@ -188,7 +188,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class SQLiteStore:
+class SQLiteStore(SQLiteControls):
     """An onceonly ledger in one SQLite file.
 
     Args:
@@ -620,23 +620,6 @@ class SQLiteStore:
     def similar_unlock(self, group: str, token: str) -> None:
         with self._errors():
             self._conn().execute(_SIMILAR_UNLOCK, (group, token))
-
-    # --- operators' control documents (stores.base.ControlStore; the SQL is in stores/_controls.py) -----
-
-    def controls(self, namespace: str) -> dict[str, dict[str, Any]]:
-        with self._errors():
-            return sqlite_controls(self._conn(), namespace, str(self.path))
-
-    def put_control(self, namespace: str, name: str, doc: Mapping[str, Any]) -> None:
-        with self._errors():
-            sqlite_put(self._conn(), namespace, name, doc, str(self.path))
-
-    def delete_control(self, namespace: str, name: str) -> bool:
-        with self._errors():
-            return sqlite_delete(self._conn(), namespace, name, str(self.path))
-
-    async def acontrols(self, namespace: str) -> dict[str, dict[str, Any]]:
-        return await asyncio.to_thread(self.controls, namespace)
 
     # --- on an event loop (stores.base.InlineStore) -----------------------------------------------
 
