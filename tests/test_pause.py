@@ -216,6 +216,28 @@ def test_an_async_tool_is_paused_and_a_read_only_tool_never_is(ledger: Ledger, e
     assert [r.attempts for r in _records(ledger, "async_send")] == [1]
 
 
+def test_an_async_call_reads_the_pauses_when_they_are_due(url: str, effects: Effects) -> None:
+    """An async tool on another ledger refuses once its reading is due, read through the store's async
+    face (``acontrols``), and runs again after the resume, at the next reading."""
+    with Ledger.open(url) as operator, Ledger.open(url) as other:
+
+        @other.tool(name="async_notify")
+        async def notify(n: int) -> int:
+            effects.add("notify")
+            return n
+
+        assert asyncio.run(notify(1)) == 1
+        operator.pause(tool="async_notify", reason="incident")
+        time.sleep(REFRESH_SECONDS + 0.05)
+        assert other.runtime.pauses.due()
+        with pytest.raises(Paused):
+            asyncio.run(notify(2))
+        operator.resume(tool="async_notify")
+        time.sleep(REFRESH_SECONDS + 0.05)
+        assert asyncio.run(notify(2)) == 2
+        assert effects.count("notify") == 2 and len(_records(other, "async_notify")) == 2
+
+
 def test_another_ledger_on_the_store_sees_a_pause_within_its_refresh(url: str, effects: Effects) -> None:
     """A second ledger (as another process has) read the pauses before this one paused: it runs on its
     last reading until the next one, due within REFRESH_SECONDS, and then refuses."""
