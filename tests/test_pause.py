@@ -318,6 +318,46 @@ def test_calls_read_the_pauses_once_per_half_second_whatever_their_rate(ledger: 
     assert counted.reads < calls / 5
 
 
+def test_the_commands_pause_list_and_resume(ledger: Ledger, url: str, effects: Effects) -> None:
+    """``onceonly pause`` names what it paused and how to lift it, and notes a tool no record has (a typo
+    pauses nothing that runs); ``pauses`` lists them; ``resume`` of a pause that is not there exits 1,
+    naming those in force; ``resume --all`` lifts the rest."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    @ledger.tool(name="send_email")
+    def send_email(to: str) -> str:
+        effects.add(to)
+        return to
+
+    send_email("a@example.com")
+    run = CliRunner().invoke
+    done = run(cli, ["pause", "--url", url, "--tool", "send_email", "--reason", "incident", "--by", "bob"])
+    assert done.exit_code == 0, done.output
+    assert "paused tool 'send_email' in every scope (by bob)" in done.output
+    assert "onceonly resume --tool send_email" in done.output and "note:" not in done.output
+    typo = run(cli, ["pause", "--url", url, "--tool", "send_emial", "--reason", "incident"])
+    assert typo.exit_code == 0 and "did you mean 'send_email'?" in typo.output, typo.output
+    listed = run(cli, ["pauses", "--url", url, "--json"])
+    shown = [(p["tool"], p["by"]) for p in json.loads(listed.output)]
+    assert len(shown) == 2 and shown[0] == ("send_email", "bob") and shown[1][0] == "send_emial"
+    time.sleep(REFRESH_SECONDS + 0.05)  # the command was another ledger: this one's next reading is due
+    with pytest.raises(Paused):
+        send_email("b@example.com")
+
+    missing = run(cli, ["resume", "--url", url, "--scope", "tenant-a"])
+    assert missing.exit_code == 1 and "no pause of every tool in scope 'tenant-a'" in missing.output
+    assert "onceonly resume --tool send_email" in missing.output
+    assert run(cli, ["resume", "--url", url, "--all", "--tool", "x"]).exit_code == 2
+    lifted = run(cli, ["resume", "--url", url, "--all"])
+    assert lifted.exit_code == 0 and "lifted 2 pause(s)" in lifted.output, lifted.output
+    assert "no pauses" in run(cli, ["pauses", "--url", url]).output
+    time.sleep(REFRESH_SECONDS + 0.05)  # this ledger's reading, due again
+    assert send_email("b@example.com") == "b@example.com"
+    assert effects.count("b@example.com") == 1
+
+
 def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 

@@ -6,15 +6,18 @@ and lists the pauses in force); 2 bad usage.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import click
 
+from onceonly import ops
 from onceonly._cli import dumps, existing_ledger, fail, printable, refuse_missing_ledger, url_option
 from onceonly.errors import OnceOnlyError
 from onceonly.ledger import Ledger
 from onceonly.pause import REFRESH_SECONDS, Pause, when_text
+from onceonly.stores.base import Query
 
 __all__ = ["COMMANDS"]
 
@@ -40,6 +43,16 @@ def _writable(url: str) -> Iterator[Ledger]:
         ledger.close()
 
 
+def _unknown_tool(ledger: Ledger, tool: str | None) -> str | None:
+    """A note when no record has ``tool``: a typo would pause nothing that runs (a new tool has none
+    yet, so it is paused anyway). Reads every record, only when nothing matched."""
+    if tool is None or ledger.store.scan(Query(tool=tool, limit=1)):
+        return None
+    close = difflib.get_close_matches(tool, sorted(ops.tool_names(ledger)), n=3, cutoff=0.6)
+    hint = f": did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"note: no record of a tool named {tool!r} yet; paused anyway{hint}"
+
+
 def _line(p: Pause) -> str:
     by = f" by {p.by}" if p.by else ""
     return printable(f"{p.what()}: paused{by} since {when_text(p.at)}: {p.reason}  (lift: {p.resume_command()})")
@@ -60,6 +73,9 @@ def pause_command(url: str, tool: str | None, scope: str | None, reason: str, by
     """
     with _writable(url) as ledger:
         p = ledger.pause(tool=tool, scope=scope, reason=reason, by=by)
+        note = _unknown_tool(ledger, tool)
+    if note is not None:
+        click.echo(printable(note), err=True)
     if as_json:
         click.echo(dumps(p.to_json()))
         return
