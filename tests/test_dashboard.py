@@ -31,7 +31,7 @@ from tests._redis_server import PrivateRedis
 from tests._urls import SECRET, with_password
 
 TOKEN = "t0ken-for-the-dashboard-tests"
-EVERY_GET = ["/", "/api/counts", "/api/records", "/api/stats", "/api/events"]
+EVERY_GET = ["/", "/api/counts", "/api/records", "/api/stats", "/api/pauses", "/api/events"]
 
 
 @pytest.fixture(name="seeded")
@@ -540,7 +540,7 @@ def test_reconcile_runs_the_reconciler_once_with_who_started_it(store_url: str, 
         assert rec is not None and rec.state is State.CONFIRMED and rec.result == {"shipped": "o-1"}
 
 
-@pytest.mark.parametrize("path", ["/api/resolve", "/api/resolve-many", "/api/reconcile"])
+@pytest.mark.parametrize("path", ["/api/resolve", "/api/resolve-many", "/api/reconcile", "/api/pause", "/api/resume"])
 def test_every_write_takes_the_token_in_its_header_json_and_the_same_origin(
     guarded: TestClient, sqlite_url: str, path: str
 ) -> None:
@@ -548,6 +548,7 @@ def test_every_write_takes_the_token_in_its_header_json_and_the_same_origin(
     other Origin, and nothing written when refused."""
     (rec,) = Ledger.open(sqlite_url).list(state="needs_review")
     body = {"key": rec.key, "records": [{"key": rec.key}], "failed": "no refund", "by": "alice", "why": "no refund"}
+    body["reason"] = "provider incident"  # what a pause takes besides "by"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     before = _everything(sqlite_url)
     assert guarded.post(path, params={"token": TOKEN}, json=body).status_code == 401
@@ -556,8 +557,34 @@ def test_every_write_takes_the_token_in_its_header_json_and_the_same_origin(
     other = guarded.post(path, headers={**auth, "Origin": "https://evil.example"}, json=body)
     assert other.status_code == 403 and "Origin" in other.json()["error"]
     assert _everything(sqlite_url) == before
+    with Ledger.open(sqlite_url) as ledger:
+        assert ledger.pauses() == []
     same = guarded.post(path, headers={**auth, "Origin": "http://testserver"}, json=body)
     assert same.status_code == 200, same.text
+
+
+def test_pause_and_resume_through_the_api(api: httpx.Client, store_url: str, seeded: Seeded) -> None:
+    """``POST /api/pause`` pauses a tool for every ledger on the store (a call elsewhere is refused and
+    records nothing), ``GET /api/pauses`` lists it with the command that lifts it, a body without who or
+    why is refused, and ``POST /api/resume`` lifts it."""
+    import onceonly
+
+    assert _ok(api.get("/api/pauses")) == {"pauses": []}
+    refused = api.post("/api/pause", json={"tool": "charge", "reason": "incident"})
+    assert refused.status_code == 400 and '"by"' in refused.json()["error"]
+    assert api.post("/api/pause", json=["charge"]).status_code == 400
+    done = _ok(api.post("/api/pause", json={"tool": "charge", "scope": "", "reason": "incident 7", "by": "alice"}))
+    (shown,) = done["pauses"]
+    assert (shown["tool"], shown["scope"], shown["reason"], shown["by"]) == ("charge", None, "incident 7", "alice")
+    assert shown["resume"] == "onceonly resume --tool charge" and shown["what"] == "tool 'charge' in every scope"
+    assert _ok(api.get("/api/pauses"))["pauses"] == done["pauses"]
+    with Ledger.open(store_url) as other:
+        charge = other.tool(name="charge")(lambda order, amount: {"charged": order})
+        with pytest.raises(onceonly.Paused):
+            charge("o-new", 1)
+        assert other.get(charge.key_for("o-new", 1)) is None
+    assert _ok(api.post("/api/resume", json={"tool": "charge"})) == {"lifted": 1, "pauses": []}
+    assert _ok(api.post("/api/resume", json={"all": True})) == {"lifted": 0, "pauses": []}
 
 
 def test_while_the_store_is_down_reads_answer_503_and_the_stream_says_so(tmp_path: Path) -> None:

@@ -280,6 +280,54 @@ def test_a_person_searches_reconciles_and_resolves_a_selection(browser: Any, sql
             page.close()
 
 
+def test_a_person_pauses_and_resumes_calls_from_the_page(browser: Any, sqlite_url: str, tmp_path: Path) -> None:
+    """ "Pause calls…" with a tool, a reason and a name pauses that tool for every process (a call in
+    another process's ledger is refused and records nothing); a pause set elsewhere appears in the banner
+    without a reload; "Resume" on the tool's pause lifts it alone, and the call then runs once."""
+    from playwright.sync_api import expect
+
+    seed(sqlite_url, orders=1, reviews=0, spread_hours=1)
+    effects: list[str] = []
+    with running(sqlite_url, env={"ONCEONLY_DASHBOARD_TOKEN": TOKEN}) as dashboard, Ledger.open(sqlite_url) as app:
+
+        @app.tool(name="charge")
+        def charge(order: str, amount: int) -> str:
+            effects.append(order)
+            return order
+
+        page, problems = _open(browser, dashboard.url)
+        try:
+            expect(page.locator("#pauses")).to_be_hidden()
+            page.fill("#who", "dana")
+            page.click("#pause-open")
+            page.fill("#pause-tool", "charge")
+            page.click("#pause-submit")  # no reason yet: refused on the page, nothing written
+            expect(page.locator("#pause-note")).to_contain_text("Give the reason")
+            assert app.pauses() == []
+            page.fill("#pause-reason", "card provider incident")
+            page.click("#pause-submit")
+            expect(page.locator("#pauses")).to_contain_text("Paused: tool 'charge' in every scope")
+            expect(page.locator("#pauses")).to_contain_text("by dana: card provider incident")
+            (set_here,) = app.pauses()
+            assert (set_here.tool, set_here.scope, set_here.by) == ("charge", None, "dana")
+            with pytest.raises(onceonly.Paused):
+                charge("o-paused", 3)
+            assert effects == [] and app.get(charge.key_for("o-paused", 3)) is None
+
+            app.pause(scope="tenant-b", reason="tenant b is moving", by="erin")  # elsewhere: shown by the next read
+            expect(page.locator("#pauses .pause")).to_have_count(2, timeout=15_000)
+            page.screenshot(path=str(tmp_path / "dashboard-paused.png"), full_page=True)
+            page.click('#pauses .pause[data-tool="charge"] button.resume')
+            expect(page.locator("#pauses .pause")).to_have_count(1)
+            expect(page.locator("#pauses")).to_contain_text("Paused: every tool in scope 'tenant-b'")
+            assert [(p.tool, p.scope) for p in app.pauses()] == [(None, "tenant-b")]
+            assert charge("o-paused", 3) == "o-paused"
+            assert effects == ["o-paused"] and app.get(charge.key_for("o-paused", 3)).attempts == 1  # type: ignore[union-attr]
+            assert not problems, problems
+        finally:
+            page.close()
+
+
 def test_stale_data_is_marked_while_the_store_is_down(browser: Any, tmp_path: Path) -> None:
     """A private Redis under the dashboard is stopped: the page keeps what it showed, under a banner
     that says it is not up to date and since when, with the tiles, rows and charts marked stale; once

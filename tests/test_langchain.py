@@ -305,6 +305,34 @@ def _assert_one_charge_and_told(model: Scripted, effects: Effects) -> None:
         assert is_replay(message.content, "charge of 5 found")
 
 
+def test_a_paused_tool_tells_the_model_it_is_paused_and_runs_nothing(ledger: Ledger, effects: Effects) -> None:
+    """An operator's pause (``ledger.pause``): the agent's call is refused before it claims; the model
+    reads the paused text as an error (never the operator's reason), nothing runs or is recorded, and
+    after ``resume`` the same call runs once."""
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge a card."""
+        effects.add("charge", amount)
+        return f"charged {amount}"
+
+    ledger.pause(tool="charge", reason="card provider incident 4411", by="ops")
+    model = scripted(calls(("charge", {"amount": 5}, "c1")), "stopped", calls(("charge", {"amount": 5}, "c2")), "done")
+    agent = create_agent(model, guard_tools([charge], ledger), checkpointer=InMemorySaver())
+    agent.invoke({"messages": [("user", "charge 5")]}, thread("t1"))
+    (told,) = model.told(1)
+    assert told.tool_call_id == "c1" and told.status == "error"
+    assert told.content == onceonly.tell_model(onceonly.Paused("x", key="k", reason="r"))
+    assert "paused by an operator" in told.content and "4411" not in told.content
+    assert effects.count("charge") == 0 and ledger.list() == []
+
+    assert ledger.resume(tool="charge") == 1
+    agent.invoke({"messages": [("user", "charge 5 again")]}, thread("t1"))
+    (ran,) = model.told(3)
+    assert ran.tool_call_id == "c2" and ran.status == "success" and ran.content == "charged 5"
+    assert effects.count("charge", 5) == 1 and [r.attempts for r in ledger.list()] == [1]
+
+
 def test_a_lost_answer_and_a_replan_charge_once_sync(ledger: Ledger, effects: Effects, tmp_path: Path) -> None:
     """create_agent, a sync tool, a SQLite checkpointer: the charge's answer is lost, the probe finds
     it, the model re-plans the same charge under a new id: one charge, and the model reads the replay."""

@@ -381,7 +381,7 @@ def test_reads_leave_sqlite_files_as_they_were(tmp_path: Path, audit_app: Any) -
 
 
 def test_reads_take_a_sqlite_file_of_an_older_schema_as_it_is(tmp_path: Path) -> None:
-    """A ledger file of schema 1 (before the review index) is read by ls, show and stats as it is:
+    """A ledger file of schema 1 (before the review index) is read by ls, show, stats and pauses as it is:
     not refused, not upgraded, its bytes unchanged; the app's own open then brings it up."""
     path = tmp_path / "ledger.db"
     url = f"sqlite:///{path}"
@@ -390,17 +390,18 @@ def test_reads_take_a_sqlite_file_of_an_older_schema_as_it_is(tmp_path: Path) ->
         before = ledger.list(limit=100)
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("DROP INDEX onceonly_records_review")  # schema 1 had no secondary index
+    conn.execute("DROP TABLE onceonly_controls")  # nor control documents (schema 3)
     conn.execute("PRAGMA user_version=1")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     content = path.read_bytes()
-    for args in (["ls"], ["ls", "--state", "needs_review", "--json"], ["show", key], ["stats", "--json"]):
+    for args in (["ls"], ["ls", "--state", "needs_review", "--json"], ["show", key], ["stats", "--json"], ["pauses"]):
         _ok(_run(*args, "--url", url))
     assert path.read_bytes() == content
     with Ledger.open(url) as app:
         assert app.list(limit=100) == before
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     conn.close()
 
 

@@ -38,6 +38,7 @@ from onceonly.errors import (
 from onceonly.events import TransitionEvent
 from onceonly.keys import canonical_json, normalize_number, normalize_text, normalize_whitespace
 from onceonly.ledger import CallInfo, Ledger, amark_sent, current_call, mark_sent
+from onceonly.pause import Pause
 from onceonly.plan import NOT_FOUND, Outcome
 from onceonly.policy import Classification, Retry, Verdict, classify, conflict_classifier
 from onceonly.similar import Similar
@@ -68,6 +69,7 @@ __all__ = [
     "OnceOnlyError",
     "Outcome",
     "OutcomeUnknown",
+    "Pause",
     "Paused",
     "Query",
     "Record",

@@ -917,7 +917,7 @@ if _MISSING_CLI is None:
 
     # Commands that live beside the things they run. Their modules import only click and rich at the
     # top (the ticket service and the demo load their extras when run), so `onceonly --help` stays fast.
-    from onceonly import approve_cli, settle_cli, transfer_cli
+    from onceonly import approve_cli, pause_cli, settle_cli, transfer_cli
     from onceonly.demo import cli as demo_cli
     from onceonly.mcp import proxy as mcp_proxy_cli
     from onceonly.tickets import cli as tickets_cli
@@ -929,5 +929,6 @@ if _MISSING_CLI is None:
         *mcp_proxy_cli.COMMANDS,
         *transfer_cli.COMMANDS,
         *approve_cli.COMMANDS,
+        *pause_cli.COMMANDS,
     ):
         cli.add_command(_command)

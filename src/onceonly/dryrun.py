@@ -27,9 +27,9 @@ DRY_VIA = "dry_run"
 #: ``run`` (no record, or one that may run again), ``replay`` (confirmed: its result is returned),
 #: ``conflict`` (a record of other arguments, refused with ``KeyConflict``), ``wait`` (a caller holds it),
 #: ``settle`` (its outcome is unknown: settled by the tool's ``on_unknown``), ``refuse`` (parked for
-#: review, its attempts used up, denied, or over its budget: ``budget=``) and ``ask`` (it would wait for
-#: a person's approval: ``approve=``).
-Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse", "ask"]
+#: review, its attempts used up, denied, or over its budget: ``budget=``), ``ask`` (it would wait for
+#: a person's approval: ``approve=``) and ``paused`` (an operator paused it: ``onceonly.pause``).
+Would = Literal["run", "replay", "conflict", "wait", "settle", "refuse", "ask", "paused"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,8 @@ class DryRun:
     would: Would
 
     def __str__(self) -> str:
-        return f"not run: dry run ({self.tool} would {self.would}; nothing was done or recorded)"
+        would = "be paused" if self.would == "paused" else self.would
+        return f"not run: dry run ({self.tool} would {would}; nothing was done or recorded)"
 
 
 #: One entry of a ``DryRunLog``: the same fields as the call's ``DryRun``.
@@ -117,10 +118,13 @@ def would_do(call: Call, rec: Record | None) -> Would:
     return "refuse"  # needs_review, abandoned: a person's turn
 
 
-def dry_outcome(call: Call, rec: Record | None, log: DryRunLog, *, over_budget: bool = False) -> Outcome:
+def dry_outcome(
+    call: Call, rec: Record | None, log: DryRunLog, *, over_budget: bool = False, paused: bool = False
+) -> Outcome:
     """The ``Outcome`` of a call a dry run did not run (its result is the ``DryRun``), listed in ``log``;
-    ``over_budget``: its amount would take its budget past the limit, so a call that would run is refused."""
-    would = would_do(call, rec)
+    ``over_budget``: its amount would take its budget past the limit, so a call that would run is refused;
+    ``paused``: an operator's pause would refuse it."""
+    would: Would = "paused" if paused else would_do(call, rec)
     seen = DryRun(
         call.tool, json.loads(call.args_json), call.key, "refuse" if over_budget and would == "run" else would
     )

@@ -7,6 +7,7 @@ functions. This module is the facade over them.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import inspect
 import logging
@@ -27,6 +28,7 @@ from onceonly.edge import entered_task, scope_here
 from onceonly.errors import InProgress, OnceOnlyError, StoreCorrupt
 from onceonly.events import Listener
 from onceonly.keys import Normalizer, canonical_json, validate_name
+from onceonly.pause import Pause, check_target, default_by
 from onceonly.plan import NOT_FOUND
 from onceonly.policy import DEFAULT_TTL, Classifier, OnConflict, OnUnknown, Policy, Retry, check_seconds
 from onceonly.runtime import CallInfo, Runtime, amark_sent, current_call, mark_sent
@@ -599,6 +601,44 @@ class Ledger:
         .. versionadded:: 0.1
         """
         return reconcile(self, **kwargs)
+
+    # --- the kill switch (onceonly.pause) ---------------------------------------------------------
+
+    def pause(self, *, tool: str | None = None, scope: str | None = None, reason: str, by: str | None = None) -> Pause:
+        """Refuse new guarded calls of ``tool`` (default: every tool) in ``scope`` (default: every scope),
+        on every process that shares the store, within half a second: each raises ``Paused`` before it
+        claims (nothing runs, nothing is recorded). Calls already running finish as usual; read-only
+        tools (``effect="read"``) are never paused. Setting it again replaces the reason.
+
+        Args:
+            reason: why, for the people who see it (``onceonly pauses``, the dashboard, the error's
+                message); never shown to a model.
+            by: who pauses (default: this host's user, ``user@host``).
+
+        .. versionadded:: 0.1
+        """
+        check_target(tool, scope)
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(
+                "reason=: say why the calls are paused (it is shown with the pause, and when a call is refused)"
+            )
+        return self.runtime.pauses.set(Pause(tool, scope, reason.strip(), by or default_by(), self.clock()))
+
+    def resume(self, *, tool: str | None = None, scope: str | None = None, every: bool = False) -> int:
+        """Lift the pause of ``tool`` in ``scope`` (as they were given to ``pause``), or every pause
+        (``every=True``); return how many were lifted (0: there was none such, see ``pauses()``).
+
+        .. versionadded:: 0.1
+        """
+        check_target(tool, scope)
+        return len(self.runtime.pauses.lift(tool, scope, every))
+
+    def pauses(self) -> builtins.list[Pause]:  # `list` here is Ledger.list
+        """The pauses in force now, read from the store, oldest first.
+
+        .. versionadded:: 0.1
+        """
+        return self.runtime.pauses.read()
 
     def close(self) -> None:
         """Stop the heartbeat thread and close the store.

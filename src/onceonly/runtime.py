@@ -29,6 +29,7 @@ from onceonly.clock import StoreClock
 from onceonly.errors import InProgress, OnceOnlyError, StoreError, StoreUnavailable
 from onceonly.events import Listener, emit
 from onceonly.events import log as _transitions_log
+from onceonly.pause import PauseWatch
 from onceonly.plan import landed
 from onceonly.policy import Verdict
 from onceonly.states import HELD, Record, State
@@ -70,6 +71,7 @@ class Runtime:
             ``Outcome`` before it exits without an error.
         watchers: told of each record this process writes, as the record itself (``watch``), before
             any event is decoded from it.
+        pauses: the pauses in force (``onceonly.pause.PauseWatch``): each call asks it first.
 
     .. versionadded:: 0.1
     """
@@ -96,6 +98,9 @@ class Runtime:
         self._call_observers: list[CallObserver] = []
         #: ``observe_passes``' observers, entered around each reconciler pass.
         self.pass_observers: list[Callable[[str | None], contextlib.AbstractContextManager[Any]]] = []
+        #: The pauses in force (``onceonly.pause``), read from the store at most every half second. It keeps
+        #: the store it was made with: ``write_through``'s wrappers time the calls' operations, not this.
+        self.pauses = PauseWatch(store)
         #: The ledger's dry runs while one is on (``Ledger.dry_run``), else ``None``: a call reads only this.
         self.dry: DryRuns | None = None
         on_tick = None if store_clock is None else store_clock.sync_if_due

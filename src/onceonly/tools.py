@@ -427,11 +427,15 @@ class ToolSpec:
         if self.readonly:
             return _readonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        paused = self.runtime.pauses.matching(call)  # a clock read; the store's pauses every 0.5 s (pause.py)
         if self.runtime.dry is not None:  # a dry run is on somewhere: one read, no claim, nothing run
             log = self.runtime.dry.log_here()
             if log is not None:
                 over = self.budget is not None and self.budget.over_limit(self, call, args, kwargs)  # a read
-                return dry_outcome(call, self.runtime.store.get(call.key), log, over_budget=over)
+                rec = self.runtime.store.get(call.key)
+                return dry_outcome(call, rec, log, over_budget=over, paused=paused is not None)
+        if paused is not None:
+            raise paused
         if self.budget is not None:  # reserve its amount first; free it after if it did not happen
             return self.budget.run(self, call, args, kwargs, self.drive)
         counted = self.runtime.count_call
@@ -446,6 +450,8 @@ class ToolSpec:
         if self.readonly:
             return await _areadonly(self, args, kwargs)
         call = self.call(args, kwargs, key, occurrence)
+        watch = self.runtime.pauses
+        paused = await watch.amatching(call) if watch.due() else watch.matching(call)
         if self.runtime.dry is not None:
             log = self.runtime.dry.log_here()
             if log is not None:
@@ -453,7 +459,9 @@ class ToolSpec:
                 over = self.budget is not None and await asyncio.to_thread(
                     self.budget.over_limit, self, call, args, kwargs
                 )
-                return dry_outcome(call, await store.aget(call.key), log, over_budget=over)
+                return dry_outcome(call, await store.aget(call.key), log, over_budget=over, paused=paused is not None)
+        if paused is not None:
+            raise paused
         if self.budget is not None:
             return await self.budget.arun(self, call, args, kwargs, self.adrive)
         counted = self.runtime.count_call

@@ -199,6 +199,25 @@ def test_a_foreign_version_table_is_refused(pg_url: str, admin: Any, tag: str) -
     assert catalog(admin, tag) == before
 
 
+def test_a_ledger_of_schema_1_is_brought_up_with_its_records(store: PostgresStore, admin: Any, tag: str) -> None:
+    """A ledger of schema 1: the next open widens its state check (schema 2) and adds the control
+    documents' table (schema 3), its records stay as they were, and a pause can be set on it."""
+    store.insert(make("kept"))
+    store.close()
+    admin.execute(f'DROP TABLE "{tag}".onceonly_controls')
+    admin.execute(f'DELETE FROM "{tag}".onceonly_schema WHERE version > 1')
+    again = PostgresStore(store.url)
+    try:
+        versions = admin.execute(f'SELECT version FROM "{tag}".onceonly_schema ORDER BY version').fetchall()
+        assert versions == [(1,), (2,), (3,)] == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+        assert again.get("kept") == make("kept")
+        assert again.controls("pause") == {}
+        again.put_control("pause", "all", {"reason": "drill"})
+        assert again.controls("pause") == {"all": {"reason": "drill"}}
+    finally:
+        again.close()
+
+
 def test_a_newer_schema_is_refused_and_left_alone(store: PostgresStore, admin: Any, tag: str) -> None:
     """A ledger migrated by a newer onceonly: StoreCorrupt saying to upgrade, and no change at all."""
     store.insert(make("kept"))

@@ -199,7 +199,8 @@ def test_a_ledger_file_of_schema_1_is_brought_up_with_its_records(tmp_path: Path
     store = SQLiteStore(url)
     try:
         conn = store._conn()
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert store.controls("pause") == {}  # schema 3's table of control documents, empty
         indexes = [
             r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
         ]

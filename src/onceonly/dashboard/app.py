@@ -3,8 +3,8 @@
 It reads the ledger as ``onceonly ls``, ``show`` and ``stats`` do (``onceonly.ops``, the same JSON), and
 writes only through ``POST /api/resolve`` and ``/api/resolve-many`` (``Ledger.resolve`` with a reason
 and a name), ``POST /api/approve`` and ``/api/deny`` (``Ledger.approve`` / ``deny``, a person's
-decision on a record awaiting approval) and ``POST /api/reconcile`` (one reconciler run, ``onceonly
-reconcile --once``).
+decision on a record awaiting approval), ``POST /api/reconcile`` (one reconciler run, ``onceonly
+reconcile --once``) and ``POST /api/pause`` / ``/api/resume`` (the kill switch, ``dashboard/pauses.py``).
 
 Who may call it:
 
@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - the dashboard extra is not inst
 
 from onceonly import ops
 from onceonly._cli import Since
+from onceonly.dashboard.pauses import pause_json, pauses_json, resume_json
 from onceonly.errors import InProgress, InvalidKey, NotSerializable, OnceOnlyError, StoreError
 from onceonly.ledger import Ledger
 from onceonly.settle import reconcile
@@ -549,6 +550,11 @@ def create_app(
     reconcile_now = _write(reconciling.run)
     approve = _write(lambda body: _decide_json(ledger, body, "approve"))
     deny = _write(lambda body: _decide_json(ledger, body, "deny"))
+    pause = _write(lambda body: pause_json(ledger, body))
+    resume = _write(lambda body: resume_json(ledger, body))
+
+    async def pauses(request: Request) -> Response:
+        return await _answer(lambda: pauses_json(ledger))
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_changes(shared), media_type="text/event-stream")
@@ -565,6 +571,9 @@ def create_app(
         Route("/api/reconcile", reconcile_now, methods=["POST"]),
         Route("/api/approve", approve, methods=["POST"]),
         Route("/api/deny", deny, methods=["POST"]),
+        Route("/api/pauses", pauses, methods=["GET"]),
+        Route("/api/pause", pause, methods=["POST"]),
+        Route("/api/resume", resume, methods=["POST"]),
     ]
     return _Guard(Starlette(routes=routes), token, _csp(page))
 

@@ -61,6 +61,12 @@ tool calls them in a worker thread):
   the ledger then reads leases and due times on it (``onceonly.clock``), so hosts whose clocks differ
   agree. A store without it (SQLite: one host, one clock) leaves the ledger on the host's clock.
 
+- ``controls(namespace)``, ``put_control(namespace, name, doc)``, ``delete_control(namespace, name)``
+  (optional, ``ControlStore``; ``acontrols`` in ``AsyncControlStore``): small JSON documents an operator
+  sets for every process that shares the store, by namespace and name (``onceonly.pause`` keeps its
+  pauses in namespace ``"pause"``). ``controls`` reads a whole namespace in one round trip: a ledger reads
+  it at most every half second, never per call. All three stores of onceonly have them.
+
 Driver errors are translated at this boundary: ``StoreUnavailable`` when the store could not be
 reached (whether the write landed is then unknown: the ledger re-reads), ``StoreCorrupt`` for data
 that is not a ledger.
@@ -68,9 +74,9 @@ that is not a ledger.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from onceonly.errors import InvalidKey
 from onceonly.similar import Candidate
@@ -80,12 +86,14 @@ if TYPE_CHECKING:
     from onceonly.stores._holders import Survey
 
 __all__ = [
+    "AsyncControlStore",
     "AsyncSimilarStore",
     "AsyncStore",
     "BudgetStore",
     "BudgetUse",
     "Candidate",
     "ClockedStore",
+    "ControlStore",
     "InlineStore",
     "Query",
     "Reservation",
@@ -276,6 +284,33 @@ class BudgetStore(Protocol):
     def budget_release(self, key: str) -> bool: ...
 
     def budget_usage(self, now: float) -> list[BudgetUse]: ...
+
+
+@runtime_checkable
+class ControlStore(Protocol):
+    """Operators' control documents, shared by every process on the store: small JSON objects by
+    namespace and name (``onceonly.pause``: namespace ``"pause"``). A namespace is read whole, in one
+    round trip; a write replaces one document, a delete removes one (``True`` when it was there).
+    Optional: a ledger over a store without it cannot be paused.
+
+    .. versionadded:: 0.1
+    """
+
+    def controls(self, namespace: str) -> dict[str, dict[str, Any]]: ...
+
+    def put_control(self, namespace: str, name: str, doc: Mapping[str, Any]) -> None: ...
+
+    def delete_control(self, namespace: str, name: str) -> bool: ...
+
+
+@runtime_checkable
+class AsyncControlStore(Protocol):
+    """``ControlStore``'s read, awaited (what an async guarded call makes when its pauses are due).
+
+    .. versionadded:: 0.1
+    """
+
+    async def acontrols(self, namespace: str) -> dict[str, dict[str, Any]]: ...
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ from onceonly.errors import StoreCorrupt, StoreUnavailable
 from onceonly.similar import Candidate
 from onceonly.states import HELD as HELD_STATES
 from onceonly.states import Record, State
+from onceonly.stores._controls import SQLITE_CONTROLS, SQLiteControls
 from onceonly.stores._holders import Holder, Survey, UnsafeOwnersDir, owners_dir, survey
 from onceonly.stores._sql import (
     COLUMN_OF,
@@ -53,7 +54,7 @@ T = TypeVar("T")
 #: ``PRAGMA application_id`` of an onceonly ledger file: "once" in ASCII.
 APPLICATION_ID = 0x6F6E6365
 #: ``PRAGMA user_version``: bumped with every schema change; ``_MIGRATIONS`` brings older files up.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS onceonly_records (
@@ -124,7 +125,7 @@ _SIMILAR_READ = (
 _SIMILAR_UNLOCK = "DELETE FROM onceonly_similar_locks WHERE grp = ? AND token = ?"
 
 # version reached → the statements that reach it from the one before.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _REVIEW_INDEX}
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _REVIEW_INDEX, 3: SQLITE_CONTROLS}
 
 _SELECT = f"SELECT {COLUMNS} FROM onceonly_records WHERE key = ?"
 _INSERT = f"INSERT OR IGNORE INTO onceonly_records ({COLUMNS}) VALUES ({','.join('?' * 20)})"
@@ -188,7 +189,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class SQLiteStore(SQLiteBudgets):
+class SQLiteStore(SQLiteBudgets, SQLiteControls):
     """An onceonly ledger in one SQLite file.
 
     Args:

@@ -19,12 +19,13 @@ from onceonly.errors import StoreCorrupt, StoreError, StoreUnavailable
 from onceonly.states import UNSETTLED, State
 from onceonly.stores._sql import COLUMNS, state_literals
 from onceonly.stores._url import scrub
+from onceonly.stores.postgres._controls import controls_ddl
 from onceonly.stores.postgres._errors import translate
 from onceonly.stores.postgres._names import channel, ident, log
 from onceonly.stores.postgres._url import PostgresOptions
 
 #: The version of the tables this code writes; ``_migrations`` brings older ones up to it.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: The states version 1's CHECK allowed: its statements stay as they were, whatever ``State`` holds now.
 _V1_STATES = ("pending", "in_flight", "confirmed", "failed", "unknown", "needs_review", "abandoned")
@@ -111,7 +112,8 @@ def _migrations(schema: str) -> dict[int, list[str]]:
         f"""ALTER TABLE {t} DROP CONSTRAINT onceonly_records_state_check,
             ADD CONSTRAINT onceonly_records_state_check CHECK (state IN ({state_literals(list(State))}))""",
     ]
-    return {1: v1, 2: v2}
+    # Version 3: operators' control documents (pauses: ``onceonly.pause``), a table of their own.
+    return {1: v1, 2: v2, 3: controls_ddl(schema)}
 
 
 def lock_id(schema: str) -> int:

@@ -37,6 +37,7 @@ from onceonly.stores._sql import (
 from onceonly.stores._url import redact_url
 from onceonly.stores.base import Query
 from onceonly.stores.postgres._budgets import PostgresBudgets
+from onceonly.stores.postgres._controls import Controls
 from onceonly.stores.postgres._errors import translate
 from onceonly.stores.postgres._listen import Listener, await_for_change, wait_for_change
 from onceonly.stores.postgres._names import channel, ident
@@ -91,7 +92,7 @@ def _reads(sql: str) -> bool:
     return sql.lstrip()[:6].upper() == "SELECT"
 
 
-class PostgresStore(PostgresBudgets):
+class PostgresStore(PostgresBudgets, Controls):
     """An onceonly ledger in a PostgreSQL database.
 
     Args:

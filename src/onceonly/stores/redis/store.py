@@ -28,6 +28,7 @@ from onceonly.stores.base import Query
 from onceonly.stores.redis._async import AsyncPrimitives, AsyncSide
 from onceonly.stores.redis._budgets import BudgetCalls
 from onceonly.stores.redis._codec import claim_args, decode, swap_args
+from onceonly.stores.redis._controls import Controls
 from onceonly.stores.redis._layout import DOUBT, FAILURES, SCHEMA_VERSION, TRANSIENT
 from onceonly.stores.redis._notify import ChangeHub
 from onceonly.stores.redis._plans import count_plan, scan_plan
@@ -58,7 +59,7 @@ os.register_at_fork(after_in_child=_after_fork)
 RERUNS = 2
 
 
-class RedisStore(Opening, SimilarCalls, BudgetCalls, AsyncPrimitives):
+class RedisStore(Opening, SimilarCalls, BudgetCalls, Controls, AsyncPrimitives):
     """An onceonly ledger in Redis: one server, or a Redis Cluster.
 
     Args:
