@@ -284,3 +284,20 @@ def test_single_tenant_shares_records_across_callers_when_said(tmp_path: Path) -
     (rec,) = ledger.list(tool="charge")
     assert rec.scope == "payments"
     ledger.close()
+
+
+def test_an_upstreams_annotations_relax_nothing_unless_the_config_trusts_it(tmp_path: Path) -> None:
+    """The proxy fronts another's server: its readOnlyHint and idempotentHint are claims, taken only
+    when the config says ``annotations = true``; by default every tool is guarded as a write."""
+    from onceonly.mcp.config import parse_config
+    from onceonly.mcp.core import Guard, Hints
+
+    untrusted = parse_config({"proxy": {}})
+    trusted = parse_config({"proxy": {"annotations": True}})
+    assert (untrusted.annotations, trusted.annotations) == (False, True)
+    claims = Hints(read_only=True, idempotent=True)
+    with Ledger.open(f"sqlite:///{tmp_path}/ledger.db") as ledger:
+        default = Guard(ledger, annotations=untrusted.annotations)
+        vouched = Guard(ledger, annotations=trusted.annotations)
+        assert (default.mode("count", claims), default.on_unknown("count", claims)) == ("guard", "review")
+        assert (vouched.mode("count", claims), vouched.on_unknown("send", Hints(idempotent=True))) == ("pass", "retry")

@@ -296,8 +296,14 @@ def _race(
     time.sleep(0.3)
     sentinel.failover()
     deadline = time.monotonic() + 60
+    again = time.monotonic() + 10
     while (new := sentinel.master_port()) in (old, None):
         assert time.monotonic() < deadline, "no new master within 60 s"
+        if time.monotonic() > again:
+            # Sentinel aborts a failover when it deems no replica good yet (its view of them is refreshed
+            # every 10 s, later on a busy machine): ask again, as an operator would.
+            sentinel.ask(sentinel.sentinel_ports[0], "SENTINEL", "FAILOVER", sentinel.service)
+            again = time.monotonic() + 10
         time.sleep(0.05)
     if demote_after is not None:
         # What Sentinel does 10-20 s after the promotion (once the old master reported its role twice):

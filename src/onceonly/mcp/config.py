@@ -2,7 +2,7 @@
 
 [proxy]
 scope = "tickets"            # the scope of keys when the client sends none (default: the upstream's name)
-annotations = true           # trust the upstream's readOnlyHint / idempotentHint to relax guarding
+annotations = true           # the upstream is trusted: its readOnlyHint / idempotentHint relax guarding (default false)
 tell_model = true            # precede a replay with the text that tells the model
 single_tenant = false        # true: every caller is one tenant, so records are shared across callers
 env = ["TICKETS_API_KEY"]    # variables of the proxy's environment the upstream command also gets
@@ -45,7 +45,7 @@ class ProxyConfig:
     """
 
     scope: str | None = None
-    annotations: bool = True
+    annotations: bool = False  # an upstream's claims about its tools are trusted only when the config says so
     tell_model: bool = True
     meta_key: str = META_KEY
     tools: dict[str, ToolPolicy] = field(default_factory=dict)
@@ -101,7 +101,7 @@ def parse_config(data: dict[str, Any], source: str = "config") -> ProxyConfig:
         tools[name] = _tool(name, _want(table, dict, f"{source} [tools.{name}]", "a table"), f"{source} [tools.{name}]")
     return ProxyConfig(
         scope=scope,
-        annotations=_want(proxy.get("annotations", True), bool, f"{where} annotations", "true or false"),
+        annotations=_want(proxy.get("annotations", False), bool, f"{where} annotations", "true or false"),
         tell_model=_want(proxy.get("tell_model", True), bool, f"{where} tell_model", "true or false"),
         meta_key=_want(proxy.get("meta_key", META_KEY), str, f"{where} meta_key", "a string"),
         tools=tools,
