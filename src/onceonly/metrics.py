@@ -262,7 +262,8 @@ class Metrics:
 
     def count_call(self, spec: ToolSpec, call: Call | None = None) -> _Call:
         """The context manager around one guarded call of ``spec`` (``Runtime.observe_calls``)."""
-        return _Call(self.tool(spec.name), spec.is_control_flow)
+        tool = self._tools.get(spec.name) or self.tool(spec.name)
+        return _Call(tool, spec.is_control_flow)
 
 
 _CONFIRMED, _PENDING, _IN_FLIGHT = State.CONFIRMED, State.PENDING, State.IN_FLIGHT
@@ -296,7 +297,7 @@ class _Pass:
 class _ToolMetrics:
     """One tool's children of the per-call series, bound once: a call then pays no label lookup."""
 
-    __slots__ = ("by_outcome", "metrics", "name", "replays", "seconds", "settled_run")
+    __slots__ = ("by_outcome", "by_state", "metrics", "name", "replays", "seconds", "settled_run")
 
     def __init__(self, metrics: Metrics, name: str) -> None:
         self.metrics, self.name = metrics, name
@@ -304,6 +305,14 @@ class _ToolMetrics:
         self.replays = metrics.replays.labels(name)
         self.settled_run = metrics.settles.labels(name, "run", "confirmed")
         self.by_outcome: dict[str, Any] = {}
+        #: The outcome counters of the states a call ends in, by State (its value is the label).
+        self.by_state: dict[State, Any] = {}
+
+    def ended(self, state: State) -> Any:
+        found = self.by_state.get(state)
+        if found is None:
+            found = self.by_state[state] = self.outcome(state.value)
+        return found
 
     def outcome(self, label: str) -> Any:
         found = self.by_outcome.get(label)
@@ -330,7 +339,7 @@ class _Call:
         t.seconds.observe(time.perf_counter() - self.started)
         if exc is None:
             out = self.outcome
-            t.outcome(out.state.value).inc()
+            t.ended(out.state).inc()
             if out.replayed:
                 t.replays.inc()
             return

@@ -35,6 +35,9 @@ from onceonly.policy import Verdict
 from onceonly.states import HELD, Record, State
 from onceonly.stores.base import Store
 
+_INFO = logging.INFO
+_info_on = _transitions_log.isEnabledFor  # whether every transition is logged (emit() does then)
+
 if TYPE_CHECKING:
     from onceonly.dryrun import DryRuns
     from onceonly.plan import Call
@@ -122,7 +125,9 @@ class Runtime:
                 watcher(record)
             except Exception:  # a broken watcher must not break the ledger
                 _transitions_log.exception("onceonly: a record watcher failed")
-        emit(record, self.listeners)
+        # emit()'s own first checks, here: a ledger with only watchers (metrics) pays no call for it.
+        if self.listeners or record.conflicts or record.state is State.NEEDS_REVIEW or _info_on(_INFO):
+            emit(record, self.listeners)
 
     def watch(self, watcher: Callable[[Record], None]) -> None:
         """``watcher(record)`` for each record this process writes from now on: the raw record, for an
