@@ -301,6 +301,16 @@ class PrivateSentinel:
             ports.add(int(answer[1]) if len(answer) == 2 and answer[1].isdigit() else None)
         return ports.pop() if len(ports) == 1 else None
 
+    def majority_master_port(self) -> int | None:
+        """The master's port as most sentinels give it (a quorum acts on it; the others learn it from
+        their hello messages, seconds later on a busy machine), or None without a majority."""
+        ports: list[int | None] = []
+        for sentinel in self.sentinel_ports:
+            answer = self.ask(sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service).split()
+            ports.append(int(answer[1]) if len(answer) == 2 and answer[1].isdigit() else None)
+        best = max(set(ports), key=ports.count)
+        return best if ports.count(best) * 2 > len(ports) else None
+
     def failover(self) -> None:
         """``SENTINEL FAILOVER``: a replica is promoted, the master demoted, without the master's consent."""
         answer = self.ask(self.sentinel_ports[0], "SENTINEL", "FAILOVER", self.service)

@@ -297,7 +297,7 @@ def _race(
     sentinel.failover()
     deadline = time.monotonic() + 60
     again = time.monotonic() + 10
-    while (new := sentinel.master_port()) in (old, None):
+    while (new := sentinel.majority_master_port()) in (old, None):
         assert time.monotonic() < deadline, "no new master within 60 s"
         if time.monotonic() > again:
             # Sentinel aborts a failover when it deems no replica good yet (its view of them is refreshed
