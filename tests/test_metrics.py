@@ -384,3 +384,33 @@ def test_a_store_that_fails_is_counted_and_the_gauges_say_down(sqlite_url: str) 
     assert registry.get_sample_value("onceonly_store_operation_duration_seconds_count", labels) == 1
     assert registry.get_sample_value("onceonly_ledger_up") == 0
     assert registry.get_sample_value("onceonly_records", {"tool": "t", "state": "confirmed"}) is None
+
+
+def test_calls_a_guardrail_refused_are_counted_by_what_refused_them(sqlite_url: str) -> None:
+    """A paused call and one over its budget ran nothing and wrote no record; each still counts as a
+    call, its outcome ``paused`` or ``over_budget``, so an operator sees what a guardrail stopped."""
+    registry = CollectorRegistry()
+    with Ledger.open(sqlite_url) as ledger:
+        instrument(ledger, registry=registry)
+
+        @ledger.tool(name="send")
+        def send(to: str) -> str:
+            return to
+
+        @ledger.tool(name="pay", budget=onceonly.Budget(amount="cents", limit=100, per="1d", by="tool"))
+        def pay(order: str, cents: int) -> str:
+            return order
+
+        ledger.pause(tool="send", reason="provider incident")
+        with pytest.raises(onceonly.Paused):
+            send("ann")
+        assert pay("o-1", 80) == "o-1"
+        with pytest.raises(onceonly.BudgetExceeded):
+            pay("o-2", 30)
+        assert ledger.stats()["confirmed"] == 1  # the refused calls wrote nothing
+
+    def value(**labels: str) -> float | None:
+        return registry.get_sample_value("onceonly_calls_total", labels)
+
+    assert value(tool="send", outcome="paused") == 1
+    assert value(tool="pay", outcome="over_budget") == 1 and value(tool="pay", outcome="confirmed") == 1

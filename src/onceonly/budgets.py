@@ -253,7 +253,10 @@ class BudgetGuard:
     def run(self, spec: ToolSpec, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], go: Drive) -> Outcome:
         """Reserve, run the call (``go``), free the amount if the call did not happen."""
         store = spec.runtime.store
-        held = self.reserve(store, call, spec.binder.bind(args, kwargs))
+        try:
+            held = self.reserve(store, call, spec.binder.bind(args, kwargs))
+        except BudgetExceeded as refused:
+            spec.refused(call, refused)
         try:
             out = go(call, args, kwargs)
         except BaseException as exc:
@@ -269,7 +272,10 @@ class BudgetGuard:
     ) -> Outcome:
         """``run`` for an async tool; the store's budget primitives run in a worker thread."""
         store = spec.runtime.store
-        held = await asyncio.to_thread(self.reserve, store, call, spec.binder.bind(args, kwargs))
+        try:
+            held = await asyncio.to_thread(self.reserve, store, call, spec.binder.bind(args, kwargs))
+        except BudgetExceeded as refused:
+            spec.refused(call, refused)
         try:
             out = await go(call, args, kwargs)
         except BaseException as exc:

@@ -74,7 +74,8 @@ def call_outcome(out: Outcome | None, exc: BaseException | None) -> str:
     """The ``outcome`` label of a guarded call: the state it ended in (``confirmed``, also for a replay),
     or what it raised: ``failed`` (the tool's own error), ``unknown``, ``needs_review``, ``in_progress``,
     ``scheduled`` (its retry is due later), ``conflict``, ``similar`` (refused as a near-duplicate,
-    ``on_similar="raise"``), ``abandoned``, ``store_error``, ``error`` (``errors.outcome_label``).
+    ``on_similar="raise"``), ``abandoned``, ``awaiting_approval``, ``denied``, ``paused``, ``over_budget``,
+    ``store_error``, ``error`` (``errors.outcome_label``).
 
     .. versionadded:: 0.1
     """

@@ -20,13 +20,25 @@ import types
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, get_args, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    NoReturn,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    cast,
+    get_args,
+    runtime_checkable,
+)
 
 from onceonly import drivers
 from onceonly.budgets import Budget, BudgetGuard, bind
 from onceonly.dryrun import DRY_VIA, dry_outcome
 from onceonly.edge import KEY_PARAM, envelope, scope_here
-from onceonly.errors import InvalidKey, OnceOnlyError
+from onceonly.errors import InvalidKey, OnceOnlyError, Refused
 from onceonly.keys import Normalizer, canonical_json, compose_key, fingerprint, select, validate_name
 from onceonly.plan import Call, Outcome, plan
 from onceonly.policy import Policy, Verdict, classify
@@ -435,7 +447,7 @@ class ToolSpec:
                 rec = self.runtime.store.get(call.key)
                 return dry_outcome(call, rec, log, over_budget=over, paused=paused is not None)
         if paused is not None:
-            raise paused
+            self.refused(call, paused)
         if self.budget is not None:  # reserve its amount first; free it after if it did not happen
             return self.budget.run(self, call, args, kwargs, self.drive)
         counted = self.runtime.count_call
@@ -461,7 +473,7 @@ class ToolSpec:
                 )
                 return dry_outcome(call, await store.aget(call.key), log, over_budget=over, paused=paused is not None)
         if paused is not None:
-            raise paused
+            self.refused(call, paused)
         if self.budget is not None:
             return await self.budget.arun(self, call, args, kwargs, self.adrive)
         counted = self.runtime.count_call
@@ -470,6 +482,15 @@ class ToolSpec:
         with counted(self, call) as seen:
             seen.outcome = out = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
         return self.finish(out, call)
+
+    def refused(self, call: Call, error: Refused) -> NoReturn:
+        """Raise a guardrail's refusal (a pause, a budget) before anything ran, counted as the call's
+        outcome where metrics are on (``paused``, ``over_budget``)."""
+        counted = self.runtime.count_call
+        if counted is not None:
+            with counted(self, call):
+                raise error
+        raise error
 
     def drive(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         """The end of ``run`` once its call is built (a budgeted call runs it between reserve and free)."""
