@@ -139,6 +139,10 @@ def _redis_keys(url: str, prefix: str) -> list[bytes]:
 )  # fmt: skip
 def test_quoted_command_runs(command: tuple[str, ...], rows: tuple[str, ...], server_env: dict[str, str]) -> None:
     out = _run(*command, env=server_env)
+    if "skipped (ConnectionError: Connection closed by server" in out:
+        # The shared Redis closed one of the run's connections while the rest of the suite loads it
+        # (seen once in several full runs): the command is what is tested here, so it runs once more.
+        out = _run(*command, env=server_env)
     for row in rows:
         assert row in out
     assert "skipped" not in out  # bench.py skips only an unreachable store, and these are reachable
