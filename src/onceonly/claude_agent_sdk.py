@@ -351,15 +351,7 @@ def _from_tool(tool: SdkMcpTool[Any], ledger: Ledger, name: str | None, policy: 
     body.__name__ = body.__qualname__ = ledger_name
     body.__doc__ = tool.description
     policy.setdefault("readonly", read_only)
-    try:
-        guarded = ledger.tool(name=ledger_name, **policy)(body)
-    except ValueError as err:
-        if "already used" not in str(err):
-            raise
-        raise ValueError(
-            f"another tool named {ledger_name!r} is guarded on this ledger already: the two would share records and "
-            "replay each other's results; pass name='...' to give this one its own"
-        ) from None
+    guarded = ledger.tool(name=ledger_name, **policy)(body)
     shown = name or tool.name
     return dataclasses.replace(tool, name=shown, input_schema=schema, handler=_Handler(guarded, schema, shown, True))
 

@@ -228,15 +228,7 @@ class _Guard:
         body = _body(fn, self.sig, self.context if self.takes_context else None, self.is_async)
         ignore = (*policy.pop("ignore", ()), _CALL)
         passthrough = (*policy.pop("passthrough", ()), _Paused)
-        try:
-            self.fn = ledger.tool(name=name, ignore=ignore, passthrough=passthrough, **policy)(body)
-        except ValueError as err:
-            if "already used" not in str(err):
-                raise
-            raise ValueError(
-                f"another tool named {name!r}, made from another function, is guarded on this ledger already: the "
-                "two would share records and replay each other's results; pass name='...' to give this one its own"
-            ) from None
+        self.fn = ledger.tool(name=name, ignore=ignore, passthrough=passthrough, **policy)(body)
 
     def fields(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The ToolContext ADK injected, and the model's arguments."""

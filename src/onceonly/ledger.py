@@ -352,9 +352,9 @@ class Ledger:
             return
         where = _where(known.spec.fn)
         raise ValueError(
-            f"tool name {spec.name!r} is already used on this ledger by another function ({where}): two functions "
-            "under one name would share records and replay each other's results; pass name='...' to give "
-            "each its own"
+            f"another tool named {spec.name!r} is guarded on this ledger already ({where}): the two would share "
+            "records and replay each other's results; pass name='...' to give this one its own (or guard it "
+            "once and reuse it)"
         )
 
     @contextlib.contextmanager
@@ -760,10 +760,15 @@ def _where_url(url: str) -> str:
 
 
 def _where(fn: Callable[..., Any]) -> str:
+    """Where the function a tool guards was written, for a person; an integration's own body (it guards
+    a framework's tool object) is named by the integration, since its source line is onceonly's."""
     code = getattr(fn, "__code__", None)
     qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+    module = getattr(fn, "__module__", "?")
     if code is None:
-        return f"{getattr(fn, '__module__', '?')}.{qualname}"
+        return f"{module}.{qualname}"
+    if module.startswith("onceonly."):
+        return f"a tool {module} made"
     return f"{qualname} at {code.co_filename}:{code.co_firstlineno}"
 
 

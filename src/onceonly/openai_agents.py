@@ -313,14 +313,6 @@ class _Guard:
             raise TypeError(
                 f"tool {name!r}: key=, ignore= and normalize= name its arguments, and it takes {takes} ({err})"
             ) from None
-        except ValueError as err:
-            if "already used" not in str(err):
-                raise
-            raise ValueError(
-                f"another tool named {name!r}, made from another function, is guarded on this ledger already: "
-                "the two would share records and replay each other's results; pass name='...' to give this "
-                "one its own"
-            ) from None
 
     def fields(self, parsed: dict[str, Any]) -> dict[str, Any]:
         if self.named is None:

@@ -222,14 +222,6 @@ class _Guard:
             raise TypeError(
                 f"tool {name!r}: key=, ignore= and normalize= name its arguments, and it takes {takes} ({err})"
             ) from None
-        except ValueError as err:
-            if "already used" not in str(err):
-                raise
-            raise ValueError(
-                f"another tool named {name!r}, made from another function or toolset, is guarded on this ledger "
-                "already: the two would share records and replay each other's results; pass name='...' (or "
-                "guard it once and reuse it)"
-            ) from None
 
     def fields(self, args: dict[str, Any]) -> dict[str, Any]:
         """The validated arguments in their JSON form, as the key reads them."""
