@@ -450,12 +450,7 @@ class ToolSpec:
             self.refused(call, paused)
         if self.budget is not None:  # reserve its amount first; free it after if it did not happen
             return self.budget.run(self, call, args, kwargs, self.drive)
-        counted = self.runtime.count_call
-        if counted is None:  # no metrics: the call pays one attribute read for them
-            return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self, call) as seen:
-            seen.outcome = out = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
-        return self.finish(out, call)
+        return self.drive(call, args, kwargs)
 
     async def arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None, occurrence: int) -> Outcome:
         """Run (or replay) one call of an async tool."""
@@ -476,12 +471,7 @@ class ToolSpec:
             self.refused(call, paused)
         if self.budget is not None:
             return await self.budget.arun(self, call, args, kwargs, self.adrive)
-        counted = self.runtime.count_call
-        if counted is None:
-            return self.finish(await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs), call)
-        with counted(self, call) as seen:
-            seen.outcome = out = await drivers.adrive(self.runtime, plan(call), self, call, args, kwargs)
-        return self.finish(out, call)
+        return await self.adrive(call, args, kwargs)
 
     def refused(self, call: Call, error: Refused) -> NoReturn:
         """Raise a guardrail's refusal (a pause, a budget) before anything ran, counted as the call's
@@ -495,7 +485,7 @@ class ToolSpec:
     def drive(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         """The end of ``run`` once its call is built (a budgeted call runs it between reserve and free)."""
         counted = self.runtime.count_call
-        if counted is None:
+        if counted is None:  # no metrics: the call pays one attribute read for them
             return self.finish(drivers.drive(self.runtime, plan(call), self, call, args, kwargs), call)
         with counted(self, call) as seen:
             seen.outcome = out = drivers.drive(self.runtime, plan(call), self, call, args, kwargs)
