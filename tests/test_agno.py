@@ -11,7 +11,6 @@ annotations with ``get_type_hints`` and finds a ``RunContext`` parameter by its 
 
 import asyncio
 import json
-import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -32,36 +31,15 @@ from agno.models.response import ModelResponse
 from agno.run import RunContext
 from agno.tools import Toolkit, tool
 
-import onceonly
 from onceonly import Ledger, Retry, edge
 from onceonly.agno import SETTING, conversation_scope, guard, guard_tools
+from tests._tickets import Tickets
 
 ROOT = Path(__file__).resolve().parent.parent
 UNKNOWN = "The outcome of this action is unknown"
 NOT_REPEATED = "and was not repeated"
 
 Reply = str | list[tuple[str, dict[str, Any]]]
-
-
-class Tickets:
-    """The side effect: one row per ticket made, in a SQLite file; and the scope each call ran under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scopes: list[str | None] = []
-        with sqlite3.connect(path) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS tickets (title TEXT)")
-
-    def add(self, title: str) -> int:
-        call = onceonly.current_call()  # the current call reached the worker thread
-        self.scopes.append(None if call is None else call.scope)
-        with sqlite3.connect(self.path) as conn:
-            cur = conn.execute("INSERT INTO tickets VALUES (?)", (title,))
-        return int(cur.lastrowid or 0)
-
-    def count(self) -> int:
-        with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -35,33 +34,12 @@ from autogen_core.models import (
 )
 from autogen_core.tools import FunctionTool, Tool, ToolSchema
 
-import onceonly
 from onceonly import Ledger, edge
 from onceonly.autogen import SETTING, Told, guard, guard_tools
+from tests._tickets import Tickets
 
 UNKNOWN = "The outcome of this action is unknown"
 NOT_REPEATED = "and was not repeated"
-
-
-class Tickets:
-    """The side effect: one row per ticket made, in a SQLite file; and the scope each call ran under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scopes: list[str | None] = []
-        with sqlite3.connect(path) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS tickets (title TEXT)")
-
-    def add(self, title: str) -> int:
-        call = onceonly.current_call()  # the current call reached the worker thread
-        self.scopes.append(None if call is None else call.scope)
-        with sqlite3.connect(self.path) as conn:
-            cur = conn.execute("INSERT INTO tickets VALUES (?)", (title,))
-        return int(cur.lastrowid or 0)
-
-    def count(self) -> int:
-        with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
 
 
 class ScriptedClient(ChatCompletionClient):

@@ -12,7 +12,6 @@ its annotation object, as in an application's own module.
 
 import asyncio
 import pickle
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -30,9 +29,9 @@ from llama_index.core.llms.mock import MockFunctionCallingLLM
 from llama_index.core.tools import FunctionTool, ToolOutput
 from llama_index.core.workflow import Context, HumanResponseEvent, InputRequiredEvent
 
-import onceonly
 from onceonly import Ledger, Retry, edge
 from onceonly.llamaindex import SETTING, GuardedTool, Told, guard, guard_tools
+from tests._tickets import Tickets
 
 # The workflow collects an agent's steps with inspect.getmembers, which reads the deprecated attributes
 # of the agent's pydantic model.
@@ -43,27 +42,6 @@ UNKNOWN = "The outcome of this action is unknown"
 NOT_REPEATED = "and was not repeated"
 
 Reply = str | list[tuple[str, dict[str, Any]]]
-
-
-class Tickets:
-    """The side effect: one row per ticket made, in a SQLite file; and the scope each call ran under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scopes: list[str | None] = []
-        with sqlite3.connect(path) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS tickets (title TEXT)")
-
-    def add(self, title: str) -> int:
-        call = onceonly.current_call()  # the current call reached the worker thread
-        self.scopes.append(None if call is None else call.scope)
-        with sqlite3.connect(self.path) as conn:
-            cur = conn.execute("INSERT INTO tickets VALUES (?)", (title,))
-        return int(cur.lastrowid or 0)
-
-    def count(self) -> int:
-        with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
 
 
 class Script:

@@ -10,7 +10,6 @@ input it was given, so each test reads exactly what the model read.
 from __future__ import annotations
 
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -26,30 +25,10 @@ from smolagents.models import ChatMessage, ChatMessageToolCall, ChatMessageToolC
 
 import onceonly
 from onceonly import Ledger
+from tests._tickets import Tickets
 
 UNKNOWN = "The outcome of this action is unknown"
 REPLAYED = re.compile(r"This action was already done at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ and was not repeated\.")
-
-
-class Tickets:
-    """The side effect: one row per ticket made, in a SQLite file; and the scope each call ran under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scopes: list[str | None] = []
-        with sqlite3.connect(path) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS tickets (title TEXT)")
-
-    def add(self, title: str) -> int:
-        call = onceonly.current_call()
-        self.scopes.append(None if call is None else call.scope)
-        with sqlite3.connect(self.path) as conn:
-            cur = conn.execute("INSERT INTO tickets VALUES (?)", (title,))
-        return int(cur.lastrowid or 0)
-
-    def count(self) -> int:
-        with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
 
 
 class ScriptedModel(Model):

@@ -23,7 +23,6 @@ os.environ["CREWAI_TRACING_ENABLED"] = "false"
 
 import asyncio
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -38,9 +37,9 @@ from crewai.llms.base_llm import BaseLLM
 from crewai.tools import BaseTool, tool
 from pydantic import BaseModel
 
-import onceonly
 from onceonly import Ledger, edge
 from onceonly.crewai import SETTING, GuardedTool, Told, guard, guard_tools, run_id
+from tests._tickets import Tickets
 
 # CrewAI warns about its own deprecated fields when it reads them itself (an agent's post-init does).
 pytestmark = pytest.mark.filterwarnings(r"ignore::DeprecationWarning:crewai\.")
@@ -49,27 +48,6 @@ ROOT = Path(__file__).resolve().parents[3]
 UNKNOWN = "The outcome of this action is unknown"
 NOT_REPEATED = "and was not repeated"
 FINAL = "Thought: I know the answer\nFinal Answer: done"
-
-
-class Tickets:
-    """The side effect: one row per ticket made, in a SQLite file; and the scope each call ran under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scopes: list[str | None] = []
-        with sqlite3.connect(path) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS tickets (title TEXT)")
-
-    def add(self, title: str) -> int:
-        call = onceonly.current_call()  # the current call reached the thread the tool runs in
-        self.scopes.append(None if call is None else call.scope)
-        with sqlite3.connect(self.path) as conn:
-            cur = conn.execute("INSERT INTO tickets VALUES (?)", (title,))
-        return int(cur.lastrowid or 0)
-
-    def count(self) -> int:
-        with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM tickets").fetchone()[0])
 
 
 class ScriptedLLM(BaseLLM):
